@@ -53,6 +53,10 @@ class Registry(Generic[T]):
             raise BadInput(f"Unknown {self.what} '{name}'.{did_you_mean(name, self.names())}")
         return self._plugins[name]
 
+    def config(self, name: str) -> type[BaseModel]:
+        self.get(name)
+        return self._configs[name]
+
     def create(self, config: BaseModel, **kwargs: Any) -> T:
         return self.get(getattr(config, self.discriminator))(config, **kwargs)  # type: ignore[call-arg]
 

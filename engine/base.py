@@ -1,0 +1,118 @@
+"""The engine contract: build an engine from a checkpoint, load it, stream tokens, score.
+
+Every backend is one file in this folder: a pydantic config (its `backend` field is a Literal of
+its name) and an `EngineBackend` subclass registered in `BACKENDS`. A built engine is a folder
+with `kiln-engine.json` (backend name, config, source artifact hash, library versions, hardware
+fingerprint) so `kiln serve ENGINE_DIR` can load it without the recipe.
+
+The `Engine` runtime API is step-based so a server can do continuous batching: requests `add`ed
+while others decode join the running batch at the next `step`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+from kiln.pipeline.registry import Registry
+
+MANIFEST = "kiln-engine.json"
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    backend: str
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    ignore_eos: bool = False
+    stop_ids: tuple[int, ...] = ()
+    temperature: float = 0.0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    seq_id: int
+    token_id: int
+    time: float  # time.perf_counter() when the token was produced
+    logprob: float | None = None
+    finish_reason: str | None = None  # "length" | "stop" on the last token, else None
+
+
+@dataclass(frozen=True)
+class Score:
+    """Log-likelihood of a continuation given a context (what lm-eval's loglikelihood needs)."""
+
+    logprob: float
+    is_greedy: bool
+    token_logprobs: tuple[float, ...]
+
+
+class Engine(abc.ABC):
+    """A loaded engine. Not thread-safe: one scheduler loop drives it."""
+
+    tokenizer: Any
+    manifest: dict[str, Any]
+
+    @abc.abstractmethod
+    def add(self, request: GenerationRequest) -> int:
+        """Queue a request; it joins the running batch at the next `step`. Returns its seq id."""
+
+    @abc.abstractmethod
+    def step(self) -> list[TokenEvent]:
+        """Advance every active sequence by one token (prefilling new ones first)."""
+
+    @abc.abstractmethod
+    def cancel(self, seq_id: int) -> None: ...
+
+    @abc.abstractmethod
+    def has_work(self) -> bool: ...
+
+    @abc.abstractmethod
+    def score(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[Score]:
+        """Log-likelihood of each continuation (second) given its context (first), batched."""
+
+    @abc.abstractmethod
+    def next_token_logprobs(self, ids: Sequence[list[int]]) -> list[Any]:
+        """Full next-token log-distributions at every position: one [len, vocab] float array
+        per sequence. Token-level agreement (KL, top-1) with the baseline needs all of it."""
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> Iterator[TokenEvent]:
+        """Run requests to completion as one batch, yielding tokens as they are produced."""
+        for r in requests:
+            self.add(r)
+        while self.has_work():
+            yield from self.step()
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Free resources (worker processes, memory)."""
+
+
+class EngineBackend(abc.ABC):
+    """Builds engines of one kind and loads them. Implementations live one per file."""
+
+    name: ClassVar[str]
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+
+    @abc.abstractmethod
+    def build(self, checkpoint: Path, out_dir: Path) -> dict[str, Any]:
+        """Compile/convert `checkpoint` into an engine in `out_dir`; return manifest fields."""
+
+    @classmethod
+    @abc.abstractmethod
+    def load(cls, engine_dir: Path, **options: Any) -> Engine:
+        """Load a built engine (the folder `build` wrote) ready to serve."""
+
+
+BACKENDS: Registry[EngineBackend] = Registry("engine backend", "backend")

@@ -1,0 +1,91 @@
+"""The gate-check contract: `check(candidate, baseline) -> CheckResult`, one file per kind.
+
+A check's verdict is one of Successful, Failed, Inconclusive, Error, kept apart as Argo Rollouts
+does: "the data cannot decide" is not "it regressed", and neither is "the check broke".
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kiln.pipeline.registry import Registry
+
+
+class Verdict(str, enum.Enum):
+    SUCCESSFUL = "Successful"
+    FAILED = "Failed"
+    INCONCLUSIVE = "Inconclusive"
+    ERROR = "Error"
+
+
+@dataclass
+class Evidence:
+    """What one role (baseline or candidate) measured, as the checks read it.
+
+    samples: metric -> {doc id: per-sample value}, joined on doc id for paired statistics.
+    repeats: metric -> one value per interleaved repeat, for ratios with intervals.
+    metrics: metric -> the aggregate point value shown in tables.
+    """
+
+    role: str
+    metrics: dict[str, float] = field(default_factory=dict)
+    samples: dict[str, dict[str, float]] = field(default_factory=dict)
+    repeats: dict[str, list[float]] = field(default_factory=dict)
+    counts: dict[str, tuple[int, int]] = field(default_factory=dict)  # metric -> (events, trials)
+
+
+@dataclass
+class CheckResult:
+    name: str
+    kind: str
+    metric: str
+    verdict: Verdict
+    observed: float | None
+    baseline: float | None
+    threshold: str
+    ci: tuple[float, float] | None = None
+    p_value: float | None = None
+    method: str = ""
+    reason: str = ""
+    items_needed: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["verdict"] = self.verdict.value
+        d["ci"] = list(self.ci) if self.ci else None
+        return d
+
+
+class CheckConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    kind: str
+    metric: str
+    name: str | None = Field(None, description="shown in reports; default '<kind>:<metric>'")
+    confidence: float | None = Field(None, gt=0.5, lt=1, description="default: gate.confidence")
+
+    @property
+    def label(self) -> str:
+        return self.name or f"{self.kind}:{self.metric}"
+
+
+class Check(abc.ABC):
+    name: ClassVar[str]
+
+    def __init__(self, config: CheckConfig, confidence: float):
+        self.config = config
+        self.confidence = config.confidence or confidence
+
+    @abc.abstractmethod
+    def check(self, candidate: Evidence, baseline: Evidence) -> CheckResult: ...
+
+    def result(self, verdict: Verdict, **fields: Any) -> CheckResult:
+        return CheckResult(name=self.config.label, kind=self.config.kind, metric=self.config.metric,
+                           verdict=verdict, **fields)
+
+
+CHECKS: Registry[Check] = Registry("gate check kind", "kind")

@@ -1,0 +1,189 @@
+"""The recipe: one YAML file, one validated object, everything a run does.
+
+Validation is pure (no network, no files written, no models loaded). Plugin sections are tagged
+unions built from the registries, so a typo is an error and an unknown plugin name gets a
+"did you mean". `--set a.b=value` overrides are applied to the raw YAML before validation, so the
+CLI wins and the result is validated exactly like the file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kiln.engine import BACKENDS
+from kiln.optimize import QUANTIZERS
+from kiln.pipeline.errors import BadInput
+from kiln.pipeline.files import hash_of
+from kiln.pipeline.gate.policy import GateSection
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSection(Section):
+    path: str = Field("demo", description="'demo' (SmolLM2-135M-Instruct, offline) or a local HF checkpoint folder")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    trust_remote_code: bool = False
+
+
+class PerplexityConfig(Section):
+    text: str = Field("demo", description="'demo' (held-out Austen) or a local .txt file")
+    max_documents: int = Field(24, ge=1, description="documents (windows) scored per model")
+    seq_len: int = Field(256, ge=16, description="tokens per document")
+
+
+class QualitySection(Section):
+    perplexity: PerplexityConfig = PerplexityConfig()
+    agreement: bool = Field(True, description="token-level agreement (KL, top-1) with the baseline")
+
+
+class BenchmarkSection(Section):
+    prompts: str = Field("demo", description="'demo' (GSM8K questions) or a local JSONL with a 'prompt' field")
+    num_prompts: int = Field(8, ge=1)
+    max_new_tokens: int = Field(32, ge=2)
+    batch_sizes: list[int] = Field(default_factory=lambda: [1])
+    repeats: int = Field(3, ge=1, description="interleaved baseline/candidate repeats")
+
+
+class EvaluateSection(Section):
+    quality: QualitySection = QualitySection()
+    benchmark: BenchmarkSection = BenchmarkSection()
+
+
+class TrackingSection(Section):
+    uri: str | None = Field(None, description="MLflow tracking URI; default $MLFLOW_TRACKING_URI or sqlite:///mlflow.db")
+    experiment: str = "kiln"
+    registered_model: str | None = Field(None, description="registry name; default the recipe name")
+
+
+class CanaryStep(Section):
+    weight: int = Field(ge=0, le=100)
+    min_requests: int = Field(50, ge=1)
+    max_duration_s: float = Field(300, gt=0)
+
+
+class DeploySection(Section):
+    target: Literal["local", "kubernetes"] = "local"
+    steps: list[CanaryStep] = Field(default_factory=lambda: [CanaryStep(weight=w) for w in (5, 25, 50, 100)])
+    on_inconclusive: Literal["hold", "rollback"] = "rollback"
+
+
+# The plugin unions: each registry knows its plugins once their packages are imported.
+OptimizeConfig = QUANTIZERS.config_union()
+EngineSectionConfig = BACKENDS.config_union()
+
+
+class Recipe(Section):
+    """A kiln recipe. See recipes/ for examples and `kiln schema` for every field."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="names the run and the registered model")
+    description: str = ""
+    model: ModelSection = ModelSection()
+    optimize: OptimizeConfig = Field(description="the candidate's quantization; the baseline is always 'none'")  # type: ignore[valid-type]
+    engine: EngineSectionConfig = Field(default_factory=lambda: BACKENDS.config("torch")())  # type: ignore[valid-type]
+    evaluate: EvaluateSection = EvaluateSection()
+    gate: GateSection = GateSection()
+    tracking: TrackingSection = TrackingSection()
+    deploy: DeploySection = DeploySection()
+
+    def digest(self) -> str:
+        """Content hash of the resolved recipe: keys runs and tags MLflow runs."""
+        return hash_of(self.model_dump(mode="json"))
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides (value parsed as YAML: numbers, bools, lists work).
+
+    Numeric path parts index lists: `gate.checks.0.margin=0.1`.
+    """
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise BadInput(f"--set {item!r}: expected KEY=VALUE, for example --set optimize.bits=8")
+        node: Any = raw
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            node = _child(node, part, ".".join(parts[: i + 1]))
+        last = parts[-1]
+        parsed = yaml.safe_load(value) if value else None
+        if isinstance(node, list):
+            node[_index(node, last, key)] = parsed
+        else:
+            node[last] = parsed
+    return raw
+
+
+def _index(node: list, part: str, path: str) -> int:
+    if not part.isdigit() or int(part) >= len(node):
+        raise BadInput(f"--set {path}: '{part}' is not an index of a list of {len(node)} items")
+    return int(part)
+
+
+def _child(node: Any, part: str, path: str) -> Any:
+    if isinstance(node, list):
+        return node[_index(node, part, path)]
+    if not isinstance(node, dict):
+        raise BadInput(f"--set {path}: cannot set a field inside a {type(node).__name__}")
+    return node.setdefault(part, {})
+
+
+def format_errors(err: ValidationError, raw: dict[str, Any]) -> list[str]:
+    """One line per problem, with the full field path as the user wrote it."""
+    lines = []
+    for e in err.errors():
+        path = _user_path(e["loc"], raw)
+        if e["type"] == "union_tag_invalid":
+            ctx = e["ctx"]
+            from kiln.pipeline.registry import did_you_mean
+
+            choices = [t.strip(" '") for t in str(ctx["expected_tags"]).split(",")]
+            lines.append(f"{path}.{ctx['discriminator'].strip(chr(39))}: unknown name '{ctx['tag']}'."
+                         f"{did_you_mean(str(ctx['tag']), choices)}")
+            continue
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field (check the spelling; `kiln schema` lists every field)"
+        lines.append(f"{path}: {msg}" if path else msg)
+    return lines
+
+
+def _user_path(loc: tuple, raw: Any) -> str:
+    """Drop the union tags pydantic inserts into locations (('optimize', 'gptq', 'bits'))."""
+    parts, node = [], raw
+    for item in loc:
+        if isinstance(node, dict) and isinstance(item, str) and item not in node and parts and any(
+            v == item for v in node.values() if isinstance(v, str)
+        ):
+            continue  # a discriminator value, not a key the user wrote
+        parts.append(str(item))
+        if isinstance(node, dict):
+            node = node.get(item)
+        elif isinstance(node, list) and isinstance(item, int) and item < len(node):
+            node = node[item]
+        else:
+            node = None
+    return ".".join(parts)
+
+
+def load_recipe(path: Path | str, overrides: list[str] | None = None) -> Recipe:
+    """Read, override and validate a recipe file; raise BadInput listing every problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise BadInput(f"Recipe file not found: {path}. Pass the path to a YAML recipe (see recipes/).")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise BadInput(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise BadInput(f"{path}: a recipe is a YAML mapping (name:, optimize:, ...), not a {type(raw).__name__}")
+    raw = apply_overrides(raw, overrides or [])
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as e:
+        problems = format_errors(e, raw)
+        raise BadInput(f"{path}: {len(problems)} problem(s) in the recipe:", problems) from None
