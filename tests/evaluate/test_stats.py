@@ -1,0 +1,249 @@
+"""kiln.evaluate.stats against reference implementations and by simulation."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from scipy import optimize, stats
+from statsmodels.stats.contingency_tables import mcnemar
+
+from kiln.evaluate.stats import (
+    Comparison,
+    Verdict,
+    mcnemar_exact,
+    non_inferiority,
+    paired_bootstrap,
+    tango_interval,
+    unpaired_test,
+)
+from kiln.pipeline.errors import BadInput
+
+
+def paired_binary(rng, n, p_base, p_lost, p_won):
+    """Baseline outcomes plus flips: a correct item is lost with p_lost, a wrong one won with p_won."""
+    base = rng.random(n) < p_base
+    u = rng.random(n)
+    cand = np.where(base, u >= p_lost, u < p_won)
+    return base, cand
+
+
+# --- McNemar -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_mcnemar_p_matches_statsmodels_and_binomtest(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(5, 400))
+    flips = [0.0, 0.0] if seed % 10 == 0 else rng.uniform(0, 0.15, 2)  # every 10th: no discordant
+    base, cand = paired_binary(rng, n, rng.uniform(0.2, 0.9), *flips)
+    table = [[np.sum(~base & ~cand), np.sum(~base & cand)], [np.sum(base & ~cand), np.sum(base & cand)]]
+    got = mcnemar_exact(base, cand)
+    assert got.p_value == pytest.approx(mcnemar(table, exact=True).pvalue, rel=1e-9, abs=1e-12)
+    won, lost = got.extra["won"], got.extra["lost"]
+    if won + lost:
+        assert got.p_value == pytest.approx(stats.binomtest(won, won + lost, 0.5).pvalue, rel=1e-9)
+    else:
+        assert got.p_value == 1.0
+    assert got.difference == pytest.approx(cand.mean() - base.mean())
+    assert got.ci_low <= got.difference <= got.ci_high
+
+
+def test_tango_matches_published_example():
+    # Fagerland, Lydersen & Laake, airway hyper-responsiveness data (Bentur et al. 2009):
+    # n12 = 1, n21 = 7, n = 21, delta = (n12 - n21) / n; their Tango interval is (-0.517, -0.026).
+    # kiln's won/lost play the roles of n12/n21.
+    low, high = tango_interval(won=1, lost=7, n=21)
+    assert (round(low, 3), round(high, 3)) == (-0.517, -0.026)
+
+
+def score_by_numeric_mle(delta, won, lost, n):
+    """Tango's score statistic with the constrained MLE found numerically (independent of the
+    closed form in kiln): maximise the multinomial likelihood over p_lost given delta."""
+    rest = n - won - lost
+
+    def nll(p):
+        p_won = p + delta
+        return -(won * math.log(p_won) + lost * math.log(p) + (rest * math.log(1 - 2 * p - delta) if rest else 0))
+
+    lo, hi = max(0.0, -delta) + 1e-12, (1 - delta) / 2 - 1e-12
+    p = optimize.minimize_scalar(nll, bounds=(lo, hi), method="bounded", options={"xatol": 1e-13}).x
+    return (won - lost - n * delta) / math.sqrt(n * (2 * p + delta * (1 - delta)))
+
+
+@pytest.mark.parametrize(("won", "lost", "n"), [(1, 7, 21), (12, 3, 200), (0, 4, 50), (30, 30, 500), (2, 0, 9)])
+def test_tango_bounds_solve_the_score_equation(won, lost, n):
+    z = stats.norm.ppf(0.975)
+    low, high = tango_interval(won, lost, n)
+    assert score_by_numeric_mle(low, won, lost, n) == pytest.approx(z, abs=2e-3)
+    assert score_by_numeric_mle(high, won, lost, n) == pytest.approx(-z, abs=2e-3)
+    # At delta = 0 the score statistic is McNemar's uncorrected chi-square.
+    if won + lost:
+        chi2 = mcnemar([[0, won], [lost, 0]], exact=False, correction=False).statistic
+        assert score_by_numeric_mle(0.0, won, lost, n) ** 2 == pytest.approx(chi2, rel=1e-4)
+
+
+def test_tango_interval_covers_the_true_difference():
+    rng = np.random.default_rng(7)
+    p_base, p_lost, p_won = 0.7, 0.06, 0.10
+    truth = (1 - p_base) * p_won - p_base * p_lost
+    hits = [(lambda c: c.ci_low <= truth <= c.ci_high)(mcnemar_exact(*paired_binary(rng, 150, p_base, p_lost, p_won)))
+            for _ in range(1000)]
+    assert 0.93 <= np.mean(hits) <= 0.975  # nominal 0.95; Monte Carlo se ~0.007
+
+
+def test_no_discordant_pairs_gives_an_honest_interval():
+    base = np.random.default_rng(0).random(10) < 0.6
+    small, large = mcnemar_exact(base, base), mcnemar_exact(np.tile(base, 200), np.tile(base, 200))
+    assert small.p_value == large.p_value == 1.0 and small.difference == 0.0
+    assert small.ci_low == pytest.approx(-small.ci_high) and small.ci_high > 0.2  # 10 items prove little
+    assert large.ci_high < 0.005  # z^2 / n
+    assert non_inferiority(small, 0.02, higher_is_better=True).verdict == Verdict.INCONCLUSIVE
+    assert non_inferiority(large, 0.01, higher_is_better=True).verdict == Verdict.SUCCESSFUL
+
+
+# --- bootstrap ------------------------------------------------------------------------------
+
+
+def expanded_confidence(n, confidence=0.95):
+    alpha = 1 - confidence
+    return 1 - 2 * stats.norm.sf(math.sqrt(n / (n - 1)) * stats.t.ppf(1 - alpha / 2, n - 1))
+
+
+@pytest.mark.parametrize(("seed", "n"), [(0, 200), (1, 200), (2, 12)])
+def test_bootstrap_matches_scipy_paired_percentile(seed, n):
+    rng = np.random.default_rng(seed)
+    base = rng.gamma(2.0, 1.0, n)
+    cand = base + rng.normal(-0.1, 0.5, n)
+    got = paired_bootstrap(base, cand, seed=seed)
+    ref = stats.bootstrap((base, cand), lambda b, c, axis: c.mean(axis) - b.mean(axis), paired=True,
+                          method="percentile", confidence_level=expanded_confidence(n),
+                          n_resamples=20_000, rng=np.random.default_rng(seed + 100))
+    width = got.ci_high - got.ci_low
+    assert got.ci_low == pytest.approx(ref.confidence_interval.low, abs=0.04 * width)
+    assert got.ci_high == pytest.approx(ref.confidence_interval.high, abs=0.04 * width)
+
+
+def test_perplexity_ratio_bootstrap_matches_formula_and_scipy():
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(20, 400, 150).astype(float)
+    base_nll = tokens * rng.normal(3.5, 0.4, 150)  # per-document NLL sums
+    cand_nll = base_nll + tokens * rng.normal(0.02, 0.05, 150)
+    got = paired_bootstrap(base_nll, cand_nll, denom=tokens, transform=np.exp, relative=True, metric="perplexity")
+    assert got.baseline == pytest.approx(math.exp(base_nll.sum() / tokens.sum()))
+    assert got.difference == pytest.approx(math.exp((cand_nll.sum() - base_nll.sum()) / tokens.sum()) - 1)
+
+    def ratio(b, c, t, axis):
+        return np.exp((c.sum(axis) - b.sum(axis)) / t.sum(axis)) - 1
+
+    ref = stats.bootstrap((base_nll, cand_nll, tokens), ratio, paired=True, method="percentile",
+                          confidence_level=expanded_confidence(150), n_resamples=20_000,
+                          rng=np.random.default_rng(1)).confidence_interval
+    width = got.ci_high - got.ci_low
+    assert got.ci_low == pytest.approx(ref.low, abs=0.04 * width)
+    assert got.ci_high == pytest.approx(ref.high, abs=0.04 * width)
+
+
+def test_bootstrap_interval_covers_the_truth():
+    rng = np.random.default_rng(11)
+    hits = []
+    for seed in range(300):
+        base = rng.exponential(1.0, 80)
+        cand = base + rng.normal(0.05, 0.3, 80)  # true mean difference 0.05
+        c = paired_bootstrap(base, cand, iterations=2000, seed=seed)
+        hits.append(c.ci_low <= 0.05 <= c.ci_high)
+    assert 0.91 <= np.mean(hits) <= 0.99  # nominal 0.95; Monte Carlo se ~0.013
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_equal_candidate_is_never_failed(seed):
+    rng = np.random.default_rng(seed)
+    base = rng.normal(0.6, 0.2, 500)
+    same = paired_bootstrap(base, base.copy(), iterations=1000, seed=seed)
+    assert (same.ci_low, same.ci_high, same.p_value) == (0.0, 0.0, 1.0)
+    assert non_inferiority(same, 0.01, higher_is_better=True).verdict == Verdict.SUCCESSFUL
+    assert non_inferiority(same, 0.0, higher_is_better=False).verdict == Verdict.SUCCESSFUL
+    # Equal in distribution (independent noise on the same items): never Failed; large n passes.
+    twin = paired_bootstrap(base, base + rng.normal(0, 0.05, 500), iterations=1000, seed=seed)
+    assert non_inferiority(twin, 0.02, higher_is_better=True).verdict == Verdict.SUCCESSFUL
+
+
+def test_paired_sees_what_unpaired_misses():
+    rng = np.random.default_rng(5)
+    difficulty = rng.normal(0.5, 0.25, 400)  # items differ a lot; both models see the same items
+    base = difficulty + rng.normal(0, 0.02, 400)
+    cand = difficulty - 0.01 + rng.normal(0, 0.02, 400)
+    assert paired_bootstrap(base, cand).p_value < 0.001
+    assert unpaired_test(base, cand).p_value > 0.2
+    # The same with 0/1 outcomes: 14 discordant items, 12 of them lost.
+    b = np.zeros(1000, bool)
+    b[:700] = True
+    c = b.copy()
+    c[:12], c[700:702] = False, True
+    assert mcnemar_exact(b, c).p_value < 0.05 < unpaired_test(b, c).p_value
+
+
+# --- non-inferiority ------------------------------------------------------------------------
+
+
+def test_tiny_set_is_inconclusive_and_says_how_many_items():
+    rng = np.random.default_rng(2)
+    for seed in range(20):
+        base = rng.uniform(0.3, 0.9, 10)
+        small_drop = paired_bootstrap(base, base - 0.01 + rng.normal(0, 0.05, 10), seed=seed)
+        verdict = non_inferiority(small_drop, 0.02, higher_is_better=True)
+        assert verdict.verdict == Verdict.INCONCLUSIVE and verdict.items_needed > 10
+        big_drop = paired_bootstrap(base, base - 0.3 + rng.normal(0, 0.05, 10), seed=seed)
+        assert non_inferiority(big_drop, 0.02, higher_is_better=True).verdict == Verdict.FAILED
+
+
+def make(diff, low, high, n=100):
+    return Comparison("m", 0.5, 0.5 + diff, diff, low, high, 0.5, n, "test", 0.95)
+
+
+def test_items_needed_follows_the_square_root_law():
+    # higher is better: drop 0.01, drop CI [-0.03, 0.05]; 0.04 half-width must shrink to 0.01.
+    verdict = non_inferiority(make(-0.01, -0.05, 0.03), 0.02, higher_is_better=True)
+    assert verdict.verdict == Verdict.INCONCLUSIVE and verdict.items_needed == 1600
+    # lower is better (e.g. perplexity ratio - 1): drop 0.03 beyond margin 0.02, heading for Failed.
+    verdict = non_inferiority(make(0.03, 0.01, 0.05), 0.02, higher_is_better=False)
+    assert verdict.verdict == Verdict.INCONCLUSIVE and verdict.items_needed == 400
+    assert non_inferiority(make(0.02, 0.0, 0.04), 0.02, higher_is_better=False).items_needed is None
+
+
+def test_verdict_edges_and_errors():
+    assert non_inferiority(make(-0.02, -0.02, -0.02), 0.02, True).verdict == Verdict.SUCCESSFUL
+    assert non_inferiority(make(-0.05, -0.07, -0.03), 0.02, True).verdict == Verdict.FAILED
+    assert non_inferiority(make(0.05, 0.03, 0.07), 0.02, True).verdict == Verdict.SUCCESSFUL
+    assert non_inferiority(make(0.05, 0.03, 0.07), 0.02, False).verdict == Verdict.FAILED
+    assert non_inferiority(make(math.nan, math.nan, math.nan), 0.02, True).verdict == Verdict.ERROR
+    with pytest.raises(BadInput, match="margin"):
+        non_inferiority(make(0, 0, 0), -0.1, True)
+
+
+def test_results_are_json_ready():
+    rng = np.random.default_rng(0)
+    base = rng.random(50) < 0.5
+    cmp = mcnemar_exact(base, ~base)
+    text = json.dumps({"cmp": cmp.to_dict(), "ni": non_inferiority(cmp, 0.01, True).to_dict()}, allow_nan=False)
+    back = json.loads(text)
+    assert back["ni"]["verdict"] in {v.value for v in Verdict}
+    assert back["cmp"]["extra"]["won"] + back["cmp"]["extra"]["lost"] == 50  # every item flipped
+    assert back["cmp"]["method"] == "mcnemar-exact+tango-score" and back["cmp"]["n"] == 50
+
+
+def test_bad_input_names_the_problem():
+    with pytest.raises(BadInput, match="same length"):
+        paired_bootstrap([1.0, 2.0, 3.0], [1.0, 2.0])
+    with pytest.raises(BadInput, match="0/1"):
+        mcnemar_exact([0, 1, 2], [0, 1, 1])
+    with pytest.raises(BadInput, match="finite"):
+        paired_bootstrap([1.0, np.nan], [1.0, 2.0])
+    with pytest.raises(BadInput, match="denom"):
+        paired_bootstrap([1.0, 2.0], [1.0, 2.0], denom=[1, 1], statistic=np.median)
+    with pytest.raises(BadInput, match="denom"):
+        paired_bootstrap([1.0, 2.0], [1.0, 2.0], denom=[5, 0])
+    with pytest.raises(BadInput, match="statistic"):
+        paired_bootstrap([1.0, 2.0], [1.0, 2.0], statistic="median")
