@@ -1,7 +1,147 @@
+"""The `kiln` command line. Exit codes: see kiln.pipeline.errors (0 pass, 1 gate failed,
+2 bad input, 3 inconclusive, 4 internal error)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Annotated
+
 import typer
-app = typer.Typer()
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from kiln.pipeline.errors import BadInput, ExitCode, KilnError
+
+app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
+                  help="kiln: take an LLM checkpoint to production safely — optimize, evaluate, track, gate, deploy.")
+console = Console(stderr=False)
+err = Console(stderr=True)
+
+RecipeArg = Annotated[Path, typer.Argument(help="recipe YAML file", show_default=False)]
+SetOpt = Annotated[list[str], typer.Option("--set", help="override a recipe field: --set optimize.bits=8 (repeatable)")]
+RunsOpt = Annotated[Path, typer.Option(help="where run directories go")]
+
+
+def _env() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
 @app.command()
-def version():
-    print("x")
-def main():
-    app()
+def validate(recipe: RecipeArg, set_: SetOpt = []) -> None:  # noqa: B006 - typer reads defaults
+    """Check a recipe without doing any work."""
+    from kiln.pipeline.recipe import load_recipe
+
+    r = load_recipe(recipe, set_)
+    console.print(f"[green]✓[/green] {recipe}: valid ({r.name}, optimize={r.optimize.method}, "
+                  f"engine={r.engine.backend}, {len(r.gate.checks)} gate checks)")
+
+
+@app.command()
+def schema() -> None:
+    """Print the recipe's JSON schema."""
+    from kiln.pipeline.recipe import Recipe
+
+    print(json.dumps(Recipe.model_json_schema(), indent=2))
+
+
+@app.command()
+def run(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
+        runs: RunsOpt = Path("runs"),
+        fresh: Annotated[list[str], typer.Option(help="recompute a stage even if cached (stage name or 'all')")] = []) -> None:  # noqa: B006
+    """Run the pipeline: optimize → evaluate quality → benchmark → gate. Resumes a killed run."""
+    from kiln.pipeline.recipe import load_recipe
+    from kiln.pipeline.runner import run_pipeline
+
+    r = load_recipe(recipe, set_)
+    outcome, run_dir = run_pipeline(r, recipe, runs, console, set(fresh))
+    console.print((run_dir / "report.md").read_text(), markup=False)
+    console.print(f"run directory: {run_dir}")
+    from kiln.pipeline import github
+
+    if github.in_github_actions():
+        github.publish(run_dir)
+    raise typer.Exit(int(outcome.exit_code))
+
+
+@app.command("runs")
+def runs_(runs: RunsOpt = Path("runs")) -> None:
+    """List runs, newest first."""
+    from kiln.pipeline.runner import list_runs
+
+    t = Table("run", "status", "verdict", "exit")
+    for s in list_runs(runs):
+        t.add_row(s["run"], s.get("status", "?"), s.get("verdict", "—"), str(s.get("exit_code", "—")))
+    console.print(t)
+
+
+@app.command()
+def show(run_name: Annotated[str, typer.Argument(metavar="RUN")], runs: RunsOpt = Path("runs")) -> None:
+    """Print a run's stages, metrics and verdict."""
+    d = runs / run_name if not Path(run_name).is_dir() else Path(run_name)
+    if not (d / "state.json").exists():
+        raise BadInput(f"RUN: no run '{run_name}' under {runs}/ (see `kiln runs`).")
+    t = Table("stage", "role", "reused", "metrics")
+    for f in sorted((d / "stages").glob("*.json"), key=lambda p: p.stat().st_mtime):
+        s = json.loads(f.read_text())
+        shown = ", ".join(f"{k}={v:.4g}" for k, v in s["metrics"].items() if isinstance(v, int | float))
+        t.add_row(s["stage"], s["role"], "yes" if s["reused"] else "", shown)
+    console.print(t)
+    if (d / "report.md").exists():
+        console.print((d / "report.md").read_text(), markup=False)
+    else:
+        console.print(f"status: {json.loads((d / 'state.json').read_text()).get('status')}")
+
+
+@app.command()
+def ui(port: int = 5000, host: Annotated[str, typer.Option(help="bind address (loopback by default)")] = "127.0.0.1",
+       tracking_uri: Annotated[str | None, typer.Option(help="default: $MLFLOW_TRACKING_URI or ./mlflow.db")] = None) -> None:
+    """Start the MLflow UI on the same store."""
+    from kiln.pipeline.tracking import default_uri
+
+    uri = tracking_uri or default_uri()
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--host", host,
+           "--port", str(port), "--workers", "1"]
+    console.print(f"MLflow UI on http://{host}:{port} (store {uri}); Ctrl-C to stop")
+    os.execvpe(cmd[0], cmd, env)
+
+
+@app.command("prepare-demo")
+def prepare_demo() -> None:
+    """Convert the demo model and prepare the demo data (offline, cached)."""
+    from kiln.pipeline.demo import prepare_demo as prep
+
+    prep(console)
+
+
+def main() -> None:
+    _env()
+    try:
+        code = app(standalone_mode=False)
+    except KilnError as e:
+        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
+        sys.exit(int(e.exit_code))
+    except (typer.Exit, SystemExit) as e:
+        sys.exit(getattr(e, "exit_code", getattr(e, "code", 0)))
+    except KeyboardInterrupt:
+        err.print("interrupted; run the same command again to resume")
+        sys.exit(int(ExitCode.INTERRUPTED))
+    except Exception as e:  # noqa: BLE001 - the documented internal-error exit
+        import click
+
+        if isinstance(e, click.exceptions.ClickException):
+            e.show()
+            sys.exit(int(ExitCode.BAD_INPUT))
+        traceback.print_exc()
+        err.print(f"[red]internal error:[/red] {type(e).__name__}: {escape(str(e))}")
+        sys.exit(int(ExitCode.INTERNAL_ERROR))
+    sys.exit(code if isinstance(code, int) else 0)

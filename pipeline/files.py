@@ -95,3 +95,21 @@ def hash_of(obj: Any) -> str:
 
 def dir_size(root: Path) -> int:
     return sum(p.stat().st_size for p in Path(root).rglob("*") if p.is_file())
+
+
+def cached_tree_hash(root: Path, cache_file: Path) -> str:
+    """`sha256_tree`, remembered by the tree's (path, size, mtime) signature.
+
+    Hashing a 500 MB checkpoint on every run costs seconds; the signature changes whenever a file
+    is rewritten, so a stale hash cannot be returned for changed content.
+    """
+    root = Path(root).resolve()
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    signature = hash_of([(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files])
+    known = read_json(cache_file) if Path(cache_file).exists() else {}
+    if known.get(str(root), {}).get("signature") == signature:
+        return known[str(root)]["sha256"]
+    digest = sha256_file(root) if root.is_file() else sha256_tree(root)
+    known[str(root)] = {"signature": signature, "sha256": digest}
+    atomic_write_json(cache_file, known)
+    return digest

@@ -7,20 +7,15 @@ does: "the data cannot decide" is not "it regressed", and neither is "the check 
 from __future__ import annotations
 
 import abc
-import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kiln.evaluate.stats import Verdict
 from kiln.pipeline.registry import Registry
 
-
-class Verdict(str, enum.Enum):
-    SUCCESSFUL = "Successful"
-    FAILED = "Failed"
-    INCONCLUSIVE = "Inconclusive"
-    ERROR = "Error"
+__all__ = ["CHECKS", "Check", "CheckConfig", "CheckResult", "Evidence", "Verdict"]
 
 
 @dataclass

@@ -1,0 +1,5 @@
+"""`python -m kiln.pipeline` is the `kiln` command."""
+
+from kiln.pipeline.cli import main
+
+main()

@@ -1,0 +1,104 @@
+"""Quality checks on paired per-sample results: non-inferiority with a margin.
+
+Baseline and candidate are joined on doc id. Accuracy-like 0/1 items use an exact McNemar test;
+continuous items (per-document NLL for perplexity) a seeded paired bootstrap. A check passes only
+when the confidence bound on the drop is inside the margin (kiln.evaluate.stats.non_inferiority).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+from pydantic import Field, model_validator
+from scipy import stats as sps
+
+from kiln.evaluate import stats
+from kiln.pipeline.gate.base import CHECKS, Check, CheckConfig, CheckResult, Evidence
+from kiln.pipeline.gate.performance import bounded_verdict
+from kiln.pipeline.metrics import metric
+
+BOOTSTRAP_ITERATIONS = 10_000
+SEED = 0
+
+
+class QualityCheckConfig(CheckConfig):
+    kind: Literal["quality"] = "quality"
+    margin: float = Field(ge=0, description="largest tolerated drop (in the metric's units, or a fraction if relative)")
+    relative: bool = Field(False, description="margin is a fraction of the baseline (perplexity: 0.05 = +5%)")
+
+
+def joined(candidate: Evidence, baseline: Evidence, key: str) -> tuple[list[str], np.ndarray, np.ndarray]:
+    c, b = candidate.samples.get(key, {}), baseline.samples.get(key, {})
+    ids = sorted(set(c) & set(b), key=lambda s: (len(s), s))
+    if not ids:
+        raise ValueError(f"no per-sample '{key}' records shared by baseline and candidate")
+    if len(ids) != len(c) or len(ids) != len(b):
+        raise ValueError(f"'{key}' records differ: {len(b)} baseline, {len(c)} candidate, {len(ids)} shared doc ids")
+    return ids, np.array([b[i] for i in ids], dtype=float), np.array([c[i] for i in ids], dtype=float)
+
+
+@CHECKS.register("quality", QualityCheckConfig)
+class QualityCheck(Check):
+    def check(self, candidate: Evidence, baseline: Evidence) -> CheckResult:
+        c: QualityCheckConfig = self.config  # type: ignore[assignment]
+        m = metric(c.metric, f"gate check {c.label}")
+        cmp = self._compare(candidate, baseline)
+        ni = stats.non_inferiority(cmp, c.margin, m.higher_is_better)
+        unit = " (relative)" if c.relative else ""
+        return self.result(ni.verdict, observed=cmp.candidate, baseline=cmp.baseline,
+                           threshold=f"drop ≤ {c.margin:g}{unit}", ci=(cmp.ci_low, cmp.ci_high),
+                           p_value=cmp.p_value, method=cmp.method, reason=ni.reason, items_needed=ni.items_needed)
+
+    def _compare(self, candidate: Evidence, baseline: Evidence) -> stats.Comparison:
+        c: QualityCheckConfig = self.config  # type: ignore[assignment]
+        if c.metric == "perplexity":
+            ids, b_nll, c_nll = joined(candidate, baseline, "nll")
+            _, tokens, _ = joined(candidate, baseline, "tokens")
+            return stats.paired_bootstrap(b_nll, c_nll, denom=tokens, transform=np.exp, relative=c.relative,
+                                          confidence=self.confidence, iterations=BOOTSTRAP_ITERATIONS, seed=SEED,
+                                          metric="perplexity")
+        _, b, cand = joined(candidate, baseline, c.metric)
+        if not c.relative and set(np.unique(np.concatenate([b, cand]))) <= {0.0, 1.0}:
+            return stats.mcnemar_exact(b.astype(bool), cand.astype(bool), self.confidence, metric=c.metric)
+        return stats.paired_bootstrap(b, cand, relative=c.relative, confidence=self.confidence,
+                                      iterations=BOOTSTRAP_ITERATIONS, seed=SEED, metric=c.metric)
+
+
+class AgreementCheckConfig(CheckConfig):
+    kind: Literal["agreement"] = "agreement"
+    min: float | None = Field(None, description="lower bound (top1_agreement, greedy_match)")
+    max: float | None = Field(None, description="upper bound (kl_mean, kl_p99)")
+
+    @model_validator(mode="after")
+    def _one_bound(self) -> AgreementCheckConfig:
+        if (self.min is None) == (self.max is None):
+            raise ValueError("set exactly one of min, max")
+        return self
+
+
+@CHECKS.register("agreement", AgreementCheckConfig)
+class AgreementCheck(Check):
+    """Candidate-vs-baseline token agreement against an absolute bound, with a bootstrap interval
+    over documents (the baseline agrees with itself perfectly, so there is nothing to pair)."""
+
+    def check(self, candidate: Evidence, baseline: Evidence) -> CheckResult:
+        c: AgreementCheckConfig = self.config  # type: ignore[assignment]
+        metric(c.metric, f"gate check {c.label}")
+        values = np.array(list(candidate.samples.get(c.metric, {}).values()), dtype=float)
+        if len(values) < 2:
+            raise ValueError(f"need per-document '{c.metric}' values for at least 2 documents, got {len(values)}")
+        mean = float(values.mean())
+        if np.ptp(values) == 0:
+            lo = hi = mean
+        else:
+            ci = sps.bootstrap((values,), np.mean, confidence_level=self.confidence, n_resamples=BOOTSTRAP_ITERATIONS,
+                               rng=np.random.default_rng(SEED), method="BCa").confidence_interval
+            lo, hi = float(ci.low), float(ci.high)
+        verdict = bounded_verdict(lo, hi, c.min, c.max)
+        bound = f"≥ {c.min:g}" if c.min is not None else f"≤ {c.max:g}"
+        return self.result(verdict, observed=mean, baseline=None, threshold=bound, ci=(lo, hi),
+                           method=f"BCa bootstrap over {len(values)} documents",
+                           reason=f"{c.metric} {mean:.4g} [{lo:.4g}, {hi:.4g}]")
+
+

@@ -1,0 +1,301 @@
+"""GitHub Actions: report a kiln run the way a pull-request reviewer wants to read it.
+
+Under Actions (GITHUB_ACTIONS=true) `kiln run` ends with `publish(run_dir)`, which
+- appends the Markdown report to the job summary ($GITHUB_STEP_SUMMARY);
+- sets step outputs ($GITHUB_OUTPUT): verdict, exit-code, run-dir, report, report-html, comment,
+  recipe, failed-checks, mlflow-run-url;
+- writes `pr-comment.md` into the run dir: the body of the one comment per recipe that the
+  workflow keeps updated; its first line `<!-- kiln-report:<recipe> -->` is how it finds it again;
+- annotates every check that did not pass on the recipe file, so it shows in the PR's diff.
+
+Secrets never reach any of these: values of secret-like environment variables and credentials
+inside URLs become *** before anything is written. `python -m kiln.pipeline.github` adds the
+workflow's helpers: `changed-recipes` (the job matrix), `no-verdict` (report a run that ended
+before its gate), `add-masks` (hide URL credentials in the job log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from kiln.pipeline.errors import BadInput
+from kiln.pipeline.files import atomic_write_text, read_json
+
+COMMENT_FILE = "pr-comment.md"
+MARKER = "<!-- kiln-report:{recipe} -->"
+# GitHub refuses comment bodies over 65,536 characters and step summaries over 1 MiB.
+COMMENT_LIMIT = 60_000
+SUMMARY_LIMIT = 1_000_000
+SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW|API_?KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL|AUTH"
+                         r"|CONNECTION_STRING|_PAT$|^MLFLOW_TRACKING_USERNAME$", re.IGNORECASE)
+_URL_USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s@]+@")
+_SECRET_QUERY = re.compile(r"(?P<key>[?&](?:token|access_token|sig|signature|password|api_key|key)=)[^&\s#]+",
+                           re.IGNORECASE)
+ICON = {"Successful": "✅", "Failed": "❌", "Inconclusive": "⚠️", "Error": "💥"}
+ORDER = {"Failed": 0, "Error": 1, "Inconclusive": 2, "Successful": 3}
+EXIT_MEANING = {0: "passed", 1: "gate failed", 2: "bad input", 3: "gate inconclusive", 4: "internal error"}
+
+
+def in_github_actions(env: Mapping[str, str] = os.environ) -> bool:
+    return env.get("GITHUB_ACTIONS") == "true"
+
+
+def redact(text: str, env: Mapping[str, str] = os.environ) -> str:
+    """Replace secret env values, URL credentials and secret query parameters with ***."""
+    # Short values ("1", "true") would shred ordinary text; no real secret is that short.
+    secrets = sorted({v for k, v in env.items() if SECRET_NAME.search(k) and len(v) >= 4}, key=len, reverse=True)
+    for value in secrets:
+        text = text.replace(value, "***")
+    text = _URL_USERINFO.sub(r"\g<scheme>***@", text)
+    return _SECRET_QUERY.sub(r"\g<key>***", text)
+
+
+def mlflow_run_url(mlflow: Mapping[str, Any] | None) -> str | None:
+    """`<server>/#/experiments/<id>/runs/<id>` for an http(s) tracking server, credentials dropped."""
+    mlflow = mlflow or {}
+    parts = urlsplit(str(mlflow.get("tracking_uri") or ""))
+    exp, run = mlflow.get("experiment_id"), mlflow.get("run_id")
+    if parts.scheme not in ("http", "https") or not parts.netloc or exp is None or not run:
+        return None
+    host = parts.netloc.rpartition("@")[2]
+    return f"{parts.scheme}://{host}{parts.path.rstrip('/')}/#/experiments/{exp}/runs/{run}"
+
+
+def publish(run_dir: Path, env: Mapping[str, str] = os.environ, recipe: str | Path | None = None) -> None:
+    """Report a finished run (verdict.json, report.md in `run_dir`) to GitHub Actions.
+
+    The recipe and the MLflow run come from verdict.json, else from the run's state.json;
+    `recipe` is needed only when neither names it.
+    """
+    run_dir = Path(run_dir)
+    if not (run_dir / "verdict.json").is_file():
+        raise BadInput(f"{run_dir}/verdict.json: not found; publish needs a finished run directory "
+                       "(pass the directory `kiln run` printed).")
+    verdict = read_json(run_dir / "verdict.json")
+    state = read_json(run_dir / "state.json") if (run_dir / "state.json").is_file() else {}
+    recipe = verdict.get("recipe") or state.get("recipe") or recipe
+    if not recipe:
+        raise BadInput(f"{run_dir}: neither verdict.json nor state.json names the recipe; pass recipe= "
+                       "(the comment marker needs it, or two recipes would share one comment).")
+    mlflow = verdict.get("mlflow") or {"tracking_uri": state.get("tracking_uri"),
+                                       "experiment_id": state.get("experiment_id"), "run_id": state.get("mlflow_parent")}
+    report = run_dir / "report.md"
+    report_md = report.read_text() if report.is_file() else "_kiln wrote no report.md for this run._\n"
+    rel = _recipe_path(recipe, env)
+    mlflow_url = mlflow_run_url(mlflow)
+    body = comment_body(rel, verdict, report_md, _event(env), _links(env, mlflow_url, mlflow))
+    _write_all(run_dir, rel, verdict, report_md, body, mlflow_url, env)
+    _annotate(rel, verdict.get("checks") or [], env)
+
+
+def publish_no_verdict(run_dir: Path, recipe: str, exit_code: int, log: str = "",
+                       env: Mapping[str, str] = os.environ) -> None:
+    """Report a run that ended before its gate (bad recipe, crash): the same outputs, the log's tail."""
+    rel = _recipe_path(recipe, env)
+    verdict = {"verdict": "Error", "exit_code": exit_code, "checks": []}
+    what = "kiln rejected the recipe or its input" if exit_code == 2 else "kiln stopped before its gate"
+    tail = "\n".join(log.rstrip().splitlines()[-40:])
+    report_md = f"# kiln: {rel} — {ICON['Error']} {what} (exit {exit_code}, {_meaning(exit_code)})\n\n"
+    if tail:
+        report_md += "Last lines of the log:\n\n```text\n" + tail.replace("```", "``\u200b`") + "\n```\n"
+    body = comment_body(rel, verdict, report_md, _event(env), _links(env, None, None), fold=False)
+    _write_all(Path(run_dir), rel, verdict, report_md, body, None, env)
+    print(_command("error", f"kiln: {what} (exit {exit_code})", {"file": rel}, env))
+
+
+def comment_body(recipe: str, verdict: Mapping[str, Any], report_md: str, pr: Mapping[str, Any],
+                 links: list[str], fold: bool = True) -> str:
+    """The pull-request comment: marker, headline, checks worst first, then the report (folded
+    when the table already told the story)."""
+    v, code = verdict.get("verdict", "Error"), int(verdict.get("exit_code", 4))
+    checks = sorted(verdict.get("checks") or [], key=lambda c: ORDER.get(c.get("verdict"), 1))
+    bad = [c for c in checks if c.get("verdict") != "Successful"]
+    head = [MARKER.format(recipe=recipe.replace("--", "-%2D")),
+            f"### {ICON.get(v, '💥')} kiln gate: **{v}** — `{recipe}`", ""]
+    facts = [f"exit code {code} ({_meaning(code)})"]
+    if checks:
+        facts.insert(0, f"{len(checks) - len(bad)} of {len(checks)} checks passed")
+    if pr.get("number"):
+        facts.append(f"PR #{pr['number']}" + (f" at `{str(pr['head_sha'])[:12]}`" if pr.get("head_sha") else ""))
+    head += [" · ".join(facts + links), ""]
+    if v == "Inconclusive":
+        head += ["> The data cannot decide at the policy's confidence level (not a regression, not a pass). "
+                 "More samples usually settle it; the recipe's `gate.on_inconclusive` says whether it blocks.", ""]
+    if checks:
+        head += [_table(checks), ""]
+    reasons = [f"- **{_cell(c.get('name'))}** ({c.get('verdict')}): {_cell(c.get('reason'))}" for c in bad if c.get("reason")]
+    head += [*reasons, ""] if reasons else []
+    opening, closing = (["<details><summary>Full report</summary>", ""], ["", "</details>"]) if fold else ([], [])
+    tail = [*closing, "", "<sub>kiln updates this comment on every push.</sub>", ""]
+    room = COMMENT_LIMIT - len("\n".join(head + opening + tail))
+    return "\n".join([*head, *opening, _truncate(report_md, room).rstrip("\n"), *tail])
+
+
+def _write_all(run_dir: Path, recipe: str, verdict: Mapping[str, Any], report_md: str, body: str,
+               mlflow_url: str | None, env: Mapping[str, str]) -> None:
+    body = redact(body, env)
+    atomic_write_text(run_dir / COMMENT_FILE, body)
+    if path := env.get("GITHUB_STEP_SUMMARY"):
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(redact(_truncate(report_md, SUMMARY_LIMIT), env).rstrip("\n") + "\n\n")
+    if path := env.get("GITHUB_OUTPUT"):
+        failed = [f"{c.get('name')}: {c.get('verdict')} (observed {_fmt(c.get('observed'))}, "
+                  f"threshold {_fmt(c.get('threshold'))})" for c in verdict.get("checks") or []
+                  if c.get("verdict") != "Successful"]
+        html = run_dir / "report.html"
+        outputs = {"verdict": verdict.get("verdict", "Error"), "exit-code": str(verdict.get("exit_code", 4)),
+                   "run-dir": str(run_dir.resolve()), "report": str((run_dir / "report.md").resolve()),
+                   "report-html": str(html.resolve()) if html.is_file() else "",
+                   "comment": str((run_dir / COMMENT_FILE).resolve()), "recipe": recipe,
+                   "failed-checks": "\n".join(failed), "mlflow-run-url": mlflow_url or ""}
+        with open(path, "a", encoding="utf-8") as f:
+            f.write("".join(output_line(k, redact(v, env)) for k, v in outputs.items()))
+
+
+def output_line(name: str, value: str) -> str:
+    """One $GITHUB_OUTPUT entry; multi-line values use a delimiter that cannot occur in them."""
+    if "\n" not in value and "\r" not in value:
+        return f"{name}={value}\n"
+    delimiter = f"ghadelimiter_{uuid.uuid4()}"
+    return f"{name}<<{delimiter}\n{value}\n{delimiter}\n"
+
+
+def _annotate(recipe: str, checks: list[Mapping[str, Any]], env: Mapping[str, str]) -> None:
+    level = {"Failed": "error", "Error": "error", "Inconclusive": "warning"}
+    for c in checks:
+        if c.get("verdict") in level:
+            msg = (f"{c.get('name')}: {c.get('verdict')} — observed {_fmt(c.get('observed'))}, baseline "
+                   f"{_fmt(c.get('baseline'))}, threshold {_fmt(c.get('threshold'))}, interval {_fmt(c.get('ci'))}"
+                   + (f". {c['reason']}" if c.get("reason") else ""))
+            print(_command(level[c["verdict"]], msg, {"file": recipe, "title": f"kiln {c.get('verdict')}"}, env))
+
+
+def _command(level: str, message: str, props: Mapping[str, str], env: Mapping[str, str]) -> str:
+    """A workflow command (`::error file=…::msg`), escaped so data cannot end it early."""
+    def esc(s: str, prop: bool) -> str:
+        s = redact(s, env).replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+        return s.replace(":", "%3A").replace(",", "%2C") if prop else s
+
+    props_s = ",".join(f"{k}={esc(v, True)}" for k, v in props.items() if v)
+    return f"::{level} {props_s}::{esc(message, False)}" if props_s else f"::{level}::{esc(message, False)}"
+
+
+def add_masks(env: Mapping[str, str] = os.environ) -> list[str]:
+    """`::add-mask::` lines for credentials inside URL-valued env vars (the runner masks whole
+    secrets only, not the password part of a tracking URI that a library may log on its own)."""
+    lines = []
+    for value in env.values():
+        for m in re.finditer(r"://([^/\s@]+)@", value):
+            password = m.group(1).partition(":")[2]
+            lines += [f"::add-mask::{s}" for s in (password, m.group(1)) if len(s) >= 4]
+    return lines
+
+
+def _recipe_path(recipe: str | Path, env: Mapping[str, str]) -> str:
+    """The recipe as the repository names it (stable across runners, so the marker matches)."""
+    p = Path(recipe)
+    base = Path(env.get("GITHUB_WORKSPACE") or os.getcwd())
+    if p.is_absolute():
+        try:
+            p = p.resolve().relative_to(base.resolve())
+        except ValueError:
+            pass
+    return p.as_posix()
+
+
+def _event(env: Mapping[str, str]) -> dict[str, Any]:
+    path = env.get("GITHUB_EVENT_PATH")
+    if not path or not Path(path).is_file():
+        return {}
+    event = json.loads(Path(path).read_text())
+    pr = event.get("pull_request") or {}
+    return {"number": pr.get("number") or event.get("number"), "head_sha": (pr.get("head") or {}).get("sha"),
+            "url": pr.get("html_url")}
+
+
+def _links(env: Mapping[str, str], mlflow_url: str | None, mlflow: Mapping[str, Any] | None) -> list[str]:
+    links = []
+    if mlflow_url:
+        links.append(f"[MLflow run]({mlflow_url})")
+    elif mlflow and mlflow.get("run_id"):
+        links.append(f"MLflow run `{mlflow['run_id']}` (local tracking store, not linkable)")
+    if env.get("GITHUB_RUN_ID") and env.get("GITHUB_REPOSITORY"):
+        server = env.get("GITHUB_SERVER_URL", "https://github.com")
+        links.append(f"[workflow run and artifacts]({server}/{env['GITHUB_REPOSITORY']}/actions/runs/{env['GITHUB_RUN_ID']})")
+    return links
+
+
+def _table(checks: list[Mapping[str, Any]]) -> str:
+    rows = ["| | check | candidate | baseline | threshold | interval |", "|---|---|---|---|---|---|"]
+    rows += [f"| {ICON.get(c.get('verdict'), '💥')} {c.get('verdict')} | {_cell(c.get('name'))} | {_fmt(c.get('observed'))} "
+             f"| {_fmt(c.get('baseline'))} | {_cell(_fmt(c.get('threshold')))} | {_fmt(c.get('ci'))} |" for c in checks]
+    return "\n".join(rows)
+
+
+def _fmt(v: Any) -> str:
+    if v is None or v == "":
+        return "—"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_fmt(x) for x in v) + "]"
+    return str(v)
+
+
+def _cell(v: Any) -> str:
+    return str(v if v is not None else "").replace("|", "\\|").replace("\n", " ")
+
+
+def _meaning(code: int) -> str:
+    return EXIT_MEANING.get(code, "unknown exit code")
+
+
+def _truncate(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    note = "\n\n_… report truncated here; the whole report is in the job summary and the run's artifact._\n"
+    return text[: max(0, limit - len(note))] + note
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kiln.pipeline.github_changes import add_cli as add_changes_cli
+
+    parser = argparse.ArgumentParser(prog="python -m kiln.pipeline.github", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("publish", help="report a finished run directory (what `kiln run` does itself)")
+    p.add_argument("run_dir", type=Path)
+    p = sub.add_parser("no-verdict", help="report a run that ended before its gate")
+    p.add_argument("--run-dir", type=Path, required=True)
+    p.add_argument("--recipe", required=True)
+    p.add_argument("--exit-code", type=int, required=True)
+    p.add_argument("--log", type=Path, help="the run's console log; its tail goes into the report")
+    sub.add_parser("add-masks", help="print ::add-mask:: for credentials inside URL-valued env vars")
+    add_changes_cli(sub)
+    args = parser.parse_args(argv)
+    if args.command == "publish":
+        publish(args.run_dir)
+    elif args.command == "no-verdict":
+        log = args.log.read_text(errors="replace") if args.log and args.log.is_file() else ""
+        publish_no_verdict(args.run_dir, args.recipe, args.exit_code, log)
+    elif args.command == "add-masks":
+        print("\n".join(add_masks()))
+    else:
+        return args.func(args)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except BadInput as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(int(e.exit_code))

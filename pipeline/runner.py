@@ -1,0 +1,108 @@
+"""`kiln run`: the stages in order, each content-addressed, all tracked under one parent run.
+
+optimize (baseline 'none', candidate) -> engine -> quality (perplexity, agreement)
+-> benchmark (interleaved) -> gate -> report + registry.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kiln.pipeline.files import atomic_write_json, atomic_write_text, read_json
+from kiln.pipeline.gate.policy import GateOutcome
+from kiln.pipeline.model_source import cache_root, resolve_model
+from kiln.pipeline.recipe import Recipe
+from kiln.pipeline.stages import RunContext
+from kiln.pipeline.tracking import Tracker, flatten
+from kiln.pipeline.versions import environment, git_commit
+
+
+def new_run_dir(root: Path, recipe: Recipe) -> Path:
+    return Path(root) / f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}-{recipe.digest()[:6]}"
+
+
+def _log_to_file(run_dir: Path) -> logging.Handler:
+    handler = logging.FileHandler(run_dir / "kiln.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("kiln")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    return handler
+
+
+def start_run(recipe: Recipe, recipe_path: Path, runs_root: Path, console: Any, fresh: set[str]) -> RunContext:
+    run_dir = new_run_dir(runs_root, recipe)
+    (run_dir / "stages").mkdir(parents=True)
+    tracker = Tracker(recipe.tracking.uri, recipe.tracking.experiment)
+    tracker.mark_stale({"kiln.recipe": recipe.name})  # parents and stages of a killed earlier attempt
+    tags = {"kiln.kind": "pipeline", "kiln.recipe": recipe.name, "kiln.recipe_hash": recipe.digest(),
+            "kiln.run_dir": str(run_dir.resolve()), "kiln.pid": str(os.getpid()),
+            "mlflow.source.git.commit": git_commit() or "unknown"}
+    parent = tracker.start(run_dir.name, tags)
+    resolved = recipe.model_dump(mode="json")
+    atomic_write_text(run_dir / "recipe.yaml", yaml.safe_dump(resolved, sort_keys=False))
+    atomic_write_json(run_dir / "state.json", {"status": "running", "pid": os.getpid(), "mlflow_parent": parent,
+                                               "tracking_uri": tracker.uri, "experiment_id": tracker.experiment_id,
+                                               "recipe": str(recipe_path), "started_at": time.time()})
+    atomic_write_json(run_dir / "environment.json", environment())
+    tracker.log(parent, params=flatten(resolved))
+    tracker.log_artifacts(parent, run_dir / "recipe.yaml")
+    tracker.log_artifacts(parent, run_dir / "environment.json")
+    _log_to_file(run_dir)
+    return RunContext(recipe=recipe, recipe_path=recipe_path, run_dir=run_dir, cache=cache_root(),
+                      tracker=tracker, parent_run=parent, console=console, fresh=fresh)
+
+
+def run_pipeline(recipe: Recipe, recipe_path: Path, runs_root: Path, console: Any,
+                 fresh: set[str] = frozenset()) -> tuple[GateOutcome, Path]:
+    from kiln.pipeline import report, stage_impl
+
+    ctx = start_run(recipe, recipe_path, runs_root, console, set(fresh))
+    try:
+        model = resolve_model(recipe.model.path, ctx.cache)
+        arts = stage_impl.optimize_both(ctx, model)
+        engines = {role: stage_impl.engine(ctx, role, art) for role, art in arts.items()}
+        evidence = stage_impl.evaluate(ctx, model, arts, engines)
+        outcome = stage_impl.gate(ctx, evidence)
+        report.publish(ctx, outcome, evidence, arts["candidate"])
+    except BaseException as e:
+        _finish(ctx, "FAILED" if not isinstance(e, KeyboardInterrupt) else "KILLED", None)
+        raise
+    _finish(ctx, "FINISHED", outcome)
+    return outcome, ctx.run_dir
+
+
+def _finish(ctx: RunContext, status: str, outcome: GateOutcome | None) -> None:
+    state = read_json(ctx.run_dir / "state.json")
+    state.update(status="done" if outcome else status.lower(), finished_at=time.time())
+    if outcome:
+        state.update(verdict=outcome.verdict.value, exit_code=int(outcome.exit_code))
+        ctx.tracker.log(ctx.parent_run, tags={"kiln.verdict": outcome.verdict.value})
+    atomic_write_json(ctx.run_dir / "state.json", state)
+    ctx.tracker.end(ctx.parent_run, status)
+
+
+def list_runs(runs_root: Path) -> list[dict[str, Any]]:
+    out = []
+    for d in sorted(Path(runs_root).glob("*/state.json"), key=lambda p: p.stat().st_mtime, reverse=True):
+        state = json.loads(d.read_text())
+        state["run"] = d.parent.name
+        if state.get("status") == "running" and not _alive(state.get("pid", 0)):
+            state["status"] = "interrupted"
+        out.append(state)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    from kiln.pipeline.tracking import _alive as alive
+
+    return bool(pid) and alive(pid)
+
+

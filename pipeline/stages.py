@@ -1,0 +1,134 @@
+"""Content-addressed stage execution: the mechanism behind caching, resume and MLflow children.
+
+A stage's key is the hash of everything that decides its output (its config, the content hashes
+of its inputs, the hardware for measurements). Its output is a folder under the cache, written
+through `atomic_dir`: a stage killed half-way leaves only a `.partial` folder that the next run
+discards, and a finished stage is never recomputed. Each execution (or reuse) is logged as a child
+run of the pipeline's parent run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kiln.pipeline.files import atomic_dir, atomic_write_json, hash_of, read_json
+from kiln.pipeline.tracking import STAGE_KEY, Tracker, flatten
+from kiln.pipeline.versions import environment
+
+log = logging.getLogger("kiln")
+
+# Bump when a stage's output format or computation changes: old cache entries stop matching.
+STAGE_FORMAT = 1
+RESULT = "result.json"
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class RunContext:
+    """Everything a stage may use, passed explicitly (no global state)."""
+
+    recipe: Any
+    recipe_path: Path
+    run_dir: Path
+    cache: Path
+    tracker: Tracker
+    parent_run: str
+    console: Any
+    fresh: set[str] = field(default_factory=set)
+    outcomes: dict[str, StageOutcome] = field(default_factory=dict)
+
+
+@dataclass
+class StageOutcome:
+    stage: str
+    role: str
+    key: str
+    path: Path
+    result: dict[str, Any]
+    reused: bool
+    mlflow_run: str
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_stage(ctx: RunContext, stage: str, role: str, inputs: dict[str, Any],
+              compute: Callable[[Path], dict[str, Any]], artifacts: tuple[str, ...] = (),
+              portable: bool = True) -> StageOutcome:
+    """Return the stage's result, computing it only if no finished copy exists.
+
+    `compute(out_dir)` writes files into out_dir and returns the result dict, whose "metrics"
+    (flat name -> number) are logged to MLflow. `artifacts` names files in out_dir to log.
+    `portable` stages (results only, no large local outputs such as checkpoints) may also be
+    reused from another machine's run found in MLflow by its stage key.
+    """
+    key = hash_of({"stage": stage, "format": STAGE_FORMAT, "inputs": inputs})
+    path = ctx.cache / "stages" / stage / key
+    label = f"{stage}[{role}]"
+    tags = {"kiln.stage": stage, "kiln.role": role, STAGE_KEY: key, "kiln.recipe_hash": ctx.recipe.digest(),
+            "kiln.recipe": ctx.recipe.name, "kiln.pid": str(os.getpid())}
+    source_run = None
+    if stage in ctx.fresh or "all" in ctx.fresh:
+        reused = False
+    elif (path / RESULT).exists():
+        reused = True
+    elif portable and (source_run := ctx.tracker.find_stage(key)):
+        with atomic_dir(path) as tmp:
+            ctx.tracker.download(source_run, "stage", tmp)
+        reused = True
+    else:
+        reused = False
+    run_id = ctx.tracker.start(label, tags, parent=ctx.parent_run)
+    try:
+        if reused:
+            ctx.console.print(f"[dim]✓ {label}: unchanged inputs, reusing {key[:12]}[/dim]")
+        else:
+            _compute(ctx, label, key, inputs, compute, path)
+        result = read_json(path / RESULT)
+        manifest = read_json(path / MANIFEST)
+        ctx.tracker.log(run_id, metrics=result.get("metrics", {}), params=flatten(inputs),
+                        tags={"kiln.reused": str(reused).lower(), **({"kiln.reused_from": source_run} if source_run else {})})
+        ctx.tracker.log_artifacts(run_id, path / RESULT, "stage")
+        ctx.tracker.log_artifacts(run_id, path / MANIFEST, "stage")
+        for name in artifacts:
+            if (path / name).exists():
+                ctx.tracker.log_artifacts(run_id, path / name, "stage")
+        ctx.tracker.log(run_id, metrics={"wall_s": manifest.get("wall_s", 0.0)})
+        ctx.tracker.end(run_id)
+    except BaseException:
+        ctx.tracker.end(run_id, "FAILED")
+        raise
+    outcome = StageOutcome(stage, role, key, path, result, reused, run_id)
+    ctx.outcomes[f"{stage}:{role}"] = outcome
+    atomic_write_json(ctx.run_dir / "stages" / f"{stage}-{role}.json",
+                      {"stage": stage, "role": role, "key": key, "path": str(path), "reused": reused,
+                       "mlflow_run": run_id, "metrics": result.get("metrics", {})})
+    return outcome
+
+
+def _compute(ctx: RunContext, label: str, key: str, inputs: dict[str, Any],
+             compute: Callable[[Path], dict[str, Any]], path: Path) -> None:
+    ctx.console.print(f"[bold]▶ {label}[/bold]")
+    start = time.perf_counter()
+    with atomic_dir(path) as tmp:
+        result = compute(tmp)
+        wall = time.perf_counter() - start
+        atomic_write_json(tmp / RESULT, result)
+        atomic_write_json(tmp / MANIFEST, {
+            "stage": label, "key": key, "inputs": inputs, "wall_s": wall,
+            "peak_rss_mb": _peak_rss_mb(), "environment": environment(),
+            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        })
+    metrics = result.get("metrics", {})
+    shown = ", ".join(f"{k}={v:.4g}" for k, v in list(metrics.items())[:6] if isinstance(v, int | float))
+    ctx.console.print(f"  done in {wall:.1f}s {shown}")
+    log.info("%s finished in %.1fs: %s", label, wall, json.dumps(metrics, default=str))

@@ -1,0 +1,55 @@
+"""A real pipeline run on a tiny model, shared by the end-to-end, CI and browser tests."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+TINY_RECIPE = {
+    "name": "tiny",
+    "optimize": {"method": "int8_weight_only"},
+    "engine": {"backend": "torch", "threads": 2},
+    "evaluate": {
+        "quality": {"perplexity": {"text": "demo", "max_documents": 12, "seq_len": 128}, "agreement": True},
+        "benchmark": {"prompts": "demo", "num_prompts": 3, "max_new_tokens": 8, "repeats": 3},
+    },
+    "gate": {"checks": [
+        {"kind": "quality", "metric": "perplexity", "margin": 0.05, "relative": True},
+        {"kind": "agreement", "metric": "top1_agreement", "min": 0.5},
+        {"kind": "size", "max_ratio": 1.0},
+    ]},
+    "tracking": {"experiment": "kiln-test"},
+}
+
+
+def write_recipe(path: Path, model_dir: Path, **changes) -> Path:
+    recipe = yaml.safe_load(yaml.safe_dump(TINY_RECIPE))
+    recipe["model"] = {"path": str(model_dir)}
+    for dotted, value in changes.items():
+        node = recipe
+        *head, last = dotted.split("__")
+        for part in head:
+            node = node.setdefault(part, {})
+        node[last] = value
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def kiln(*args, cwd: Path, env: dict | None = None, check: bool = False, **kw) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "kiln.pipeline", *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, check=check, **kw)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, tiny_model_dir):
+    """`kiln run` on the tiny recipe in its own working directory (its own mlflow.db)."""
+    work = tmp_path_factory.mktemp("tiny-run")
+    recipe = write_recipe(work / "tiny.yaml", tiny_model_dir)
+    proc = kiln("run", str(recipe), cwd=work)
+    assert proc.returncode in (0, 1, 3), proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = next((work / "runs").iterdir())
+    return {"work": work, "recipe": recipe, "run_dir": run_dir, "proc": proc}

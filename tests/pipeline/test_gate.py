@@ -1,0 +1,112 @@
+"""The gate policy: checks, verdicts kept apart, the combining rule and exit codes."""
+
+import numpy as np
+import pytest
+
+from kiln.pipeline.errors import ExitCode
+from kiln.pipeline.gate.base import CheckResult, Evidence, Verdict
+from kiln.pipeline.gate.policy import GateSection, combine, judge
+
+
+def _policy(*checks, **kw):
+    return GateSection.model_validate({"checks": list(checks), **kw})
+
+
+def _perf(values_b, values_c, metric="decode_tok_s"):
+    b, c = Evidence("baseline"), Evidence("candidate")
+    b.repeats[metric], c.repeats[metric] = list(values_b), list(values_c)
+    b.metrics[metric], c.metrics[metric] = float(np.median(values_b)), float(np.median(values_c))
+    return c, b
+
+
+def test_speedup_ratio_with_interval():
+    cand, base = _perf([10, 10.2, 9.9], [15, 15.1, 14.8])
+    out = judge(_policy({"kind": "performance", "metric": "decode_tok_s", "min_ratio": 1.2}), cand, base)
+    r = out.results[0]
+    assert r.verdict is Verdict.SUCCESSFUL and out.exit_code == ExitCode.PASSED
+    assert r.ci[0] > 1.2 and r.ci[0] < r.observed < r.ci[1]
+
+
+def test_noisy_speedup_is_inconclusive_not_pass():
+    cand, base = _perf([10, 14, 8], [13, 11, 15])
+    out = judge(_policy({"kind": "performance", "metric": "decode_tok_s", "min_ratio": 1.2}), cand, base)
+    assert out.results[0].verdict is Verdict.INCONCLUSIVE
+    assert out.exit_code == ExitCode.GATE_INCONCLUSIVE
+    out = judge(_policy({"kind": "performance", "metric": "decode_tok_s", "min_ratio": 1.2}, on_inconclusive="pass"), cand, base)
+    assert out.verdict is Verdict.INCONCLUSIVE and out.exit_code == ExitCode.PASSED
+
+
+def test_slowdown_fails():
+    cand, base = _perf([10, 10.1, 9.9], [7, 7.1, 6.9])
+    out = judge(_policy({"kind": "performance", "metric": "decode_tok_s", "min_ratio": 1.0}), cand, base)
+    assert out.verdict is Verdict.FAILED and out.exit_code == ExitCode.GATE_FAILED
+
+
+def test_one_repeat_cannot_pass():
+    cand, base = _perf([10], [30])
+    out = judge(_policy({"kind": "performance", "metric": "decode_tok_s", "min_ratio": 1.2}), cand, base)
+    assert out.results[0].verdict is Verdict.INCONCLUSIVE
+
+
+def _ppl_evidence(rng, n, shift):
+    tokens = np.full(n, 255)
+    base_nll = rng.normal(3.5, 0.3, n) * tokens
+    cand_nll = base_nll + rng.normal(shift, 0.02, n) * tokens
+    b, c = Evidence("baseline"), Evidence("candidate")
+    for ev, nll in ((b, base_nll), (c, cand_nll)):
+        ev.samples["nll"] = {str(i): float(v) for i, v in enumerate(nll)}
+        ev.samples["tokens"] = {str(i): int(t) for i, t in enumerate(tokens)}
+    return c, b
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_perplexity_non_inferiority(seed):
+    rng = np.random.default_rng(seed)
+    check = {"kind": "quality", "metric": "perplexity", "margin": 0.05, "relative": True}
+    same = judge(_policy(check), *_ppl_evidence(rng, 40, 0.0))
+    assert same.verdict is Verdict.SUCCESSFUL
+    broken = judge(_policy(check), *_ppl_evidence(rng, 40, 0.5))  # exp(0.5) = +65% perplexity
+    assert broken.verdict is Verdict.FAILED
+    assert broken.results[0].observed > broken.results[0].baseline
+
+
+def test_accuracy_uses_mcnemar_and_small_sets_are_inconclusive():
+    b, c = Evidence("baseline"), Evidence("candidate")
+    b.samples["top1_agreement"] = {str(i): 1.0 for i in range(10)}
+    c.samples["top1_agreement"] = {str(i): float(i != 0) for i in range(10)}
+    out = judge(_policy({"kind": "quality", "metric": "top1_agreement", "margin": 0.02}), c, b)
+    r = out.results[0]
+    assert r.verdict is Verdict.INCONCLUSIVE and "mcnemar" in r.method.lower()
+    assert r.items_needed and r.items_needed > 10
+
+
+def test_missing_evidence_is_error_not_crash():
+    out = judge(_policy({"kind": "quality", "metric": "perplexity", "margin": 0.05}), Evidence("c"), Evidence("b"))
+    assert out.verdict is Verdict.ERROR and out.exit_code == ExitCode.INTERNAL_ERROR
+    assert "no per-sample 'nll'" in out.results[0].reason
+
+
+def test_combining_rule_failed_beats_everything():
+    def r(v):
+        return CheckResult("x", "k", "m", v, None, None, "")
+
+    assert combine([r(Verdict.SUCCESSFUL), r(Verdict.INCONCLUSIVE), r(Verdict.FAILED)], "fail")[0] is Verdict.FAILED
+    assert combine([r(Verdict.ERROR), r(Verdict.INCONCLUSIVE)], "pass")[0] is Verdict.ERROR
+    assert combine([r(Verdict.SUCCESSFUL)] * 3, "fail") == (Verdict.SUCCESSFUL, ExitCode.PASSED)
+
+
+def test_size_and_error_rate():
+    b, c = Evidence("baseline"), Evidence("candidate")
+    b.metrics["size_bytes"], c.metrics["size_bytes"] = 500e6, 120e6
+    c.counts["error_rate"] = (0, 2000)
+    out = judge(_policy({"kind": "size", "max_ratio": 0.3}, {"kind": "error_rate", "max": 0.01}), c, b)
+    assert [x.verdict for x in out.results] == [Verdict.SUCCESSFUL, Verdict.SUCCESSFUL]
+    c.counts["error_rate"] = (50, 2000)
+    assert judge(_policy({"kind": "error_rate", "max": 0.01}), c, b).verdict is Verdict.FAILED
+
+
+def test_agreement_bound():
+    b, c = Evidence("baseline"), Evidence("candidate")
+    c.samples["top1_agreement"] = {str(i): v for i, v in enumerate(np.linspace(0.9, 0.97, 20))}
+    assert judge(_policy({"kind": "agreement", "metric": "top1_agreement", "min": 0.85}), c, b).verdict is Verdict.SUCCESSFUL
+    assert judge(_policy({"kind": "agreement", "metric": "top1_agreement", "min": 0.99}), c, b).verdict is Verdict.FAILED

@@ -1,0 +1,102 @@
+"""`kiln run` end to end on a tiny model: run dir, MLflow tree, registry, caching and resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+
+from tests.pipeline.conftest import kiln, write_recipe
+
+
+def _client(work: Path) -> MlflowClient:
+    uri = f"sqlite:///{work / 'mlflow.db'}"
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def test_run_writes_report_verdict_and_stage_manifests(tiny_run):
+    run_dir = tiny_run["run_dir"]
+    verdict = json.loads((run_dir / "verdict.json").read_text())
+    assert verdict["verdict"] in {"Successful", "Failed", "Inconclusive"}
+    assert verdict["exit_code"] == tiny_run["proc"].returncode
+    assert len(verdict["checks"]) == 3
+    report = (run_dir / "report.md").read_text()
+    assert report.startswith("# kiln: tiny — ") and verdict["verdict"] in report.splitlines()[0]
+    stages = {p.stem for p in (run_dir / "stages").glob("*.json")}
+    assert {"optimize-baseline", "optimize-candidate", "engine-baseline", "engine-candidate", "quality-baseline",
+            "quality-candidate", "agreement-candidate", "benchmark-pair"} <= stages
+    for p in (run_dir / "stages").glob("*.json"):
+        stage = json.loads(p.read_text())
+        manifest = json.loads((Path(stage["path"]) / "manifest.json").read_text())
+        assert manifest["environment"]["libraries"]["torch"].startswith("2.13")
+        assert manifest["inputs"] and manifest["wall_s"] >= 0
+
+
+def test_mlflow_holds_parent_children_and_registry(tiny_run):
+    client = _client(tiny_run["work"])
+    exp = client.get_experiment_by_name("kiln-test")
+    runs = client.search_runs([exp.experiment_id])
+    parents = [r for r in runs if r.data.tags.get("kiln.kind") == "pipeline"]
+    assert len(parents) == 1
+    parent = parents[0]
+    assert parent.info.status == "FINISHED" and parent.data.tags["kiln.verdict"]
+    assert parent.data.params["optimize.method"] == "int8_weight_only"
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    names = {(r.data.tags["kiln.stage"], r.data.tags["kiln.role"]) for r in children}
+    assert ("quality", "candidate") in names and ("gate", "candidate") in names
+    quality = next(r for r in children if r.data.tags["kiln.stage"] == "quality" and r.data.tags["kiln.role"] == "baseline")
+    assert quality.data.metrics["perplexity"] > 1
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"report.md", "report.html", "verdict.json", "recipe.yaml"} <= artifacts
+    mv = client.get_model_version_by_alias("tiny", "challenger")
+    assert mv.tags["kiln.verdict"] == parent.data.tags["kiln.verdict"]
+    assert mv.run_id == parent.info.run_id
+
+
+def test_rerun_reuses_every_stage(tiny_run):
+    proc = kiln("run", str(tiny_run["recipe"]), cwd=tiny_run["work"])
+    assert proc.returncode == tiny_run["proc"].returncode, proc.stderr[-2000:]
+    newest = max((tiny_run["work"] / "runs").iterdir(), key=lambda p: p.stat().st_mtime)
+    assert newest != tiny_run["run_dir"]
+    reused = [json.loads(p.read_text())["reused"] for p in (newest / "stages").glob("*.json")]
+    assert reused and all(reused)
+    assert json.loads((newest / "verdict.json").read_text()) == json.loads((tiny_run["run_dir"] / "verdict.json").read_text())
+
+
+def test_sigkill_mid_evaluate_resumes(tmp_path, tiny_model_dir):
+    # A quality stage with many documents so there is time to kill it half-way.
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_model_dir, name="killme",
+                          evaluate__quality__perplexity={"text": "demo", "max_documents": 300, "seq_len": 256})
+    cache = Path(os.environ["KILN_CACHE"])
+    before = set((cache / "stages" / "quality").glob("*")) if (cache / "stages" / "quality").exists() else set()
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.pipeline", "run", str(recipe)], cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 600
+    partial = None
+    while time.time() < deadline and proc.poll() is None and partial is None:
+        partial = next((p for p in (cache / "stages" / "quality").glob("*.partial") if p not in before), None) \
+            if (cache / "stages" / "quality").exists() else None
+        time.sleep(0.01)
+    assert partial is not None, "the quality stage never started"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    final = partial.with_name(partial.name.removesuffix(".partial"))
+    assert not (final / "result.json").exists()
+
+    resumed = kiln("run", str(recipe), cwd=tmp_path)
+    assert resumed.returncode in (0, 1, 3), resumed.stderr[-3000:]
+    assert (final / "result.json").exists() and not partial.exists()
+    run_dirs = sorted((tmp_path / "runs").iterdir())
+    stages = {p.stem: json.loads(p.read_text()) for p in (run_dirs[-1] / "stages").glob("*.json")}
+    assert stages["optimize-candidate"]["reused"] and stages["engine-candidate"]["reused"]
+    assert not stages["quality-baseline"]["reused"] or not stages["quality-candidate"]["reused"]
+    client = _client(tmp_path)
+    exp = client.get_experiment_by_name("kiln-test")
+    statuses = sorted(r.info.status for r in client.search_runs([exp.experiment_id], "tags.`kiln.kind` = 'pipeline'"))
+    assert statuses == ["FINISHED", "KILLED"]
+    listed = kiln("runs", cwd=tmp_path, check=True).stdout
+    assert "interrupted" in listed and "done" in listed
