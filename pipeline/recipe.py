@@ -83,6 +83,8 @@ class Recipe(Section):
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="names the run and the registered model")
     description: str = ""
+    runner: Literal["cpu", "gpu"] | None = Field(
+        None, description="where CI runs this recipe; default: gpu for GPU-only engines, else cpu")
     model: ModelSection = ModelSection()
     optimize: OptimizeConfig = Field(description="the candidate's quantization; the baseline is always 'none'")  # type: ignore[valid-type]
     engine: EngineSectionConfig = Field(default_factory=lambda: BACKENDS.config("torch")())  # type: ignore[valid-type]

@@ -20,7 +20,7 @@ from kiln.pipeline.gate.policy import GateOutcome
 from kiln.pipeline.model_source import cache_root, resolve_model
 from kiln.pipeline.recipe import Recipe
 from kiln.pipeline.stages import RunContext
-from kiln.pipeline.tracking import Tracker, flatten
+from kiln.pipeline.tracking import Tracker, flatten, redact_uri
 from kiln.pipeline.versions import environment, git_commit
 
 
@@ -49,7 +49,7 @@ def start_run(recipe: Recipe, recipe_path: Path, runs_root: Path, console: Any, 
     resolved = recipe.model_dump(mode="json")
     atomic_write_text(run_dir / "recipe.yaml", yaml.safe_dump(resolved, sort_keys=False))
     atomic_write_json(run_dir / "state.json", {"status": "running", "pid": os.getpid(), "mlflow_parent": parent,
-                                               "tracking_uri": tracker.uri, "experiment_id": tracker.experiment_id,
+                                               "tracking_uri": redact_uri(tracker.uri), "experiment_id": tracker.experiment_id,
                                                "recipe": str(recipe_path), "started_at": time.time()})
     atomic_write_json(run_dir / "environment.json", environment())
     tracker.log(parent, params=flatten(resolved))

@@ -24,6 +24,15 @@ def default_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
+def redact_uri(uri: str) -> str:
+    """A tracking URI without credentials (`https://user:pass@host` -> `https://***@host`):
+    URIs end up in run directories, reports and PR comments."""
+    scheme, sep, rest = uri.partition("://")
+    if sep and "@" in rest.split("/", 1)[0]:
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return uri
+
+
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
@@ -107,7 +116,7 @@ class Tracker:
     def run_url(self, run_id: str) -> str | None:
         if not self.uri.startswith(("http://", "https://")):
             return None
-        return f"{self.uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{run_id}"
+        return f"{redact_uri(self.uri).rstrip('/')}/#/experiments/{self.experiment_id}/runs/{run_id}"
 
 
 def _is_number(v: Any) -> bool:
