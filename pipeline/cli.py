@@ -63,8 +63,8 @@ def run(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
 
     r = load_recipe(recipe, set_)
     outcome, run_dir = run_pipeline(r, recipe, runs, console, set(fresh))
-    console.print((run_dir / "report.md").read_text(), markup=False)
-    console.print(f"run directory: {run_dir}")
+    print((run_dir / "report.md").read_text())  # plain: Markdown tables must not be re-wrapped
+    print(f"run directory: {run_dir}")
     from kiln.pipeline import github
 
     if github.in_github_actions():

@@ -53,7 +53,7 @@ def _model_target() -> tuple[Path, Path, str]:
 
 
 def demo_model_dir() -> Path:
-    """The demo model as a plain fp32 HF checkpoint folder, converted on first use (~1 min)."""
+    """The demo model as a plain fp32 HF checkpoint folder, converted on first use (~1 CPU-minute)."""
     gguf, final, sha = _model_target()
     if (final / MODEL_MANIFEST).is_file():
         return final
@@ -61,15 +61,14 @@ def demo_model_dir() -> Path:
         if (final / MODEL_MANIFEST).is_file():  # another process finished it while we waited
             return final
         with atomic_dir(final) as scratch:
-            start = time.perf_counter()
             facts = demo_model.convert_gguf(gguf, scratch)
+            # No timings or dates: the folder's content hash keys every later stage's cache.
             atomic_write_json(scratch / MODEL_MANIFEST, {
                 "model": demo_model.UPSTREAM,
                 "license": demo_model.LICENSE,
                 "source": {"package": demo_model.PACKAGE, "version": demo_model.package_version(),
                            "file": gguf.name, "sha256": sha},
                 "note": "weights are the dequantized Q4_1 GGUF, not the original bf16 release",
-                "conversion_seconds": round(time.perf_counter() - start, 1),
                 **facts,
             })
     return final
@@ -113,7 +112,7 @@ def prepare_demo(console=None) -> tuple[Path, DemoData]:
     if (final / MODEL_MANIFEST).is_file():
         console.print(f"[green]✓[/] demo model (cached) {final}")
     else:
-        with console.status("converting SmolLM2-135M-Instruct GGUF to fp32 safetensors (one time, ~1 min)"):
+        with console.status("converting SmolLM2-135M-Instruct GGUF to fp32 safetensors (one time, 1-4 min)"):
             start = time.perf_counter()
             final = demo_model_dir()
         console.print(f"[green]✓[/] demo model converted in {time.perf_counter() - start:.0f} s: {final}")

@@ -14,8 +14,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kiln.engine import BACKENDS
-from kiln.optimize import QUANTIZERS
+import kiln.engine  # noqa: F401 - registers the engine backends
+import kiln.optimize  # noqa: F401 - registers the quantization methods
+from kiln.engine.base import BACKENDS
+from kiln.optimize.base import QUANTIZERS
 from kiln.pipeline.errors import BadInput
 from kiln.pipeline.files import hash_of
 from kiln.pipeline.gate.policy import GateSection
@@ -89,7 +91,7 @@ class Recipe(Section):
     optimize: OptimizeConfig = Field(description="the candidate's quantization; the baseline is always 'none'")  # type: ignore[valid-type]
     engine: EngineSectionConfig = Field(default_factory=lambda: BACKENDS.config("torch")())  # type: ignore[valid-type]
     evaluate: EvaluateSection = EvaluateSection()
-    gate: GateSection = GateSection()
+    gate: GateSection
     tracking: TrackingSection = TrackingSection()
     deploy: DeploySection = DeploySection()
 

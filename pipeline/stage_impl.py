@@ -12,7 +12,7 @@ from kiln.pipeline.files import atomic_write_json, dir_size, read_json
 from kiln.pipeline.gate.base import Evidence
 from kiln.pipeline.gate.policy import GateOutcome, judge
 from kiln.pipeline.model_source import ResolvedModel
-from kiln.pipeline.stages import RunContext, run_stage
+from kiln.pipeline.stages import RunContext, peak_rss_bytes, run_stage
 from kiln.pipeline.versions import library_versions
 
 
@@ -32,8 +32,6 @@ def quantize(ctx: RunContext, role: str, cfg: Any, model: ResolvedModel) -> Mode
 
     def compute(out: Path) -> dict[str, Any]:
         import time as _t
-
-        from kiln.optimize.memory import peak_rss_bytes
 
         start = _t.perf_counter()
         fields = quantizer.quantize(model.path, out / "model", calibration)
@@ -82,8 +80,8 @@ def evaluate(ctx: RunContext, model: ResolvedModel, arts: dict[str, ModelArtifac
     from kiln.evaluate.quality.base import documents
 
     q = ctx.recipe.evaluate.quality
-    loaded = {role: load_engine(path) for role, path in engines.items()}
-    docs = documents(loaded["baseline"].tokenizer, _text(q.perplexity.text, "eval_text"),
+    loaded = LazyEngines(engines, load_engine)
+    docs = documents(_tokenizer(engines["baseline"]), _text(q.perplexity.text, "eval_text"),
                      q.perplexity.seq_len, q.perplexity.max_documents)
     text_inputs = {"text": q.perplexity.text, "docs_hash": _hash_docs(docs)}
     evidence = {role: Evidence(role) for role in engines}
@@ -93,9 +91,32 @@ def evaluate(ctx: RunContext, model: ResolvedModel, arts: dict[str, ModelArtifac
     if q.agreement:
         _agreement(ctx, loaded, engines, docs, text_inputs, evidence["candidate"])
     _benchmark(ctx, loaded, engines, evidence)
-    for e in loaded.values():
-        e.close()
+    loaded.close()
     return evidence
+
+
+class LazyEngines(dict):
+    """Engines loaded on first use: a fully cached run loads no model at all."""
+
+    def __init__(self, dirs: dict[str, Path], load: Any):
+        super().__init__()
+        self.dirs, self.load = dirs, load
+
+    def __missing__(self, role: str) -> Any:
+        self[role] = self.load(self.dirs[role])
+        return self[role]
+
+    def close(self) -> None:
+        for engine in self.values():
+            engine.close()
+
+
+def _tokenizer(engine_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    from kiln.engine.loader import read_manifest
+
+    return AutoTokenizer.from_pretrained(read_manifest(engine_dir)["source"]["path"])
 
 
 def _hash_docs(docs: list[list[int]]) -> str:
@@ -142,10 +163,10 @@ def _benchmark(ctx, loaded, engines, evidence: dict[str, Evidence]) -> None:
     from kiln.evaluate.decode_bench import interleaved
 
     b = ctx.recipe.evaluate.benchmark
-    prompts = _prompts(b.prompts, b.num_prompts, loaded["baseline"].tokenizer)
+    prompts = _prompts(b.prompts, b.num_prompts, _tokenizer(engines["baseline"]))
 
     def compute(out: Path) -> dict[str, Any]:
-        per_arm = interleaved(loaded, prompts, b.max_new_tokens, b.batch_sizes, b.repeats)
+        per_arm = interleaved({role: loaded[role] for role in engines}, prompts, b.max_new_tokens, b.batch_sizes, b.repeats)
         atomic_write_json(out / "repeats.json", per_arm)
         metrics = {f"{role}.{k}": _median([r[k] for r in reps]) for role, reps in per_arm.items() for k in reps[0]}
         return {"metrics": metrics, "repeats": per_arm}

@@ -57,8 +57,9 @@ class StageOutcome:
     mlflow_run: str
 
 
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def run_stage(ctx: RunContext, stage: str, role: str, inputs: dict[str, Any],
@@ -125,7 +126,7 @@ def _compute(ctx: RunContext, label: str, key: str, inputs: dict[str, Any],
         atomic_write_json(tmp / RESULT, result)
         atomic_write_json(tmp / MANIFEST, {
             "stage": label, "key": key, "inputs": inputs, "wall_s": wall,
-            "peak_rss_mb": _peak_rss_mb(), "environment": environment(),
+            "peak_rss_bytes": peak_rss_bytes(), "environment": environment(),
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         })
     metrics = result.get("metrics", {})

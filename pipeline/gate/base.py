@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kiln.evaluate.stats import Verdict
+from kiln.pipeline.verdict import Verdict
 from kiln.pipeline.registry import Registry
 
 __all__ = ["CHECKS", "Check", "CheckConfig", "CheckResult", "Evidence", "Verdict"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import Field
-from scipy import stats
 
 from kiln.pipeline.gate.base import CHECKS, Check, CheckConfig, CheckResult, Evidence, Verdict
 from kiln.pipeline.gate.performance import bounded_verdict
@@ -20,6 +19,8 @@ class ErrorRateCheckConfig(CheckConfig):
 @CHECKS.register("error_rate", ErrorRateCheckConfig)
 class ErrorRateCheck(Check):
     def check(self, candidate: Evidence, baseline: Evidence) -> CheckResult:
+        from scipy import stats
+
         c: ErrorRateCheckConfig = self.config  # type: ignore[assignment]
         errors, trials = candidate.counts.get("error_rate", (0, 0))
         if trials == 0:

@@ -12,7 +12,6 @@ from typing import Literal
 
 import numpy as np
 from pydantic import Field, model_validator
-from scipy import stats
 
 from kiln.pipeline.gate.base import CHECKS, Check, CheckConfig, CheckResult, Evidence, Verdict
 from kiln.pipeline.metrics import metric
@@ -35,6 +34,7 @@ class PerformanceCheckConfig(CheckConfig):
 
 def t_interval(values: np.ndarray, confidence: float) -> tuple[float, float, float]:
     """Mean and two-sided Student-t interval."""
+    from scipy import stats
     mean = float(values.mean())
     half = float(stats.t.ppf(0.5 + confidence / 2, len(values) - 1) * values.std(ddof=1) / math.sqrt(len(values)))
     return mean, mean - half, mean + half

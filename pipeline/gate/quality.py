@@ -7,13 +7,11 @@ when the confidence bound on the drop is inside the margin (kiln.evaluate.stats.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field, model_validator
-from scipy import stats as sps
 
-from kiln.evaluate import stats
 from kiln.pipeline.gate.base import CHECKS, Check, CheckConfig, CheckResult, Evidence
 from kiln.pipeline.gate.performance import bounded_verdict
 from kiln.pipeline.metrics import metric
@@ -41,6 +39,8 @@ def joined(candidate: Evidence, baseline: Evidence, key: str) -> tuple[list[str]
 @CHECKS.register("quality", QualityCheckConfig)
 class QualityCheck(Check):
     def check(self, candidate: Evidence, baseline: Evidence) -> CheckResult:
+        from kiln.evaluate import stats
+
         c: QualityCheckConfig = self.config  # type: ignore[assignment]
         m = metric(c.metric, f"gate check {c.label}")
         cmp = self._compare(candidate, baseline)
@@ -50,7 +50,9 @@ class QualityCheck(Check):
                            threshold=f"drop ≤ {c.margin:g}{unit}", ci=(cmp.ci_low, cmp.ci_high),
                            p_value=cmp.p_value, method=cmp.method, reason=ni.reason, items_needed=ni.items_needed)
 
-    def _compare(self, candidate: Evidence, baseline: Evidence) -> stats.Comparison:
+    def _compare(self, candidate: Evidence, baseline: Evidence) -> Any:
+        from kiln.evaluate import stats
+
         c: QualityCheckConfig = self.config  # type: ignore[assignment]
         if c.metric == "perplexity":
             ids, b_nll, c_nll = joined(candidate, baseline, "nll")
@@ -83,6 +85,8 @@ class AgreementCheck(Check):
     over documents (the baseline agrees with itself perfectly, so there is nothing to pair)."""
 
     def check(self, candidate: Evidence, baseline: Evidence) -> CheckResult:
+        from scipy import stats as sps
+
         c: AgreementCheckConfig = self.config  # type: ignore[assignment]
         metric(c.metric, f"gate check {c.label}")
         values = np.array(list(candidate.samples.get(c.metric, {}).values()), dtype=float)
