@@ -1,0 +1,75 @@
+"""Shared test fixtures: the demo model and data, and a tiny random Llama with the demo tokenizer.
+
+Environment is set at import time, before any test module imports transformers or MLflow:
+tests never reach a model hub, and they share one kiln cache with `make` (`<repo>/.cache/kiln`
+unless KILN_CACHE is set), so the demo model is converted once per checkout, not per run.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
+os.environ.setdefault("KILN_CACHE", str(REPO / ".cache" / "kiln"))
+
+
+def build_tiny_llama(tokenizer_dir: Path, out: Path) -> Path:
+    """A 2-layer random Llama (every dimension divisible by 128) with the tokenizer of `tokenizer_dir`."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=len(tok),
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        dtype="float32",
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def demo_model() -> Path:
+    """The SmolLM2-135M-Instruct fp32 checkpoint folder (converted on first use, then cached)."""
+    from kiln.pipeline.demo import demo_model_dir
+
+    return demo_model_dir()
+
+
+@pytest.fixture(scope="session")
+def demo_data():
+    """`DemoData`: held-out and calibration Austen text, GSM8K prompts, word-swap task."""
+    from kiln.pipeline.demo import prepare_demo_data
+
+    return prepare_demo_data()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, demo_model) -> Path:
+    # The tokenizer comes from the cached demo checkout: after the one-time conversion that is
+    # instant, while building it from the GGUF costs ~17 s of CPU in every session.
+    return build_tiny_llama(demo_model, tmp_path_factory.mktemp("tiny-llama"))
