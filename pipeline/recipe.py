@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 import kiln.engine  # noqa: F401 - registers the engine backends
 import kiln.optimize  # noqa: F401 - registers the quantization methods
+from kiln.deploy.config import DeployConfig
 from kiln.engine.base import BACKENDS
 from kiln.optimize.base import QUANTIZERS
 from kiln.pipeline.errors import BadInput
@@ -63,18 +64,6 @@ class TrackingSection(Section):
     registered_model: str | None = Field(None, description="registry name; default the recipe name")
 
 
-class CanaryStep(Section):
-    weight: int = Field(ge=0, le=100)
-    min_requests: int = Field(50, ge=1)
-    max_duration_s: float = Field(300, gt=0)
-
-
-class DeploySection(Section):
-    target: Literal["local", "kubernetes"] = "local"
-    steps: list[CanaryStep] = Field(default_factory=lambda: [CanaryStep(weight=w) for w in (5, 25, 50, 100)])
-    on_inconclusive: Literal["hold", "rollback"] = "rollback"
-
-
 # The plugin unions: each registry knows its plugins once their packages are imported.
 OptimizeConfig = QUANTIZERS.config_union()
 EngineSectionConfig = BACKENDS.config_union()
@@ -93,7 +82,7 @@ class Recipe(Section):
     evaluate: EvaluateSection = EvaluateSection()
     gate: GateSection
     tracking: TrackingSection = TrackingSection()
-    deploy: DeploySection = DeploySection()
+    deploy: DeployConfig = DeployConfig()
 
     def digest(self) -> str:
         """Content hash of the resolved recipe: keys runs and tags MLflow runs."""

@@ -1,0 +1,98 @@
+"""Whole canary walks on a simulated target: how often the controller does the right thing, how fast.
+
+The controller (kiln.deploy.canary) walks the default steps (5, 25, 50, 100 %, 50 canary requests
+each, at most 300 s) on kiln.deploy.simulated.SimulatedTarget: lognormal TTFT/TPOT (log-sd
+--sigma), 50 requests/s, a look every 2 s, virtual time. Gate policy: ttft_ms and tpot_ms
+max_ratio 1.15, error_rate max 0.02, confidence 0.95. Scenarios:
+
+- healthy: canary identical to stable. Any rollback is a false rollback.
+- at-bound: canary exactly 15% slower (on the bound; not a regression by the policy's letter):
+  "Failed" should stay rare (the sequential guarantee is per check, at most alpha); such a canary
+  cannot be shown within the bound either, so it ends undecided at the step limit (rolled back
+  under the default on_inconclusive: rollback).
+- regressed: canary 30% slower: should be rolled back, early.
+- errors: canary fails 10% of requests: should be rolled back.
+
+Per scenario: share promoted / rolled back / held, the step where rollbacks happened, the median
+virtual seconds and canary requests to the decision. Writes bench/results/canary_sim.json and
+prints a table.
+
+    python bench/canary_sim.py              # 200 walks per scenario
+    python bench/canary_sim.py --runs 50    # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from kiln.deploy.canary import Controller
+from kiln.deploy.config import DeployConfig
+from kiln.deploy.simulated import ArmModel, SimulatedTarget
+from kiln.pipeline.files import atomic_write_json
+from kiln.pipeline.gate.policy import GateSection
+
+OUT = Path(__file__).parent / "results" / "canary_sim.json"
+POLICY = GateSection.model_validate({"checks": [
+    {"kind": "performance", "metric": "ttft_ms", "max_ratio": 1.15},
+    {"kind": "performance", "metric": "tpot_ms", "max_ratio": 1.15},
+    {"kind": "error_rate", "max": 0.02},
+]})
+
+
+def scenarios(sigma: float) -> dict[str, ArmModel]:
+    return {"healthy": ArmModel(sigma=sigma), "at-bound": ArmModel(ttft_ms=57.5, tpot_ms=23, sigma=sigma),
+            "regressed": ArmModel(ttft_ms=65, tpot_ms=26, sigma=sigma),
+            "errors": ArmModel(sigma=sigma, error_rate=0.10)}
+
+
+def walk(canary: ArmModel, sigma: float, seed: int) -> dict:
+    target = SimulatedTarget(ArmModel(sigma=sigma), canary, rate=50, seed=seed)
+    result = Controller(target, POLICY, DeployConfig(), log=lambda _: None, sleep=target.sleep,
+                        clock=target.clock).run()
+    return {"status": result.status, "verdict": result.steps[-1].verdict, "steps": len(result.steps), "seconds": target.now,
+            "canary_requests": sum(s.canary["requests"] for s in result.steps),
+            "failed_checks": [c["name"] for c in result.steps[-1].checks if c["verdict"] == "Failed"]}
+
+
+def summarize(walks: list[dict]) -> dict:
+    status = Counter(w["status"] for w in walks)
+    rolled = [w for w in walks if w["status"] == "rolled_back"]
+    return {"runs": len(walks), **{k: status[k] / len(walks) for k in ("promoted", "rolled_back", "held")},
+            "rolled_back_failed": sum(w["verdict"] == "Failed" for w in rolled) / len(walks),
+            "rolled_back_inconclusive": sum(w["verdict"] == "Inconclusive" for w in rolled) / len(walks),
+            "rollback_step": dict(Counter(w["steps"] for w in rolled)),
+            "median_seconds": float(np.median([w["seconds"] for w in walks])),
+            "median_canary_requests": float(np.median([w["canary_requests"] for w in walks])),
+            "failed_checks": dict(Counter(c for w in rolled for c in w["failed_checks"]))}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=200)
+    p.add_argument("--sigma", type=float, default=0.3, help="log-sd of per-request latency")
+    args = p.parse_args()
+    started = time.time()
+    results = {name: summarize([walk(model, args.sigma, seed) for seed in range(args.runs)])
+               for name, model in scenarios(args.sigma).items()}
+    report = {"args": vars(args), "python": platform.python_version(), "seconds": time.time() - started,
+              "policy": POLICY.model_dump(mode="json"), "scenarios": results}
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(OUT, report)
+    print(f"{'scenario':<10} {'promoted':>9} {'rolled back (Failed / undecided)':>34} {'held':>6} {'at step':>16} "
+          f"{'median s':>9} {'median canary req':>18}")
+    for name, r in results.items():
+        steps = ",".join(f"{k}:{v}" for k, v in sorted(r["rollback_step"].items())) or "-"
+        split = f"{r['rolled_back']:.1%} ({r['rolled_back_failed']:.1%} / {r['rolled_back_inconclusive']:.1%})"
+        print(f"{name:<10} {r['promoted']:>9.1%} {split:>34} {r['held']:>6.1%} {steps:>16} "
+              f"{r['median_seconds']:>9.0f} {r['median_canary_requests']:>18.0f}")
+    print(f"({args.runs} walks per scenario, {report['seconds']:.0f} s; {OUT})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""Serving-side admission control as aiohttp middleware, for the router and for `kiln serve`.
+
+What it does, per request on the guarded paths (the two OpenAI generation endpoints):
+- drain: once draining (SIGTERM), new requests get a fast 503 and /health says so, while
+  requests already admitted run to the end of their stream;
+- per-tenant rate limit: a token bucket per API key (tenants are told apart by a hash of the key,
+  never the key itself); over the limit, 429 with the Retry-After that refills one token;
+- bounded queue: at most `max_concurrency` requests run, at most `max_queue` wait; when the queue
+  is full the answer is an immediate 429 with Retry-After instead of a timeout minutes later;
+- one JSON log line per request on the `kiln.requests` logger: queue time, TTFT, TPOT, tokens
+  in/out, status, tenant, plus whatever the handler put in `request[STATS]`.
+
+Adopt it in a server with `admission = Admission(config)`, `web.Application(middlewares=
+[admission.middleware])`, and serve with `serve_until_drained(...)`, which turns SIGTERM into a
+drain. Handlers report what they measured by filling `request[STATS]` (a dict).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import math
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from kiln.deploy.config import AdmissionConfig
+
+GUARDED = ("/v1/completions", "/v1/chat/completions")
+STATS = web.RequestKey("kiln.stats", dict)  # handlers add ttft_ms, tpot_ms, tokens_in, tokens_out, ...
+log = logging.getLogger("kiln.requests")
+
+
+def tenant_of(request: web.Request) -> str:
+    """A stable tenant id: a short hash of the bearer key, else the peer address."""
+    auth = request.headers.get("Authorization", "")
+    if auth.startswith("Bearer ") and len(auth) > 7:
+        return "key:" + hashlib.sha256(auth[7:].encode()).hexdigest()[:12]
+    return f"ip:{request.remote or 'unknown'}"
+
+
+class TokenBucket:
+    def __init__(self, rate: float, burst: int):
+        self.rate, self.burst = rate, burst
+        self.tokens, self.stamp = float(burst), time.monotonic()
+
+    def take(self) -> float:
+        """0 when a token was taken, else the seconds until one is available."""
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return 0.0
+        return (1 - self.tokens) / self.rate
+
+
+def _reject(status: int, message: str, retry_after: float, kind: str) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "code": status}}
+    headers = {"Retry-After": str(max(1, math.ceil(retry_after)))}
+    if status == 503:
+        headers["Connection"] = "close"
+    return web.json_response(body, status=status, headers=headers)
+
+
+class Admission:
+    """Bounded queue, per-tenant rate limits, drain and request logs for one server."""
+
+    def __init__(self, config: AdmissionConfig, paths: tuple[str, ...] = GUARDED):
+        self.config, self.paths = config, paths
+        self.running = 0  # admitted and not finished
+        self.waiting = 0
+        self.rejected: dict[str, int] = {"queue_full": 0, "rate_limited": 0, "draining": 0, "queue_timeout": 0}
+        self.draining = False
+        self._slots: asyncio.Semaphore | None = None
+        self._idle: asyncio.Event | None = None
+        self._buckets: dict[str, TokenBucket] = {}
+
+    def _refuse(self, reason: str, status: int, message: str, retry_after: float) -> web.Response:
+        self.rejected[reason] += 1
+        return _reject(status, message, retry_after, "overloaded" if status == 429 else "unavailable")
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        if request.path not in self.paths:
+            return await handler(request)
+        cfg, arrival = self.config, time.perf_counter()
+        if self._slots is None:  # created on the serving loop
+            self._slots, self._idle = asyncio.Semaphore(cfg.max_concurrency), asyncio.Event()
+        if self.draining:
+            return self._refuse("draining", 503, "server is draining (shutting down); retry on another replica", 1)
+        tenant = tenant_of(request)
+        if cfg.rate_limit_rps:
+            bucket = self._buckets.setdefault(tenant, TokenBucket(cfg.rate_limit_rps, cfg.rate_limit_burst))
+            if wait := bucket.take():
+                return self._refuse("rate_limited", 429, f"rate limit of {cfg.rate_limit_rps:g} requests/s exceeded", wait)
+        if not self._slots.locked():
+            await self._slots.acquire()  # a free slot: returns at once, no other request can slip in
+        elif self.waiting >= cfg.max_queue:
+            return self._refuse("queue_full", 429, f"queue full ({cfg.max_queue} waiting)", cfg.retry_after_s)
+        else:
+            self.waiting += 1
+            try:
+                await asyncio.wait_for(self._slots.acquire(), cfg.queue_timeout_s)
+            except TimeoutError:
+                return self._refuse("queue_timeout", 429, f"waited {cfg.queue_timeout_s:g} s for a slot", cfg.retry_after_s)
+            finally:
+                self.waiting -= 1
+        self.running += 1
+        self._idle.clear()  # type: ignore[union-attr]
+        request[STATS] = stats = {"queue_ms": (time.perf_counter() - arrival) * 1000}
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        finally:
+            self._slots.release()
+            self.running -= 1
+            if self.running == 0:
+                self._idle.set()  # type: ignore[union-attr]
+            if cfg.log_requests:
+                self._log(request, tenant, status, arrival, stats)
+
+    def _log(self, request: web.Request, tenant: str, status: int, arrival: float, stats: dict[str, Any]) -> None:
+        line = {"ts": round(time.time(), 3), "method": request.method, "path": request.path, "status": status,
+                "tenant": tenant, "e2e_ms": round((time.perf_counter() - arrival) * 1000, 3)}
+        line.update({k: round(v, 3) if isinstance(v, float) else v for k, v in stats.items()})
+        for key in ("queue_ms", "ttft_ms", "tpot_ms", "tokens_in", "tokens_out"):
+            line.setdefault(key, None)
+        log.info(json.dumps(line, separators=(",", ":")))
+
+    def start_drain(self) -> None:
+        self.draining = True
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True when every admitted request finished within `timeout` seconds."""
+        if self.running == 0 and self.waiting == 0:
+            return True
+        deadline = time.monotonic() + timeout
+        while (self.running or self.waiting) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return not (self.running or self.waiting)
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """Status and body for /health: 503 while draining so a load balancer stops sending."""
+        if self.draining:
+            return 503, {"status": "draining", "running": self.running}
+        return 200, {"status": "ok", "running": self.running, "waiting": self.waiting}
+
+
+async def serve_until_drained(app: web.Application, admission: Admission, host: str, port: int,
+                              on_ready: Callable[[int], None] | None = None) -> None:
+    """Serve `app` until SIGTERM or SIGINT, then drain: refuse new requests, let in-flight streams
+    finish (up to drain_timeout_s), stop. Call inside a running loop (uvloop.run)."""
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=4096)
+    await site.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if on_ready:
+        on_ready(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+    try:
+        await stop.wait()
+        admission.start_drain()
+        drained = await admission.wait_idle(admission.config.drain_timeout_s)
+        logging.getLogger("kiln.serve").info(json.dumps({"event": "drained", "clean": drained}))
+    finally:
+        await runner.cleanup()

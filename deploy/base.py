@@ -1,0 +1,134 @@
+"""The deploy-target contract: `set_traffic(weight)`, `observe(cursor)`, `promote()`, `rollback()`.
+
+One file per target beside this one (local.py, kubernetes.py). The canary controller only talks
+to this contract, so the walk, the statistics and the MLflow records are the same wherever the
+two arms run.
+
+`observe(cursor)` returns what happened since the previous look: per-arm, per-request values
+(TTFT, TPOT, failures) and mirrored comparisons, plus the cursor for the next look. Keeping
+individual requests (not aggregates) is what lets the controller run a sequential test on them.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from kiln.deploy.observations import is_failure
+from kiln.pipeline.gate.base import Evidence
+
+
+@dataclass
+class ArmData:
+    """One arm's requests in a window. errors has one 0/1 per request (1 = the arm failed it);
+    latencies only for requests that succeeded."""
+
+    ttft_ms: list[float] = field(default_factory=list)
+    tpot_ms: list[float] = field(default_factory=list)
+    errors: list[int] = field(default_factory=list)
+
+    @property
+    def requests(self) -> int:
+        return len(self.errors)
+
+    def add(self, obs: dict[str, Any]) -> None:
+        if obs["status"] == 499:
+            return  # the client left: says nothing about the arm
+        failed = is_failure(obs["status"], obs["error"])
+        self.errors.append(int(failed))
+        if obs["error"] is None:
+            if obs["ttft_s"] is not None:
+                self.ttft_ms.append(obs["ttft_s"] * 1000)
+            if obs["tpot_s"] is not None:
+                self.tpot_ms.append(obs["tpot_s"] * 1000)
+
+    def extend(self, other: ArmData) -> None:
+        self.ttft_ms += other.ttft_ms
+        self.tpot_ms += other.tpot_ms
+        self.errors += other.errors
+
+    def summary(self) -> dict[str, float]:
+        out: dict[str, float] = {"requests": self.requests, "errors": sum(self.errors)}
+        if self.errors:
+            out["error_rate"] = sum(self.errors) / len(self.errors)
+        for name, values in (("ttft_ms", self.ttft_ms), ("tpot_ms", self.tpot_ms)):
+            if values:
+                arr = np.asarray(values)
+                out.update({f"{name}_mean": float(arr.mean()), f"{name}_p50": float(np.percentile(arr, 50)),
+                            f"{name}_p95": float(np.percentile(arr, 95))})
+        return out
+
+
+@dataclass
+class Observations:
+    stable: ArmData = field(default_factory=ArmData)
+    canary: ArmData = field(default_factory=ArmData)
+    matches: list[int] = field(default_factory=list)  # mirrored comparisons: 1 = identical greedy answers
+    cursor: tuple[int, int] = (0, 0)  # pass back to observe() for the next window
+
+    def arm(self, name: str) -> ArmData:
+        return self.canary if name == "canary" else self.stable
+
+    def extend(self, other: Observations) -> None:
+        self.stable.extend(other.stable)
+        self.canary.extend(other.canary)
+        self.matches += other.matches
+        self.cursor = other.cursor
+
+    def evidence(self) -> tuple[Evidence, Evidence]:
+        """(candidate, baseline) Evidence of the aggregate values, for reports and MLflow."""
+        out = []
+        for role, data in (("candidate", self.canary), ("baseline", self.stable)):
+            s = data.summary()
+            metrics = {"ttft_ms": s["ttft_ms_mean"]} if "ttft_ms_mean" in s else {}
+            if "tpot_ms_mean" in s:
+                metrics.update(tpot_ms=s["tpot_ms_mean"], decode_tok_s=1000 / s["tpot_ms_mean"])
+            if "error_rate" in s:
+                metrics["error_rate"] = s["error_rate"]
+            if role == "candidate" and self.matches:
+                metrics["greedy_match"] = float(np.mean(self.matches))
+            out.append(Evidence(role, metrics=metrics, counts={"error_rate": (int(s["errors"]), int(s["requests"]))}))
+        return out[0], out[1]
+
+
+class DeployTarget(abc.ABC):
+    """Where the stable and canary arms run. Implementations are context managers."""
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def set_traffic(self, weight: float) -> None:
+        """Send `weight` percent of traffic to the canary (0 = none, 100 = all)."""
+
+    @abc.abstractmethod
+    def observe(self, cursor: tuple[int, int] = (0, 0)) -> Observations:
+        """Requests finished since `cursor` (from the previous Observations), per arm."""
+
+    @abc.abstractmethod
+    def promote(self) -> None:
+        """Make the canary the new stable and give it all traffic."""
+
+    @abc.abstractmethod
+    def rollback(self) -> None:
+        """Give stable all traffic and retire the canary."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release what the target started."""
+
+    def __enter__(self) -> DeployTarget:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def observations_from(payload: dict[str, Any]) -> Observations:
+    """Build Observations from the router's GET /admin/observations answer."""
+    obs = Observations(cursor=(int(payload["next"]), int(payload["next_mirror"])))
+    for item in payload["observations"]:
+        obs.arm(item["arm"]).add(item)
+    obs.matches = [int(c["match"]) for c in payload["comparisons"]]
+    return obs

@@ -1,0 +1,108 @@
+"""Configuration of the deploy stage: the router, its admission control, the canary walk, the
+Kubernetes rendering. One validated object per concern, `extra="forbid"` everywhere.
+
+`DeployConfig` is the richer replacement for the recipe's `DeploySection` (same field names for
+what both have: target, steps, on_inconclusive). Secrets (API keys) are never config fields: they
+come from the environment or an argument, so a dumped config never carries one.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class AdmissionConfig(Section):
+    """Serving-side protection, shared by `kiln route` and (by adoption) `kiln serve`."""
+
+    max_concurrency: int = Field(256, ge=1, description="requests handled at once")
+    max_queue: int = Field(1024, ge=0, description="requests waiting beyond max_concurrency; when full: 429")
+    queue_timeout_s: float = Field(60, gt=0, description="longest wait in the queue before a 429")
+    retry_after_s: float = Field(1.0, gt=0, description="Retry-After sent with a 429 from a full queue")
+    rate_limit_rps: float | None = Field(None, gt=0, description="per-tenant (API key) requests/s; None = off")
+    rate_limit_burst: int = Field(20, ge=1, description="token-bucket size per tenant")
+    drain_timeout_s: float = Field(30, gt=0, description="on SIGTERM: longest wait for in-flight requests")
+    log_requests: bool = Field(True, description="one JSON line per request on the 'kiln.requests' logger")
+
+
+class RouterOptions(Section):
+    """How the router splits and watches traffic (the part that belongs in a recipe)."""
+
+    affinity: Literal["session", "prefix", "random"] = Field(
+        "session", description="session: X-Session-Id header or the 'user' field, else the prompt prefix; "
+                               "prefix: hash of the prompt prefix; random: per request")
+    session_header: str = "X-Session-Id"
+    prefix_chars: int = Field(256, ge=1, description="characters of the prompt that key prefix affinity")
+    vnodes: int = Field(4096, ge=16, description="virtual nodes per arm on the hash ring")
+    mirror_fraction: float = Field(0.0, ge=0, le=1, description="share of greedy requests also sent to the other arm")
+    connect_timeout_s: float = Field(5, gt=0)
+    read_timeout_s: float = Field(300, gt=0, description="longest silence from a backend mid-request")
+    window: int = Field(200_000, ge=100, description="per-request observations kept for the controller")
+    admission: AdmissionConfig = AdmissionConfig()
+
+
+class RouterConfig(RouterOptions):
+    """A running router: options plus where it listens and what it fronts."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535, description="0 = a free port")
+    stable_url: str
+    canary_url: str | None = None
+    weight: float = Field(0.0, ge=0, le=100, description="percent of traffic sent to the canary")
+
+
+class CanaryStep(Section):
+    weight: float = Field(gt=0, le=100, description="percent of traffic on the canary during this step")
+    min_requests: int = Field(50, ge=1, description="canary requests this step must see before it can pass")
+    max_duration_s: float = Field(300, gt=0, description="after this, an undecided step holds or rolls back")
+
+
+class KubernetesConfig(Section):
+    """What `kiln deploy render` writes: an Argo Rollout, its AnalysisTemplates, Services, autoscaler."""
+
+    namespace: str = "default"
+    image: str = Field("kiln-serve:latest", description="container image that runs `kiln serve`")
+    model_path: str = Field("/models/engine", description="engine folder inside the container")
+    port: int = Field(8000, ge=1, le=65535)
+    replicas: int = Field(4, ge=1)
+    gpus: int = Field(0, ge=0, description="nvidia.com/gpu per pod")
+    traffic_routing: Literal["replicas", "nginx"] = Field(
+        "replicas", description="replicas: split by pod counts (no mesh needed); nginx: exact weights via ingress")
+    ingress_host: str | None = None
+    prometheus_url: str = "http://prometheus.monitoring.svc.cluster.local:9090"
+    query_window: str = Field("5m", pattern=r"^[0-9]+[smh]$")
+    analysis_interval: str = Field("1m", pattern=r"^[0-9]+[smh]$")
+    failure_limit: int = Field(2, ge=0, description="failed measurements tolerated by the background guard")
+    consecutive_successes: int = Field(3, ge=1, description="successful measurements in a row that pass a step")
+    latency_statistic: Literal["mean", "p50", "p90", "p95", "p99"] = "mean"
+    hash_label: str = Field("rollouts_pod_template_hash", description="Prometheus label carrying the pod-template hash")
+    autoscaler: Literal["keda", "hpa", "none"] = "keda"
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(16, ge=1)
+    queue_per_replica: float = Field(8, gt=0, description="waiting requests per pod that trigger a scale-up")
+
+
+class DeployConfig(Section):
+    """The recipe's `deploy:` section (proposed replacement for recipe.DeploySection)."""
+
+    target: Literal["local", "kubernetes"] = "local"
+    steps: list[CanaryStep] = Field(default_factory=lambda: [CanaryStep(weight=w) for w in (5, 25, 50, 100)],
+                                    min_length=1)
+    on_inconclusive: Literal["hold", "rollback"] = "rollback"
+    poll_s: float = Field(2.0, gt=0, description="seconds between two looks at the live data")
+    min_per_arm: int = Field(20, ge=2, description="observations per arm before a check may decide")
+    effect_scale: float = Field(0.1, gt=0, description="effect (relative) the sequential test is tuned to detect fastest")
+    router: RouterOptions = RouterOptions()
+    kubernetes: KubernetesConfig = KubernetesConfig()
+
+    @model_validator(mode="after")
+    def _increasing(self) -> DeployConfig:
+        weights = [s.weight for s in self.steps]
+        if any(b <= a for a, b in zip(weights, weights[1:], strict=False)):
+            raise ValueError(f"steps: weights must increase step by step, got {weights}")
+        return self

@@ -1,0 +1,140 @@
+"""The recipe's gate policy, judged on live traffic with always-valid sequential tests.
+
+The offline gate (`kiln run`) judges fixed samples once. The canary controller looks at live data
+again and again, and may stop at any look; a fixed-sample interval read at every look would roll
+back healthy canaries far more often than its confidence says. So each check the live data can
+speak to becomes a `SequentialTest` (deploy/sequential.py: a normal-mixture confidence sequence),
+one per check for the whole walk, and the check's verdicts are combined by the same rule as
+offline (`kiln.pipeline.gate.policy.combine`).
+
+How each check kind maps (the threshold semantics stay those of the offline check):
+- performance, min_ratio / max_ratio on ttft_ms, tpot_ms, decode_tok_s: canary / stable ratio of
+  geometric means (relative=True), canary values divided by the bound so the margin is 0; which
+  side is bad comes from the bound (max_* = above is bad), as in the offline check.
+- performance, min / max (an SLO): canary mean against the constant bound. A two-sample sequence
+  against a zero-variance reference arm is exactly the one-sample sequence.
+- error_rate, max: canary failures (0/1 per request, binary=True) against a reference of zeros,
+  margin = max: "canary error rate at most max". Conservative: the reference's smoothed variance
+  adds to the canary's.
+- agreement on greedy_match with a min: mirrored greedy requests (router mirror_fraction > 0);
+  disagreement (0/1) against zeros, margin 1 - min.
+- quality, size, other metrics: skipped with the reason (judged offline; no live signal).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kiln.deploy.base import ArmData, Observations
+from kiln.deploy.sequential import SequentialDecision, SequentialTest
+from kiln.pipeline.errors import BadInput
+from kiln.pipeline.gate.base import CheckConfig, CheckResult
+from kiln.pipeline.gate.policy import GateOutcome, GateSection, combine
+
+LIVE_SIGNALS: dict[str, Callable[[ArmData], list[float]]] = {
+    "ttft_ms": lambda a: a.ttft_ms,
+    "tpot_ms": lambda a: a.tpot_ms,
+    "decode_tok_s": lambda a: [1000 / t for t in a.tpot_ms if t > 0],
+}
+METHOD = "always-valid normal-mixture confidence sequence (Robbins; mSPRT)"
+
+
+@dataclass
+class LiveCheck:
+    config: CheckConfig
+    test: SequentialTest
+    feed: Callable[[Observations], tuple[list[float], list[float]]]  # (reference/stable, canary)
+    show: Callable[[float], float]  # decision scale -> the check's own scale
+    threshold: str
+
+    def result(self) -> CheckResult:
+        d: SequentialDecision = self.test.decide()
+        lo, hi = sorted((self.show(d.cs_low), self.show(d.cs_high)))
+        finite = math.isfinite(lo) and math.isfinite(hi)
+        observed = None if math.isnan(d.estimate) else self.show(d.estimate)
+        why = d.reason.split(":")[0]  # the test's words; its numbers are on the test's own scale
+        if finite and observed is not None:
+            why += (f": {observed:.4g}, {1 - self.test.alpha:.0%} confidence sequence [{lo:.4g}, {hi:.4g}], "
+                    f"threshold {self.threshold} (n={d.n_stable}/{d.n_canary} reference/canary)")
+        return CheckResult(name=self.config.label, kind=self.config.kind, metric=self.config.metric,
+                           verdict=d.verdict, observed=observed, baseline=None, threshold=self.threshold,
+                           ci=(lo, hi) if finite else None, method=f"{METHOD}, n={d.n_stable}/{d.n_canary}", reason=why)
+
+
+class LiveGate:
+    """Feed it every window with `update`; `judge()` gives the policy's verdict so far."""
+
+    def __init__(self, policy: GateSection, alpha: float | None = None, min_per_arm: int = 20,
+                 effect_scale: float = 0.1, mirroring: bool = False):
+        self.policy = policy
+        self.checks: list[LiveCheck] = []
+        self.skipped: list[dict[str, str]] = []
+        for cfg in policy.checks:
+            a = alpha if alpha is not None else 1 - (cfg.confidence or policy.confidence)
+            live, why = _plan(cfg, a, min_per_arm, effect_scale, mirroring)
+            if live is None:
+                self.skipped.append({"check": cfg.label, "reason": why})
+            else:
+                self.checks.append(live)
+        if not self.checks:
+            raise BadInput("gate.checks: none of the checks can be judged on live traffic.",
+                           [f"{s['check']}: {s['reason']}" for s in self.skipped]
+                           + ["add an error_rate check, or a performance check on ttft_ms / tpot_ms / decode_tok_s"])
+
+    def update(self, obs: Observations) -> None:
+        for check in self.checks:
+            reference, canary = check.feed(obs)
+            check.test.update(reference, canary)
+
+    def judge(self) -> GateOutcome:
+        results = [c.result() for c in self.checks]
+        verdict, code = combine(results, "fail")
+        return GateOutcome(verdict, results, code, "any Failed fails; live checks are sequential (valid at every look)")
+
+
+def _plan(cfg: CheckConfig, alpha: float, min_per_arm: int, scale: float,
+          mirroring: bool) -> tuple[LiveCheck | None, str]:
+    kind = cfg.kind
+    if kind == "performance":
+        return _performance(cfg, alpha, min_per_arm, scale)
+    if kind == "error_rate":
+        bound = cfg.max  # type: ignore[attr-defined]
+        test = SequentialTest(alpha, margin=bound, binary=True, effect_scale=max(bound, 0.01), min_per_arm=min_per_arm)
+        return LiveCheck(cfg, test, lambda o: ([0.0] * o.canary.requests, [float(e) for e in o.canary.errors]),
+                         float, f"≤ {bound:g}"), ""
+    if kind == "agreement":
+        if cfg.metric != "greedy_match" or getattr(cfg, "min", None) is None:
+            return None, "only greedy_match with a min has a live signal (mirrored greedy requests)"
+        if not mirroring:
+            return None, "needs mirrored requests: set deploy.router.mirror_fraction > 0"
+        bound = cfg.min  # type: ignore[attr-defined]
+        test = SequentialTest(alpha, margin=1 - bound, binary=True, effect_scale=max(1 - bound, 0.01),
+                              min_per_arm=min_per_arm)
+        return LiveCheck(cfg, test, lambda o: ([0.0] * len(o.matches), [1.0 - m for m in o.matches]),
+                         lambda d: 1 - d, f"≥ {bound:g}"), ""
+    if kind == "quality":
+        return None, "judged offline on the evaluation set (live requests have no reference answers)"
+    if kind == "size":
+        return None, "a checkpoint's size does not change in production"
+    return None, f"no live mapping for check kind '{kind}'"
+
+
+def _performance(cfg: CheckConfig, alpha: float, min_per_arm: int, scale: float) -> tuple[LiveCheck | None, str]:
+    signal = LIVE_SIGNALS.get(cfg.metric)
+    if signal is None:
+        return None, f"no live per-request signal for metric '{cfg.metric}' (live: {', '.join(LIVE_SIGNALS)})"
+    c = cfg
+    high_is_bad = c.max_ratio is not None or c.max is not None  # type: ignore[attr-defined]
+    ratio = c.min_ratio if c.min_ratio is not None else c.max_ratio  # type: ignore[attr-defined]
+    if ratio is not None:
+        test = SequentialTest(alpha, margin=0.0, higher_is_better=not high_is_bad, relative=True,
+                              effect_scale=scale, min_per_arm=min_per_arm)
+        return LiveCheck(cfg, test, lambda o: (signal(o.stable), [v / ratio for v in signal(o.canary)]),
+                         lambda d: ratio * (1 + d), f"ratio {'≤' if high_is_bad else '≥'} {ratio:g}"), ""
+    bound = c.max if high_is_bad else c.min  # type: ignore[attr-defined]
+    test = SequentialTest(alpha, margin=0.0, higher_is_better=not high_is_bad, effect_scale=scale * abs(bound) or scale,
+                          min_per_arm=min_per_arm)
+    return LiveCheck(cfg, test, lambda o: ([bound] * len(signal(o.canary)), signal(o.canary)),
+                     lambda d: bound + d, f"{'≤' if high_is_bad else '≥'} {bound:g}"), ""

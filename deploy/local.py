@@ -1,0 +1,178 @@
+"""The local deploy target (the default): both arms and the router on this machine.
+
+Each arm is a `kiln serve`-compatible server: one already running (url), one this target starts
+(command, with "{port}" replaced by a free port, e.g. ["kiln", "serve", "ENGINE_DIR", "--port",
+"{port}"]), or the fake engine (tests, demos). The router fronts both; clients use `target.url`.
+
+promote(): the router's stable arm is pointed at the canary's server, the old stable finishes
+what it is serving and is stopped. rollback(): weight 0, the canary finishes and is stopped. In
+both cases no request in flight is cut: the router retires a backend only once it is idle.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import model_validator
+
+from kiln.deploy.base import DeployTarget, Observations, observations_from
+from kiln.deploy.config import RouterConfig, RouterOptions, Section
+from kiln.deploy.router_process import RouterProcess
+from kiln.engine.fake import FakeEngineConfig, FakeServer
+from kiln.pipeline.errors import BadInput, KilnError
+
+
+class BackendSpec(Section):
+    """How one arm gets served: exactly one of url, command, fake."""
+
+    url: str | None = None
+    command: list[str] | None = None
+    fake: FakeEngineConfig | None = None
+    health_timeout_s: float = 600
+
+    @model_validator(mode="after")
+    def _one(self) -> BackendSpec:
+        given = [k for k in ("url", "command", "fake") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"set exactly one of url, command, fake (got {given or 'none'})")
+        if self.command is not None and not any("{port}" in part for part in self.command):
+            raise ValueError("command must contain '{port}' where the server's port goes")
+        return self
+
+
+@dataclass
+class Arm:
+    url: str
+    handle: Any = None  # FakeServer or Popen, None for a server this target did not start
+
+    @property
+    def pid(self) -> int | None:
+        return getattr(self.handle, "pid", None)
+
+    def stop(self) -> None:
+        if isinstance(self.handle, FakeServer):
+            self.handle.__exit__(None, None, None)
+        elif isinstance(self.handle, subprocess.Popen) and self.handle.poll() is None:
+            self.handle.terminate()  # kiln serve drains on SIGTERM
+            try:
+                self.handle.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.handle.kill()
+                self.handle.wait()
+        self.handle = None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise KilnError(f"backend for {url} exited with code {proc.returncode} before it was healthy")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise KilnError(f"backend {url} was not healthy (GET /health 200) within {timeout_s:g} s")
+
+
+def start_arm(spec: BackendSpec, api_key: str | None) -> Arm:
+    if spec.fake is not None:
+        return Arm((server := FakeServer(spec.fake, api_key=api_key).__enter__()).url, server)
+    if spec.url is not None:
+        wait_healthy(spec.url.rstrip("/"), spec.health_timeout_s)
+        return Arm(spec.url.rstrip("/"))
+    port = _free_port()
+    cmd = [part.replace("{port}", str(port)) for part in spec.command or []]
+    try:
+        proc = subprocess.Popen(cmd)
+    except OSError as e:
+        raise BadInput(f"backend command {cmd[0]!r} cannot start: {e}. Check the command (e.g. 'kiln serve').") from None
+    arm = Arm(f"http://127.0.0.1:{port}", proc)
+    try:
+        wait_healthy(arm.url, spec.health_timeout_s, proc)
+    except KilnError:
+        arm.stop()
+        raise
+    return arm
+
+
+class LocalTarget(DeployTarget):
+    name = "local"
+
+    def __init__(self, stable: BackendSpec, canary: BackendSpec, options: RouterOptions | None = None, port: int = 0,
+                 api_key: str | None = None, upstream_api_key: str | None = None, log_path: str | None = None):
+        self.specs = {"stable": stable, "canary": canary}
+        self.options, self.port = options or RouterOptions(), port
+        self.api_key, self.upstream_api_key, self.log_path = api_key, upstream_api_key, log_path
+        self.arms: dict[str, Arm] = {}
+        self.router: RouterProcess | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.router is not None, "enter the target first (with LocalTarget(...) as target)"
+        return self.router.url
+
+    def __enter__(self) -> LocalTarget:
+        try:
+            for arm in ("stable", "canary"):
+                self.arms[arm] = start_arm(self.specs[arm], self.upstream_api_key)
+            config = RouterConfig(**self.options.model_dump(), port=self.port, stable_url=self.arms["stable"].url,
+                                  canary_url=self.arms["canary"].url, weight=0)
+            self.router = RouterProcess(config, self.api_key, self.upstream_api_key, self.log_path).__enter__()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def set_traffic(self, weight: float) -> None:
+        self._router().set_weight(weight)
+
+    def observe(self, cursor: tuple[int, int] = (0, 0)) -> Observations:
+        return observations_from(self._router().observations(*cursor))
+
+    def promote(self) -> None:
+        router = self._router()
+        router.set_backends(self.arms["canary"].url, None)
+        self._retire("stable")
+        self.arms["stable"] = self.arms.pop("canary")
+
+    def rollback(self) -> None:
+        router = self._router()
+        router.set_weight(0)
+        router.set_backends(self.arms["stable"].url, None)
+        self._retire("canary")
+        self.arms.pop("canary", None)
+
+    def _retire(self, arm: str, timeout_s: float = 120) -> None:
+        """Stop an arm's server once the router has no request left on it."""
+        deadline = time.monotonic() + timeout_s
+        while self._router().state()["retiring"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if arm in self.arms:
+            self.arms[arm].stop()
+
+    def _router(self) -> RouterProcess:
+        if self.router is None:
+            raise KilnError("the local target is not running: use it as a context manager")
+        return self.router
+
+    def close(self) -> None:
+        if self.router is not None:
+            self.router.stop()
+            self.router = None
+        for arm in self.arms.values():
+            arm.stop()
+        self.arms.clear()

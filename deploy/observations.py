@@ -1,0 +1,105 @@
+"""What the router saw, per arm: Prometheus series for dashboards and a window of per-request
+observations for the canary controller.
+
+Prometheus histograms are fine for dashboards but lose the individual requests a sequential test
+needs, so the router also keeps the last `window` requests (TTFT, TPOT, error) in memory, each
+with a sequence number; the controller reads them incrementally (`GET /admin/observations?since=N`)
+and never sees a request twice. Mirrored comparisons (the same greedy request answered by both
+arms) go to a second window.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Seconds, from a few ms (fakes, small models) to minutes (long generations).
+BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 60, 120)
+
+
+@dataclass(slots=True)
+class Observation:
+    """One attempt of one request on one arm. `error` is None when the arm answered in full."""
+
+    seq: int
+    t: float  # wall clock at the end
+    arm: str
+    status: int
+    error: str | None
+    ttft_s: float | None
+    tpot_s: float | None
+    e2e_s: float
+    tokens_out: int
+    retried: bool = False  # a failed canary attempt that stable then served
+
+
+@dataclass(slots=True)
+class Comparison:
+    """A mirrored request: the primary arm's answer against the other arm's, greedy decoding."""
+
+    seq: int
+    t: float
+    primary: str
+    match: int  # 1 when the two texts are identical
+    agreement: float  # matching whitespace tokens / the longer answer's count
+
+
+class Window:
+    """A bounded log with sequence numbers, read incrementally."""
+
+    def __init__(self, size: int):
+        self.items: collections.deque = collections.deque(maxlen=size)
+        self._seq = itertools.count(1)
+
+    def next_seq(self) -> int:
+        return next(self._seq)
+
+    def since(self, seq: int, limit: int = 100_000) -> list[Any]:
+        out = []
+        for item in reversed(self.items):  # newest first; stop at what the reader already has
+            if item.seq <= seq:
+                break
+            out.append(item)
+        return [asdict(x) for x in reversed(out[-limit:] if len(out) > limit else out)]
+
+
+def token_agreement(a: str, b: str) -> tuple[int, float]:
+    """(exact match, share of positions whose whitespace token is the same)."""
+    ta, tb = a.split(), b.split()
+    longest = max(len(ta), len(tb))
+    same = sum(x == y for x, y in zip(ta, tb, strict=False))
+    return int(a == b), (same / longest if longest else 1.0)
+
+
+class ArmMetrics:
+    """Per-arm Prometheus series of the router (label arm="stable"|"canary")."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("kiln_router_requests", "request attempts", ["arm", "outcome"], registry=r)
+        self.retries = Counter("kiln_router_retries", "canary failures served by stable instead", registry=r)
+        self.ttft = Histogram("kiln_router_ttft_seconds", "time to first token", ["arm"], buckets=BUCKETS, registry=r)
+        self.tpot = Histogram("kiln_router_tpot_seconds", "mean time per output token after the first", ["arm"], buckets=BUCKETS, registry=r)
+        self.e2e = Histogram("kiln_router_e2e_seconds", "request latency, end to end", ["arm"], buckets=BUCKETS, registry=r)
+        self.in_flight = Gauge("kiln_router_in_flight", "requests in flight", ["arm"], registry=r)
+        self.weight = Gauge("kiln_router_canary_weight_percent", "canary traffic weight", registry=r)
+        self.mirror = Counter("kiln_router_mirror_comparisons", "mirrored comparisons", ["match"], registry=r)
+
+    def record(self, obs: Observation) -> None:
+        outcome = "ok" if obs.error is None else "error" if is_failure(obs.status, obs.error) else "client_error"
+        self.requests.labels(obs.arm, outcome).inc()
+        if obs.error is None:
+            self.e2e.labels(obs.arm).observe(obs.e2e_s)
+            if obs.ttft_s is not None:
+                self.ttft.labels(obs.arm).observe(obs.ttft_s)
+            if obs.tpot_s is not None:
+                self.tpot.labels(obs.arm).observe(obs.tpot_s)
+
+
+def is_failure(status: int, error: str | None) -> bool:
+    """An arm failure: no answer, a 5xx or a 429. A 4xx is the client's mistake, not the arm's."""
+    return error is not None and not (400 <= status < 500 and status != 429)

@@ -1,0 +1,229 @@
+"""The router's request path: pick nothing, decide nothing, just carry one request to a backend
+and back, with failover, measurement and mirroring (the Router in router.py decides the arm).
+
+A canary attempt that fails before its first token is re-sent to stable; one that breaks
+mid-stream is continued on stable (sse.continuation), so the client sees one clean stream. Every
+attempt becomes an Observation for its arm (what the canary controller reads) and Prometheus
+series. `Proxy` is a mixin of `Router`: it uses the router's backends, windows and metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from kiln.deploy.admission import STATS
+from kiln.deploy.config import RouterConfig
+from kiln.deploy.observations import Comparison, Observation, is_failure, token_agreement
+from kiln.deploy.sse import SSERelay, continuation, max_new_tokens
+
+UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
+MAX_MIRRORS_IN_FLIGHT = 64
+
+
+def error_response(status: int, message: str, kind: str = "router_error") -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+class Backend:
+    """One upstream server and the pooled connections to it."""
+
+    def __init__(self, url: str, cfg: RouterConfig):
+        self.url = url.rstrip("/")
+        self.in_flight = 0
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s, sock_read=cfg.read_timeout_s)
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout)
+
+    def post(self, path: str, payload: dict[str, Any], headers: dict[str, str]) -> Any:
+        return self.session.post(self.url + path, data=json.dumps(payload).encode(), headers=headers)
+
+    async def retire(self) -> None:
+        """Close once the requests still using this backend are done (after a swap)."""
+        while self.in_flight:
+            await asyncio.sleep(0.05)
+        await self.session.close()
+
+
+class Proxy:
+    """Request handling for Router (see router.py for the attributes it relies on)."""
+
+    cfg: RouterConfig
+    upstream_api_key: str | None
+    backends: dict[str, Backend]
+
+
+    def _headers(self, request: web.Request) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        auth = f"Bearer {self.upstream_api_key}" if self.upstream_api_key else request.headers.get("Authorization")
+        if auth:
+            headers["Authorization"] = auth
+        return headers
+
+    def _record(self, arm: str, status: int, error: str | None, start: float, relay: SSERelay | None,
+                retried: bool = False) -> None:
+        ttft = tpot = None
+        if relay is not None and relay.attempt_first is not None and error is None:
+            ttft = relay.attempt_first - start
+            if relay.attempt_tokens > 1 and relay.last is not None:
+                tpot = (relay.last - relay.attempt_first) / (relay.attempt_tokens - 1)
+        obs = Observation(self.observations.next_seq(), time.time(), arm, status, error, ttft, tpot,
+                          time.perf_counter() - start, relay.attempt_tokens if relay else 0, retried)
+        self.observations.items.append(obs)
+        self.metrics.record(obs)
+        if retried:
+            self.metrics.retries.inc()
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        try:
+            payload = json.loads(await request.read())
+            if not isinstance(payload, dict):
+                raise ValueError("not an object")
+        except ValueError as e:
+            return error_response(400, f"the request body must be a JSON object: {e}", "invalid_request_error")
+        arm = self.choose(request, payload)
+        stats = request.get(STATS, {})
+        mirror = self._mirror_wanted(payload)
+        if payload.get("stream"):
+            resp, answer = await self._stream(request, payload, arm, stats)
+        else:
+            resp, answer = await self._whole(request, payload, arm, stats)
+        if mirror and answer is not None:
+            text = answer.text() if isinstance(answer, SSERelay) else answer
+            self._spawn(self._mirror(payload, stats["arm"], text, self._headers(request)))
+        return resp
+
+    async def _stream(self, request: web.Request, payload: dict[str, Any], arm: str,
+                      stats: dict[str, Any]) -> tuple[web.StreamResponse, SSERelay | None]:
+        """Relay a stream; a failing canary is retried (or continued) on stable."""
+        arrival = time.perf_counter()
+        options = payload.get("stream_options") or {}
+        relay = SSERelay(strip_usage=not options.get("include_usage"))
+        upstream = {**payload, "stream_options": {**options, "include_usage": True}}
+        body, resp, retried = upstream, None, False
+        while True:
+            start = time.perf_counter()
+            relay.new_attempt()
+            status, error, resp, client_gone = await self._attempt_stream(request, self.backends[arm], body, relay, resp)
+            if client_gone:
+                self._record(arm, 499, "client disconnected", start, relay)
+                return resp, None  # type: ignore[return-value]
+            nxt = None
+            if error is not None and is_failure(status, error) and arm == "canary" and "stable" in self.backends:
+                nxt = continuation(upstream, relay.text(), relay.tokens)
+            self._record(arm, status, error, start, relay, retried=nxt is not None)
+            if error is None:
+                break
+            limit = max_new_tokens(payload)
+            if resp is not None and limit is not None and relay.tokens >= limit:
+                await resp.write(b"data: [DONE]\n\n")  # every token was sent; only the end was lost
+                break
+            if nxt is not None:
+                arm, body, retried = "stable", nxt, True
+                continue
+            if resp is None:
+                return error_response(status, f"{arm} backend failed: {error}", "upstream_error"), None
+            await resp.write(b'data: {"error": {"message": "upstream failed mid-stream", "code": 502}}\n\n')
+            break
+        await resp.write_eof()  # type: ignore[union-attr]
+        self._stats(stats, arm, retried, arrival, relay)
+        return resp, relay  # type: ignore[return-value]
+
+    async def _attempt_stream(self, request: web.Request, backend: Backend, body: dict[str, Any], relay: SSERelay,
+                              resp: web.StreamResponse | None) -> tuple[int, str | None, web.StreamResponse | None, bool]:
+        """One backend attempt: (status, error or None, the client response once started, client left)."""
+        backend.in_flight += 1
+        try:
+            async with backend.post(request.path, body, self._headers(request)) as up:
+                if up.status != 200:
+                    return up.status, (await up.text())[:300] or f"HTTP {up.status}", resp, False
+                async for chunk in up.content.iter_any():
+                    out = relay.feed(chunk)
+                    if not out:
+                        continue
+                    if resp is None:
+                        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                        await resp.prepare(request)
+                    try:
+                        await resp.write(out)
+                    except (ConnectionResetError, RuntimeError):
+                        return 499, "client disconnected", resp, True
+                if not relay.done:
+                    return 502, "stream ended before [DONE]", resp, False
+                return 200, None, resp, False
+        except UPSTREAM_ERRORS as e:
+            return 502, f"{type(e).__name__}: {e}"[:300], resp, False
+        finally:
+            backend.in_flight -= 1
+
+    async def _whole(self, request: web.Request, payload: dict[str, Any], arm: str,
+                     stats: dict[str, Any]) -> tuple[web.StreamResponse, str | None]:
+        retried = False
+        while True:
+            backend, start = self.backends[arm], time.perf_counter()
+            backend.in_flight += 1
+            try:
+                async with backend.post(request.path, payload, self._headers(request)) as up:
+                    status, data = up.status, await up.read()
+                error = None if status == 200 else data[:300].decode(errors="replace") or f"HTTP {status}"
+            except UPSTREAM_ERRORS as e:
+                status, data, error = 502, b"", f"{type(e).__name__}: {e}"[:300]
+            finally:
+                backend.in_flight -= 1
+            failover = error is not None and is_failure(status, error) and arm == "canary" and "stable" in self.backends
+            self._record(arm, status, error, start, None, retried=failover)
+            if failover:
+                arm, retried = "stable", True
+                continue
+            break
+        if error is not None:
+            return (web.Response(body=data, status=status, content_type="application/json") if data
+                    else error_response(status, f"{arm} backend failed: {error}", "upstream_error")), None
+        parsed = json.loads(data)
+        usage = parsed.get("usage") or {}
+        stats.update(arm=arm, retried=retried, tokens_in=usage.get("prompt_tokens"), tokens_out=usage.get("completion_tokens"))
+        return web.Response(body=data, status=200, content_type="application/json"), _answer_text(parsed)
+
+    def _stats(self, stats: dict[str, Any], arm: str, retried: bool, arrival: float, relay: SSERelay) -> None:
+        usage = relay.usage or {}
+        stats.update(arm=arm, retried=retried, tokens_in=usage.get("prompt_tokens"),
+                     tokens_out=usage.get("completion_tokens", relay.tokens))
+        if relay.first is not None:
+            stats["ttft_ms"] = (relay.first - arrival) * 1000
+            if relay.tokens > 1 and relay.last is not None:
+                stats["tpot_ms"] = (relay.last - relay.first) / (relay.tokens - 1) * 1000
+
+    # --- mirroring ------------------------------------------------------------------------
+    def _mirror_wanted(self, payload: dict[str, Any]) -> bool:
+        """Only greedy requests are comparable: sampled answers differ even between identical models."""
+        return (self.cfg.mirror_fraction > 0 and "canary" in self.backends and len(self._tasks) < MAX_MIRRORS_IN_FLIGHT
+                and payload.get("temperature") == 0 and payload.get("n", 1) == 1
+                and random.random() < self.cfg.mirror_fraction)
+
+    async def _mirror(self, payload: dict[str, Any], primary: str, text: str, headers: dict[str, str]) -> None:
+        other = "canary" if primary == "stable" else "stable"
+        body = {k: v for k, v in payload.items() if k not in ("stream", "stream_options")}
+        backend = self.backends.get(other)
+        if backend is None:
+            return
+        try:
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            async with backend.post(path, body, headers) as up:
+                if up.status != 200:
+                    return
+                other_text = _answer_text(await up.json())
+        except UPSTREAM_ERRORS:
+            return
+        match, agreement = token_agreement(text, other_text)
+        self.comparisons.items.append(Comparison(self.comparisons.next_seq(), time.time(), primary, match, agreement))
+        self.metrics.mirror.labels(str(match)).inc()
+
+
+def _answer_text(parsed: dict[str, Any]) -> str:
+    choice = (parsed.get("choices") or [{}])[0]
+    return choice.get("text") or (choice.get("message") or {}).get("content") or ""

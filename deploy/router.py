@@ -1,0 +1,180 @@
+"""`kiln route`: one OpenAI-compatible entry point in front of a stable and a canary backend.
+
+- Splits traffic by a canary weight (percent) that can change at runtime (POST /admin/weight),
+  sticky per session (X-Session-Id header or the `user` field) or by prompt prefix on a
+  consistent-hash ring (hashring.py), so prefix caches stay warm when the weight moves.
+- Streams pass through event by event. A canary that fails before its first token is retried on
+  stable; one that dies mid-stream is continued on stable (sse.py): the client sees one stream.
+- Records every attempt per arm: Prometheus series (/metrics) and a window of per-request
+  observations the canary controller reads (GET /admin/observations?since=N).
+- Optionally mirrors a fraction of greedy requests to the other arm and compares the answers.
+- Admission control, rate limits, request logs and drain on SIGTERM come from admission.py.
+
+API key: clients and /admin need `Authorization: Bearer <key>`; /health and /metrics stay open.
+Binds 127.0.0.1 unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import random
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import Gauge, generate_latest
+
+from kiln.deploy.admission import Admission
+from kiln.deploy.config import RouterConfig
+from kiln.deploy.hashring import WeightedRing
+from kiln.deploy.observations import ArmMetrics, Window
+from kiln.deploy.proxy import UPSTREAM_ERRORS, Backend, Proxy, error_response
+from kiln.deploy.sse import prompt_prefix
+
+
+class Router(Proxy):
+    """The application: routes, auth, admin endpoints and the choice of arm; the request path
+    itself (relay, failover, observations, mirroring) is in proxy.py."""
+
+    def __init__(self, config: RouterConfig, api_key: str | None = None, upstream_api_key: str | None = None):
+        self.cfg, self.api_key, self.upstream_api_key = config, api_key, upstream_api_key
+        self.ring = WeightedRing(config.vnodes, config.weight if config.canary_url else 0.0)
+        self.backends: dict[str, Backend] = {}
+        self.observations = Window(config.window)
+        self.comparisons = Window(config.window)
+        self.metrics = ArmMetrics()
+        self.admission = Admission(config.admission)
+        self._tasks: set[asyncio.Task] = set()
+        self._retiring: list[Backend] = []
+        Gauge("kiln_router_queue_depth", "requests waiting for a slot", registry=self.metrics.registry).set_function(
+            lambda: self.admission.waiting)
+        self.metrics.weight.set(self.ring.weight)
+
+    # --- the application -------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._auth, self.admission.middleware], client_max_size=64 * 2**20)
+        app.router.add_post("/v1/completions", self.generate)
+        app.router.add_post("/v1/chat/completions", self.generate)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/admin/state", self.state)
+        app.router.add_post("/admin/weight", self.set_weight_handler)
+        app.router.add_post("/admin/backends", self.set_backends_handler)
+        app.router.add_get("/admin/observations", self.read_observations)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        self.set_backends(self.cfg.stable_url, self.cfg.canary_url)
+
+    async def _stop(self, app: web.Application) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for backend in [*self.backends.values(), *self._retiring]:
+            await backend.session.close()
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self.api_key and request.path.startswith(("/v1/", "/admin/")):
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                return error_response(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", "authentication_error")
+        return await handler(request)
+
+    # --- control (also callable from Python in the router's loop) ----------------------------
+    def set_weight(self, weight: float) -> None:
+        if weight > 0 and "canary" not in self.backends:
+            raise ValueError("no canary backend: set canary_url before giving the canary traffic")
+        self.ring.set_weight(weight)
+        self.metrics.weight.set(weight)
+
+    def set_backends(self, stable_url: str, canary_url: str | None) -> None:
+        """Point the arms at new servers; requests already running finish on the old ones."""
+        for arm, url in (("stable", stable_url), ("canary", canary_url)):
+            old = self.backends.get(arm)
+            if old and old.url == (url or "").rstrip("/"):
+                continue
+            if old:
+                self._retiring.append(old)
+                self._spawn(self._retire(old))
+                del self.backends[arm]
+            if url:
+                self.backends[arm] = Backend(url, self.cfg)
+        if "canary" not in self.backends:
+            self.set_weight(0)
+
+    async def _retire(self, backend: Backend) -> None:
+        await backend.retire()
+        self._retiring.remove(backend)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def choose(self, request: web.Request, payload: dict[str, Any]) -> str:
+        weight = self.ring.weight
+        if weight <= 0 or "canary" not in self.backends:
+            return "stable"
+        if self.cfg.affinity == "random":
+            return "canary" if random.random() * 100 < weight else "stable"
+        key = None
+        if self.cfg.affinity == "session":
+            user = payload.get("user")
+            key = request.headers.get(self.cfg.session_header) or (user if isinstance(user, str) and user else None)
+        key = f"s:{key}" if key else "p:" + prompt_prefix(payload, self.cfg.prefix_chars)
+        return self.ring.arm_for(key)
+
+    # --- admin endpoints ------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        status, body = self.admission.health()
+        return web.json_response(body, status=status)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain", charset="utf-8")
+
+    async def state(self, request: web.Request) -> web.Response:
+        a = self.admission
+        return web.json_response({
+            "weight": self.ring.weight, "canary_share": self.ring.canary_share(),
+            "stable_url": self.backends["stable"].url if "stable" in self.backends else None,
+            "canary_url": self.backends["canary"].url if "canary" in self.backends else None,
+            "in_flight": {b.url: b.in_flight for b in [*self.backends.values(), *self._retiring]},
+            "retiring": [b.url for b in self._retiring],
+            "admission": {"running": a.running, "waiting": a.waiting, "draining": a.draining, "rejected": a.rejected}})
+
+    async def set_weight_handler(self, request: web.Request) -> web.Response:
+        try:
+            self.set_weight(float((await request.json())["weight"]))
+        except (ValueError, KeyError, TypeError) as e:
+            return error_response(400, f"POST /admin/weight wants {{\"weight\": 0-100}}: {e}", "invalid_request_error")
+        return await self.state(request)
+
+    async def set_backends_handler(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            self.set_backends(str(body["stable_url"]), body.get("canary_url"))
+        except (ValueError, KeyError, TypeError) as e:
+            return error_response(400, f"POST /admin/backends wants {{\"stable_url\": ..., \"canary_url\": ...}}: {e}",
+                          "invalid_request_error")
+        return await self.state(request)
+
+    async def read_observations(self, request: web.Request) -> web.Response:
+        try:
+            since, mirror_since = int(request.query.get("since", 0)), int(request.query.get("mirror_since", 0))
+        except ValueError:
+            return error_response(400, "since and mirror_since must be integers (sequence numbers)", "invalid_request_error")
+        obs, cmp = self.observations.since(since), self.comparisons.since(mirror_since)
+        return web.json_response({"observations": obs, "comparisons": cmp,
+                                  "next": obs[-1]["seq"] if obs else since,
+                                  "next_mirror": cmp[-1]["seq"] if cmp else mirror_since})
+
+    async def models(self, request: web.Request) -> web.Response:
+        backend = self.backends["stable"]
+        try:
+            async with backend.session.get(backend.url + "/v1/models", headers=self._headers(request)) as up:
+                return web.Response(body=await up.read(), status=up.status, content_type="application/json")
+        except UPSTREAM_ERRORS as e:
+            return error_response(502, f"stable backend unreachable: {type(e).__name__}")

@@ -1,0 +1,72 @@
+"""Entry points for the CLI: `kiln deploy` (local canary walk), `kiln deploy render`, `kiln route`.
+
+Each is a few lines of composition over the pieces in this package, so the CLI stays thin:
+- deploy_local: start both arms and the router, walk the canary, promote or roll back;
+- render_manifests: write the Kubernetes/Argo Rollouts manifests for the same policy;
+- `kiln route` is `kiln.deploy.router_process.serve_router(RouterConfig(...), api_key)`.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from kiln.deploy.canary import CanaryResult, run_canary
+from kiln.deploy.config import DeployConfig
+from kiln.deploy.kubernetes import Rendered, render
+from kiln.deploy.local import BackendSpec, LocalTarget
+from kiln.pipeline.gate.policy import GateSection
+
+
+def kiln_serve(engine_dir: str | Path) -> BackendSpec:
+    """An arm served by `kiln serve ENGINE_DIR` on a free port."""
+    return BackendSpec(command=["kiln", "serve", str(engine_dir), "--port", "{port}"])
+
+
+def deploy_local(policy: GateSection, deploy: DeployConfig, stable: BackendSpec, candidate: BackendSpec, *,
+                 port: int = 8080, api_key: str | None = None, upstream_api_key: str | None = None,
+                 tracking_uri: str | None = None, experiment: str = "kiln", model: str | None = None,
+                 version: str | None = None, parent_run_id: str | None = None, keep_serving: bool = False,
+                 log: Callable[[str], None] = print, log_path: str | None = None) -> CanaryResult:
+    """Walk a canary on this machine. Clients send traffic to http://127.0.0.1:<port> meanwhile.
+
+    keep_serving: after the walk, keep the router and the winning arm up until SIGTERM/SIGINT
+    (a real local deployment); otherwise stop everything and return.
+    """
+    with LocalTarget(stable, candidate, deploy.router, port=port, api_key=api_key,
+                     upstream_api_key=upstream_api_key, log_path=log_path) as target:
+        log(f"kiln deploy: router on {target.url}; canary walk: "
+            + ", ".join(f"{s.weight:g}%" for s in deploy.steps))
+        result = run_canary(target, policy, deploy, tracking_uri, experiment, model, version, parent_run_id, log)
+        if keep_serving:
+            _wait_for_signal(log, target.url)
+    return result
+
+
+def _wait_for_signal(log: Callable[[str], None], url: str) -> None:
+    stop = {"now": False}
+
+    def handler(*_: object) -> None:
+        stop["now"] = True
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    log(f"kiln deploy: serving on {url} until SIGTERM / Ctrl-C")
+    try:
+        while not stop["now"]:
+            time.sleep(0.5)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def render_manifests(name: str, policy: GateSection, deploy: DeployConfig, out: Path,
+                     log: Callable[[str], None] = print) -> Rendered:
+    """Write the manifests to `out` (one YAML file, atomically) and report what was skipped."""
+    rendered = render(name, policy, deploy)
+    rendered.write(out)
+    for warning in rendered.warnings:
+        log(f"warning: {warning}")
+    log(f"kiln deploy render: {len(rendered.documents)} manifests -> {out}")
+    return rendered

@@ -1,0 +1,148 @@
+"""The canary controller: step logic on a simulated target (virtual time), then whole walks on
+real processes (fake engines behind the router, steady client load, a sqlite MLflow registry)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from kiln.deploy.canary import Controller
+from kiln.deploy.config import CanaryStep, DeployConfig, RouterOptions
+from kiln.deploy.loadgen import SteadyLoad
+from kiln.deploy.local import BackendSpec, LocalTarget
+from kiln.deploy.simulated import ArmModel, SimulatedTarget
+from kiln.pipeline.errors import ExitCode
+from kiln.pipeline.gate.policy import GateSection
+from tests.deploy.fakes import fake
+
+POLICY = GateSection.model_validate({"checks": [
+    {"kind": "performance", "metric": "ttft_ms", "max_ratio": 1.15},
+    {"kind": "performance", "metric": "tpot_ms", "max_ratio": 1.15},
+    {"kind": "error_rate", "max": 0.05},
+    {"kind": "size", "max_ratio": 0.6},  # offline only: skipped live, with the reason
+]})
+
+
+def deploy(on_inconclusive: str = "rollback", max_s: float = 30, **kw) -> DeployConfig:
+    steps = [CanaryStep(weight=w, min_requests=40, max_duration_s=max_s) for w in (25, 50, 100)]
+    return DeployConfig(steps=steps, on_inconclusive=on_inconclusive, poll_s=0.5, **kw)
+
+
+def simulate(canary: ArmModel, config: DeployConfig, **kw) -> tuple[SimulatedTarget, object]:
+    target = SimulatedTarget(ArmModel(), canary, rate=60, **kw)
+    result = Controller(target, POLICY, config, log=lambda _: None, sleep=target.sleep, clock=target.clock).run()
+    return target, result
+
+
+def test_simulated_good_candidate_walks_every_step_and_is_promoted():
+    target, result = simulate(ArmModel(), deploy())
+    assert result.status == "promoted" and result.exit_code == ExitCode.PASSED
+    assert [s.weight for s in result.steps] == [25, 50, 100]
+    assert [s.action for s in result.steps] == ["advance", "advance", "promote"]
+    assert all(s.canary["requests"] >= 40 for s in result.steps)
+    assert target.history == [("weight", 25), ("weight", 50), ("weight", 100), ("promote", 100)]
+    assert [s["check"] for s in result.skipped_checks] == ["size:size_bytes"]
+
+
+def test_simulated_regression_is_rolled_back_at_the_first_step():
+    target, result = simulate(ArmModel(ttft_ms=65, tpot_ms=26), deploy())
+    assert result.status == "rolled_back" and result.exit_code == ExitCode.GATE_FAILED
+    assert len(result.steps) == 1 and result.steps[0].verdict == "Failed"
+    assert target.history[-2:] == [("weight", 0), ("rollback", 0)]
+    assert result.steps[0].seconds < 30  # stopped early, not at the step's limit
+
+
+def test_undecided_step_holds_or_rolls_back_as_configured():
+    # A canary 12% slower against a 15% bound, at 2 requests/s: no verdict within 20 s.
+    slowish = ArmModel(ttft_ms=56, tpot_ms=22.4, sigma=0.6)
+    held_target = SimulatedTarget(ArmModel(sigma=0.6), slowish, rate=2)
+    held = Controller(held_target, POLICY, deploy("hold", max_s=20), log=lambda _: None,
+                      sleep=held_target.sleep, clock=held_target.clock).run()
+    assert held.status == "held" and held.exit_code == ExitCode.GATE_INCONCLUSIVE
+    assert held_target.history == [("weight", 25)]  # traffic left where it was for a human
+    rolled_target = SimulatedTarget(ArmModel(sigma=0.6), slowish, rate=2)
+    rolled = Controller(rolled_target, POLICY, deploy("rollback", max_s=20), log=lambda _: None,
+                        sleep=rolled_target.sleep, clock=rolled_target.clock).run()
+    assert rolled.status == "rolled_back" and rolled.exit_code == ExitCode.GATE_INCONCLUSIVE
+    assert rolled_target.history[-1] == ("rollback", 0)
+    assert "undecided" in rolled.reason
+
+
+def test_mlflow_records_steps_and_moves_the_champion_alias(mlflow_registry):
+    target = SimulatedTarget(ArmModel(), ArmModel(), rate=60)
+    result = Controller(target, POLICY, deploy(), tracker=mlflow_registry, model="smol", log=lambda _: None,
+                        sleep=target.sleep, clock=target.clock).run()
+    client = mlflow_registry.client
+    assert result.status == "promoted" and result.version == "2"  # resolved from alias 'challenger'
+    assert str(client.get_model_version_by_alias("smol", "champion").version) == "2"
+    assert client.get_model_version("smol", "2").tags["kiln.deploy"] == "promoted"
+    steps = client.search_runs([mlflow_registry.experiment_id], "tags.`kiln.stage` = 'canary-step'")
+    assert sorted(r.data.tags["kiln.weight"] for r in steps) == ["100", "25", "50"]
+    assert {r.data.tags["kiln.verdict"] for r in steps} == {"Successful"}
+    assert all(r.data.tags["mlflow.parentRunId"] == result.run_id for r in steps)
+    assert all("check.performance:ttft_ms.cs_high" in r.data.metrics for r in steps)
+    assert [a.path for a in client.list_artifacts(steps[0].info.run_id)] == ["evidence.json"]
+
+
+def test_rollback_leaves_the_champion_and_tags_the_version(mlflow_registry):
+    target = SimulatedTarget(ArmModel(), ArmModel(error_rate=0.4), rate=60)
+    result = Controller(target, POLICY, deploy(), tracker=mlflow_registry, model="smol", log=lambda _: None,
+                        sleep=target.sleep, clock=target.clock).run()
+    client = mlflow_registry.client
+    assert result.status == "rolled_back"
+    assert str(client.get_model_version_by_alias("smol", "champion").version) == "1"
+    assert client.get_model_version("smol", "2").tags["kiln.deploy"] == "rolled_back"
+    parent = client.get_run(result.run_id)
+    assert parent.data.tags["kiln.verdict"] == "rolled_back" and "error_rate" in parent.data.tags["kiln.reason"]
+
+
+# --- whole walks on real processes ------------------------------------------------------------
+
+def walk(canary_fake, tracker=None, kill_canary_after: float | None = None, **steps):
+    config = deploy(max_s=60, router=RouterOptions(affinity="random"))
+    with LocalTarget(BackendSpec(fake=fake()), BackendSpec(fake=canary_fake), config.router) as target:
+        with SteadyLoad(target.url, concurrency=12) as load:
+            if kill_canary_after is not None:
+                pid = target.arms["canary"].pid
+                threading.Timer(kill_canary_after, os.kill, (pid, signal.SIGKILL)).start()
+            start = time.monotonic()
+            result = Controller(target, POLICY, config, tracker=tracker, model="smol" if tracker else None,
+                                log=lambda _: None).run()
+            seconds = time.monotonic() - start
+            time.sleep(1)  # keep the load on across promotion / rollback
+        final = target.router.state()
+    return result, load.stats, final, seconds
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_good_candidate_promoted_through_every_step_with_no_client_failure(mlflow_registry):
+    result, load, final, seconds = walk(fake(), tracker=mlflow_registry)
+    assert result.status == "promoted", result.reason
+    assert [s.action for s in result.steps] == ["advance", "advance", "promote"]
+    assert load.failures == [] and load.ok > 100
+    assert final["canary_url"] is None and final["weight"] == 0  # the candidate now serves as stable
+    assert str(mlflow_registry.client.get_model_version_by_alias("smol", "champion").version) == "2"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_regressed_candidate_rolled_back_early_with_no_client_failure():
+    result, load, final, seconds = walk(fake(slowdown=1.3))
+    assert result.status == "rolled_back" and result.exit_code == ExitCode.GATE_FAILED, result.reason
+    assert len(result.steps) == 1 and result.steps[0].weight == 25  # caught at the first step
+    assert load.failures == [] and load.ok > 50
+    assert final["weight"] == 0 and final["canary_url"] is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_canary_killed_mid_step_is_rolled_back_and_clients_never_notice():
+    result, load, final, seconds = walk(fake(), kill_canary_after=2.0)
+    assert result.status == "rolled_back", result.reason
+    assert "error_rate" in result.reason
+    assert load.failures == [] and load.ok > 50

@@ -1,0 +1,111 @@
+"""The gate policy judged on live data: which checks map, and the verdicts on known arms."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kiln.deploy.base import ArmData, Observations
+from kiln.deploy.live_gate import LiveGate
+from kiln.deploy.simulated import ArmModel
+from kiln.evaluate.stats import Verdict
+from kiln.pipeline.errors import BadInput
+from kiln.pipeline.gate.policy import GateSection
+
+
+def policy(*checks: dict) -> GateSection:
+    return GateSection.model_validate({"checks": list(checks)})
+
+
+def feed(gate: LiveGate, stable: ArmModel, canary: ArmModel, looks: int = 10, per_look: int = 40, seed: int = 0,
+         matches: float | None = None) -> None:
+    rng = np.random.default_rng(seed)
+    for _ in range(looks):
+        obs = Observations(stable.draw(per_look, rng), canary.draw(per_look, rng))
+        if matches is not None:
+            obs.matches = list((rng.random(per_look) < matches).astype(int))
+        gate.update(obs)
+
+
+def verdicts(gate: LiveGate) -> dict[str, Verdict]:
+    return {r.name: r.verdict for r in gate.judge().results}
+
+
+TTFT = {"kind": "performance", "metric": "ttft_ms", "max_ratio": 1.1}
+
+
+def test_same_speed_passes_and_30_percent_slower_fails():
+    same = LiveGate(policy(TTFT))
+    feed(same, ArmModel(), ArmModel())
+    assert verdicts(same) == {"performance:ttft_ms": Verdict.SUCCESSFUL}
+    slow = LiveGate(policy(TTFT))
+    feed(slow, ArmModel(), ArmModel(ttft_ms=65))
+    outcome = slow.judge()
+    assert outcome.verdict == Verdict.FAILED
+    r = outcome.results[0]
+    assert 1.2 < r.observed < 1.4 and r.ci[0] > 1.1  # reported on the check's own scale: a ratio
+    assert "threshold ratio ≤ 1.1" in r.reason
+
+
+def test_too_little_data_is_inconclusive_not_a_pass():
+    gate = LiveGate(policy(TTFT), min_per_arm=20)
+    feed(gate, ArmModel(), ArmModel(), looks=1, per_look=10)
+    assert gate.judge().verdict == Verdict.INCONCLUSIVE
+
+
+def test_min_ratio_on_throughput_reads_the_bound_direction():
+    check = {"kind": "performance", "metric": "decode_tok_s", "min_ratio": 0.9}
+    fast, slow = LiveGate(policy(check)), LiveGate(policy(check))
+    feed(fast, ArmModel(), ArmModel(tpot_ms=15))  # faster decode: tokens/s ratio ~1.33 >= 0.9
+    feed(slow, ArmModel(), ArmModel(tpot_ms=30))  # ratio ~0.67 < 0.9
+    assert verdicts(fast)["performance:decode_tok_s"] == Verdict.SUCCESSFUL
+    assert verdicts(slow)["performance:decode_tok_s"] == Verdict.FAILED
+
+
+def test_absolute_slo():
+    check = {"kind": "performance", "metric": "tpot_ms", "max": 25}
+    ok, bad = LiveGate(policy(check)), LiveGate(policy(check))
+    feed(ok, ArmModel(), ArmModel(tpot_ms=18))
+    feed(bad, ArmModel(), ArmModel(tpot_ms=35))
+    assert verdicts(ok)["performance:tpot_ms"] == Verdict.SUCCESSFUL
+    assert verdicts(bad)["performance:tpot_ms"] == Verdict.FAILED
+
+
+def test_error_rate_bound():
+    check = {"kind": "error_rate", "max": 0.05}
+    clean, broken = LiveGate(policy(check)), LiveGate(policy(check))
+    feed(clean, ArmModel(), ArmModel())
+    feed(broken, ArmModel(), ArmModel(error_rate=0.3))
+    assert verdicts(clean)["error_rate:error_rate"] == Verdict.SUCCESSFUL
+    assert verdicts(broken)["error_rate:error_rate"] == Verdict.FAILED
+
+
+def test_checks_without_a_live_signal_are_listed_as_skipped():
+    gate = LiveGate(policy(TTFT, {"kind": "quality", "metric": "perplexity", "margin": 0.05, "relative": True},
+                           {"kind": "size", "max_ratio": 0.5},
+                           {"kind": "agreement", "metric": "greedy_match", "min": 0.9}))
+    assert [c.config.label for c in gate.checks] == ["performance:ttft_ms"]
+    reasons = {s["check"]: s["reason"] for s in gate.skipped}
+    assert "offline" in reasons["quality:perplexity"]
+    assert "mirror_fraction" in reasons["agreement:greedy_match"]
+
+
+def test_agreement_from_mirrored_requests():
+    check = {"kind": "agreement", "metric": "greedy_match", "min": 0.9}
+    same, drifted = LiveGate(policy(check), mirroring=True), LiveGate(policy(check), mirroring=True)
+    feed(same, ArmModel(), ArmModel(), matches=1.0)
+    feed(drifted, ArmModel(), ArmModel(), matches=0.5)
+    assert verdicts(same)["agreement:greedy_match"] == Verdict.SUCCESSFUL
+    assert verdicts(drifted)["agreement:greedy_match"] == Verdict.FAILED
+
+
+def test_a_policy_with_nothing_live_is_bad_input():
+    with pytest.raises(BadInput, match="none of the checks can be judged on live traffic"):
+        LiveGate(policy({"kind": "size", "max_ratio": 0.5}))
+
+
+def test_failures_count_but_client_errors_do_not():
+    arm = ArmData()
+    for status, error in ((200, None), (500, "boom"), (502, "refused"), (429, "busy"), (400, "bad"), (499, "left")):
+        arm.add({"status": status, "error": error, "ttft_s": 0.05 if error is None else None, "tpot_s": None})
+    assert arm.errors == [0, 1, 1, 1, 0] and arm.ttft_ms == [50.0]
