@@ -1,0 +1,187 @@
+"""Run one stage of load: send on schedule (open loop) or as users free up (closed loop).
+
+Open loop: each request's body is built before its send time, the sender sleeps to the absolute
+send time (never accumulating sleeps, so drift cannot build up), then hands the request to its
+own task. How late each send was is recorded in the request (queue time), not hidden.
+
+Bounds: the stage sends for `duration_s` or `max_requests`, whichever comes first, then waits up
+to `drain_timeout_s` for requests in flight (they are not cancelled: cancelling them is what
+makes other generators under-count throughput). An open-loop stage stops early under
+`SaturationRule` (see config.py); its in-flight requests are then cancelled and the summary says
+why it stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from kiln.evaluate.perf.base import Stage
+from kiln.evaluate.perf.client import RequestRecord, StreamClient
+from kiln.evaluate.perf.config import PerformanceConfig, SaturationRule, Trim
+from kiln.evaluate.perf.metrics import Summary, summarize
+from kiln.evaluate.perf.workload import Workload
+
+
+@dataclass(repr=False)
+class StageResult:
+    label: str
+    t0: float  # perf_counter at the stage start; record times are relative to it in JSONL
+    window: tuple[float, float]
+    records: list[RequestRecord]
+    summary: Summary
+
+    def __repr__(self) -> str:  # the default would print every record
+        return f"StageResult({self.label!r}, {len(self.records)} requests)"
+
+
+@dataclass
+class _State:
+    in_flight: set[asyncio.Task] = field(default_factory=set)
+    lateness: float = 0.0
+    stop_reason: str | None = None
+
+
+async def _sleep_until(target: float) -> None:
+    # Loop timers have ~1 ms granularity and can fire early: re-check against the clock.
+    # A sender that is already late still yields once, or it would starve the watcher and the
+    # response readers exactly when they matter.
+    if target - time.perf_counter() <= 0.0002:
+        await asyncio.sleep(0)
+    while (left := target - time.perf_counter()) > 0.0002:
+        await asyncio.sleep(left)
+
+
+def _launch(client: StreamClient, rec: RequestRecord, body: dict, state: _State) -> None:
+    task = asyncio.get_running_loop().create_task(client.send(rec, body))
+    state.in_flight.add(task)
+    task.add_done_callback(state.in_flight.discard)
+
+
+async def _open_loop(
+    client: StreamClient,
+    stage: Stage,
+    work: Workload,
+    cfg: PerformanceConfig,
+    salt: str,
+    t0: float,
+    records: list[RequestRecord],
+    state: _State,
+) -> float:
+    """Send on schedule; returns when sending ended (perf_counter)."""
+    assert stage.arrivals is not None
+    for i, offset in enumerate(stage.arrivals):
+        if offset >= cfg.duration_s or (cfg.max_requests and i >= cfg.max_requests):
+            return t0 + cfg.duration_s if offset >= cfg.duration_s else records[-1].scheduled
+        body, n_in = work.request(i, salt)
+        await _sleep_until(t0 + offset)
+        if state.stop_reason:
+            return time.perf_counter()
+        rec = RequestRecord(f"{salt}-{i}", scheduled=t0 + offset, input_tokens=n_in)
+        records.append(rec)
+        _launch(client, rec, body, state)
+        state.lateness = time.perf_counter() - rec.scheduled
+    raise RuntimeError("arrivals ran out before the stage ended")  # shapes yield endless arrivals
+
+
+async def _closed_loop(
+    client: StreamClient,
+    stage: Stage,
+    work: Workload,
+    cfg: PerformanceConfig,
+    salt: str,
+    t0: float,
+    records: list[RequestRecord],
+    state: _State,
+) -> float:
+    """`concurrency` users, each sending its next request when the last one ends."""
+    counter = itertools.count()
+    limit = cfg.max_requests or float("inf")
+
+    async def user() -> None:
+        while (i := next(counter)) < limit and time.perf_counter() < t0 + cfg.duration_s:
+            body, n_in = work.request(i, salt)
+            rec = RequestRecord(f"{salt}-{i}", scheduled=time.perf_counter(), input_tokens=n_in)
+            records.append(rec)
+            await client.send(rec, body)
+
+    await _sleep_until(t0)
+    for _ in range(stage.concurrency or 1):
+        state.in_flight.add(asyncio.get_running_loop().create_task(user()))
+    done, _ = await asyncio.wait(set(state.in_flight), timeout=cfg.duration_s + 0.05)
+    sent_until = min(t0 + cfg.duration_s, time.perf_counter())
+    if cfg.max_requests and len(records) >= cfg.max_requests:
+        sent_until = min(sent_until, records[-1].scheduled)
+    return sent_until
+
+
+async def _watch(rule: SaturationRule, warm_until: float, state: _State) -> None:
+    """The over-saturation rule (documented on SaturationRule)."""
+    counts: list[int] = []
+    while not state.stop_reason:
+        await asyncio.sleep(rule.check_interval_s)
+        if state.lateness > rule.max_lateness_s:
+            state.stop_reason = (
+                f"client fell {state.lateness:.2f} s behind schedule (client saturated; target rate not sent)"
+            )
+        if time.perf_counter() < warm_until:
+            continue
+        counts.append(len(state.in_flight))
+        recent = counts[-(rule.rising_checks + 1) :]
+        rising = len(recent) == rule.rising_checks + 1 and all(b > a for a, b in zip(recent, recent[1:]))
+        if rising and recent[-1] >= max(rule.min_in_flight, rule.growth * max(counts[0], 1)):
+            state.stop_reason = (
+                f"over-saturated: requests in flight rose from {counts[0]} to {recent[-1]}, "
+                f"up at each of the last {rule.rising_checks} checks"
+            )
+
+
+def measurement_window(
+    records: list[RequestRecord], t0: float, end: float, warmup: Trim, cooldown: Trim
+) -> tuple[float, float]:
+    """[start, end) of the measured stretch: the later warm-up bound, the earlier cool-down bound."""
+    times = sorted(r.scheduled for r in records)
+    w0, w1 = t0 + warmup.seconds, end - cooldown.seconds
+    if warmup.requests:
+        w0 = max(w0, times[warmup.requests] if warmup.requests < len(times) else end)
+    if cooldown.requests:
+        w1 = min(w1, times[-cooldown.requests] if cooldown.requests <= len(times) else t0)
+    return w0, max(w0, w1)
+
+
+async def run_stage(
+    client: StreamClient, stage: Stage, work: Workload, cfg: PerformanceConfig, salt: str
+) -> StageResult:
+    state = _State()
+    records: list[RequestRecord] = []
+    t0 = time.perf_counter() + 0.01
+    watcher = None
+    if stage.open_loop and cfg.saturation.enabled:
+        watcher = asyncio.get_running_loop().create_task(_watch(cfg.saturation, t0 + cfg.warmup.seconds, state))
+    drive = _open_loop if stage.open_loop else _closed_loop
+    end = await drive(client, stage, work, cfg, salt, t0, records, state)
+    if state.stop_reason:
+        end = time.perf_counter()
+        for task in list(state.in_flight):
+            task.cancel()
+    if state.in_flight:
+        _, late = await asyncio.wait(set(state.in_flight), timeout=cfg.drain_timeout_s)
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
+    if watcher:
+        watcher.cancel()
+    window = measurement_window(records, t0, end, cfg.warmup, cfg.cooldown)
+    summary = summarize(
+        records,
+        window,
+        cfg.slo,
+        label=stage.label,
+        target_rate=stage.target_rate,
+        concurrency=stage.concurrency,
+        price_per_hour=cfg.price_per_hour,
+        stopped_early=state.stop_reason,
+    )
+    return StageResult(stage.label, t0, window, records, summary)

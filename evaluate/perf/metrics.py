@@ -1,0 +1,226 @@
+"""Turn per-request records into the numbers a gate and a capacity plan read.
+
+The measurement window is [warm-up end, cool-down start]. Within it:
+- latency percentiles (TTFT, TPOT, ITL, e2e, client queue time) cover requests *scheduled*
+  in the window; every one of them ran to completion, because the driver drains in-flight
+  requests instead of cancelling them;
+- request throughput counts completions inside the window, output-token throughput counts
+  token arrivals inside the window (each chunk's timestamp), both divided by the window length
+  (the window opens no earlier than the first completion; see `flow_window`).
+  Load keeps running before and after the window, so nothing in flight at its edges is lost:
+  the ~1.8% undercount of generators that divide finished requests by the whole run is gone;
+- achieved rate is the rate requests were actually *sent* in the window (from their spacing),
+  to put beside the target rate.
+
+Goodput is the rate of requests that met the SLO on both TTFT and TPOT (DistServe's honest
+throughput). Percentiles use numpy's default (linear interpolation).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kiln.evaluate.perf.client import RequestRecord
+from kiln.evaluate.perf.config import SLO
+
+PERCENTILES = (50, 90, 95, 99)
+
+
+def describe_ms(values_s: Sequence[float]) -> dict[str, float]:
+    """mean and percentiles in milliseconds (NaN when there is nothing to describe)."""
+    if not len(values_s):
+        return {"mean": float("nan"), **{f"p{p}": float("nan") for p in PERCENTILES}}
+    a = np.asarray(values_s, dtype=float) * 1000
+    return {"mean": float(a.mean()), **{f"p{p}": float(np.percentile(a, p)) for p in PERCENTILES}}
+
+
+def cost_per_million(price_per_hour: float, tokens_per_second: float) -> float:
+    return price_per_hour / (tokens_per_second * 3600) * 1e6
+
+
+@dataclass
+class Summary:
+    """The aggregate of one stage. Rates are per second over the window; latencies in ms."""
+
+    label: str
+    window_s: float
+    requests: int
+    completed: int
+    errors: int
+    cancelled: int
+    target_rate: float | None
+    concurrency: int | None
+    achieved_rate: float
+    request_throughput: float
+    output_token_throughput: float
+    goodput: float
+    slo_attainment: float
+    slo_met: bool
+    ttft_ms: dict[str, float]
+    tpot_ms: dict[str, float]
+    itl_ms: dict[str, float]
+    e2e_ms: dict[str, float]
+    queue_ms: dict[str, float]
+    cost_per_1m_output_tokens: float | None = None
+    stopped_early: str | None = None
+    error_summary: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def error_rate(self) -> float:
+        return self.errors / max(1, self.requests - self.cancelled)
+
+    def flat(self) -> dict[str, float]:
+        """Scalar metrics with unit-suffixed names (what the lead logs to MLflow)."""
+        out = {
+            k: float(v)
+            for k, v in asdict(self).items()
+            if isinstance(v, int | float) and v is not None and not isinstance(v, bool)
+        }
+        out["error_rate"] = self.error_rate
+        for name in ("ttft", "tpot", "itl", "e2e", "queue"):
+            for stat, v in getattr(self, f"{name}_ms").items():
+                out[f"{name}_{stat}_ms"] = v
+        return out
+
+
+def _tokens_in(rec: RequestRecord, w0: float, w1: float) -> float:
+    """Output tokens that arrived in [w0, w1); chunks carrying several tokens count them all."""
+    t = rec.chunk_times
+    if not t or rec.error:
+        return 0.0
+    per_chunk = rec.output_tokens / len(t) if rec.output_tokens else 1.0
+    return (bisect.bisect_left(t, w1) - bisect.bisect_left(t, w0)) * per_chunk
+
+
+def flow_window(records: Sequence[RequestRecord], window: tuple[float, float]) -> tuple[float, float]:
+    """The stretch over which completions and tokens are counted.
+
+    Nothing completes until one request latency after load starts, so a warm-up shorter than
+    that would count an empty start. The flow window therefore opens no earlier than the first
+    completion. (Not the median latency: under overload latency grows without bound and the
+    window would never open, while completions flow at the server's real rate from the start.)
+    """
+    w0, w1 = window
+    done = [r.done for r in records if r.ok and r.done is not None]
+    if done:
+        w0 = max(w0, min(done))
+    return w0, max(w0, w1)
+
+
+def summarize(
+    records: Sequence[RequestRecord],
+    window: tuple[float, float],
+    slo: SLO,
+    *,
+    label: str = "",
+    target_rate: float | None = None,
+    concurrency: int | None = None,
+    price_per_hour: float | None = None,
+    stopped_early: str | None = None,
+) -> Summary:
+    """Aggregate one stage over its measurement `window` (perf_counter seconds)."""
+    w0, w1 = window
+    span = max(w1 - w0, 1e-9)
+    f0, f1 = flow_window(records, window)
+    flow_span = max(f1 - f0, 1e-9)
+    inside = [r for r in records if w0 <= r.scheduled < w1]
+    cancelled = [r for r in inside if r.error == "cancelled"]
+    failed = [r for r in inside if r.error and r.error != "cancelled"]
+    ok = [r for r in inside if r.ok]
+    ttft = [r.ttft for r in ok]
+    tpot = [r.tpot for r in ok if r.tpot is not None]
+    good = [r for r in ok if r.ttft * 1000 <= slo.ttft_p95_ms and (r.tpot is None or r.tpot * 1000 <= slo.tpot_p95_ms)]
+    tokens_per_s = sum(_tokens_in(r, f0, f1) for r in records) / flow_span
+    summary = Summary(
+        label=label,
+        window_s=span,
+        requests=len(inside),
+        completed=len(ok),
+        errors=len(failed),
+        cancelled=len(cancelled),
+        target_rate=target_rate,
+        concurrency=concurrency,
+        achieved_rate=achieved_rate([r.sent for r in records if r.sent and w0 <= r.sent < w1]),
+        request_throughput=sum(1 for r in records if r.ok and r.done is not None and f0 <= r.done < f1) / flow_span,
+        output_token_throughput=tokens_per_s,
+        goodput=len(good) / span,
+        slo_attainment=len(good) / len(ok) if ok else 0.0,
+        slo_met=False,
+        ttft_ms=describe_ms(ttft),
+        tpot_ms=describe_ms(tpot),
+        itl_ms=describe_ms([x for r in ok for x in r.itl]),
+        e2e_ms=describe_ms([r.e2e for r in ok]),
+        queue_ms=describe_ms([r.queue_time for r in inside if r.sent]),
+        cost_per_1m_output_tokens=cost_per_million(price_per_hour, tokens_per_s)
+        if price_per_hour and tokens_per_s
+        else None,
+        stopped_early=stopped_early,
+        error_summary=_most_common_error(failed),
+    )
+    summary.slo_met = (
+        bool(ok)
+        and summary.ttft_ms["p95"] <= slo.ttft_p95_ms
+        and (not tpot or summary.tpot_ms["p95"] <= slo.tpot_p95_ms)
+    )
+    return summary
+
+
+def achieved_rate(sent: Sequence[float]) -> float:
+    """Requests per second actually sent: (n - 1) / (last - first) send time.
+
+    Counting sends in a window is off by up to one request per window (2% of a 50-request
+    window); the spacing of the sends themselves is not.
+    """
+    if len(sent) < 2:
+        return float("nan")
+    return (len(sent) - 1) / (max(sent) - min(sent))
+
+
+def _most_common_error(failed: list[RequestRecord]) -> str | None:
+    if not failed:
+        return None
+    text, n = collections.Counter(r.error for r in failed).most_common(1)[0]
+    return f"{n}x {text}"
+
+
+@dataclass
+class Knee:
+    rate: float
+    label: str
+    baseline_ms: float
+    reason: str
+
+
+def find_knee(summaries: Sequence[Summary], factor: float = 1.5, stat: str = "p50") -> Knee | None:
+    """The highest open-loop rate before TTFT (`stat`) climbs past `factor` x its unloaded value.
+
+    Queueing shows first in TTFT. The median is the default because one stall of a shared
+    machine can move a short stage's p95 by itself; the tail is in the plots. The unloaded value
+    is the synchronous stage's TTFT when there is one, else the lowest rate's. A stage that
+    stopped early (over-saturated) is past the knee whatever its numbers. None when there are
+    fewer than two open-loop stages or even the lowest rate is past it.
+    """
+    open_loop = sorted((s for s in summaries if s.target_rate), key=lambda s: s.target_rate or 0)
+    if len(open_loop) < 2:
+        return None
+    unloaded = [s.ttft_ms[stat] for s in summaries if s.concurrency == 1 and s.completed]
+    baseline = min(unloaded) if unloaded else open_loop[0].ttft_ms[stat]
+    knee = None
+    for s in open_loop:
+        if s.stopped_early or not s.completed or not s.ttft_ms[stat] <= factor * baseline:
+            why = s.stopped_early or f"TTFT {stat} {s.ttft_ms[stat]:.0f} ms > {factor:g} x {baseline:.0f} ms"
+            return (
+                Knee(knee.target_rate, knee.label, baseline, f"next rate {s.target_rate:.3g}/s: {why}")
+                if knee
+                else None
+            )
+        knee = s
+    assert knee is not None
+    return Knee(knee.target_rate or 0.0, knee.label, baseline, "latency stayed flat up to the highest rate tried")
