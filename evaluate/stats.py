@@ -22,16 +22,7 @@ import numpy as np
 from scipy import optimize, stats
 
 from kiln.pipeline.errors import BadInput
-
-
-class Verdict(enum.StrEnum):
-    """Outcome of a check. Error (the check could not run) is kept apart from Failed, as Argo
-    Rollouts does: a broken measurement must never read as a regression or as a pass."""
-
-    SUCCESSFUL = "Successful"
-    FAILED = "Failed"
-    INCONCLUSIVE = "Inconclusive"
-    ERROR = "Error"
+from kiln.pipeline.verdict import Verdict
 
 
 def jsonable(obj: Any) -> Any:
