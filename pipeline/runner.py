@@ -69,8 +69,8 @@ def run_pipeline(recipe: Recipe, recipe_path: Path, runs_root: Path, console: An
         model = resolve_model(recipe.model.path, ctx.cache)
         arts = stage_impl.optimize_both(ctx, model)
         engines = {role: stage_impl.engine(ctx, role, art) for role, art in arts.items()}
-        evidence = stage_impl.evaluate(ctx, model, arts, engines)
-        outcome = stage_impl.gate(ctx, evidence)
+        stage_impl.evaluate(ctx, engines)
+        outcome, evidence = stage_impl.gate(ctx)
         report.publish(ctx, outcome, evidence, arts["candidate"])
     except BaseException as e:
         _finish(ctx, "FAILED" if not isinstance(e, KeyboardInterrupt) else "KILLED", None)

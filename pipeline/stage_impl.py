@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
-import math
+import statistics
 from pathlib import Path
 from typing import Any
 
 from kiln.optimize.base import QUANTIZERS, ModelArtifact
-from kiln.pipeline.files import atomic_write_json, dir_size, read_json
+from kiln.pipeline.errors import BadInput
+from kiln.pipeline.evidence import evidence_from_run
+from kiln.pipeline.files import atomic_write_json, dir_size, hash_of
 from kiln.pipeline.gate.base import Evidence
 from kiln.pipeline.gate.policy import GateOutcome, judge
 from kiln.pipeline.model_source import ResolvedModel
@@ -26,6 +28,7 @@ def quantize(ctx: RunContext, role: str, cfg: Any, model: ResolvedModel) -> Mode
     """One optimize stage: check before any work, calibrate if needed, quantize, write the manifest."""
     quantizer = QUANTIZERS.create(cfg)
     quantizer.check(model.config)
+    _plan_memory(ctx, cfg, model).check()  # refuse with the numbers before loading anything
     calibration = _calibration(ctx, cfg, model) if quantizer.needs_calibration else None
     inputs = {"method": cfg.model_dump(mode="json"), "source": model.sha256,
               "calibration": calibration.sha256 if calibration else None}
@@ -43,11 +46,20 @@ def quantize(ctx: RunContext, role: str, cfg: Any, model: ResolvedModel) -> Mode
 
         manifest["sha256"] = sha256_tree(out / "model")
         atomic_write_json(out / "model" / "kiln-artifact.json", manifest)
-        metrics = {k: manifest[k] for k in ("wall_s", "size_bytes", "peak_rss_bytes", "bits_per_weight") if k in manifest}
+        metrics = {"quantize_s": manifest["wall_s"], "size_bytes": manifest["size_bytes"],
+                   "peak_rss_bytes": manifest["peak_rss_bytes"], "bits_per_weight": manifest.get("bits_per_weight")}
         return {"metrics": metrics, "manifest": manifest}
 
     o = run_stage(ctx, "optimize", role, inputs, compute, artifacts=("model/kiln-artifact.json",), portable=False)
     return ModelArtifact(path=o.path / "model", manifest=o.result["manifest"])
+
+
+def _plan_memory(ctx: RunContext, cfg: Any, model: ResolvedModel) -> Any:
+    from kiln.optimize.memory import plan_memory
+
+    ev = ctx.recipe.evaluate
+    context = max(ev.quality.perplexity.seq_len, 512 + ev.benchmark.max_new_tokens)
+    return plan_memory(model.config, cfg, context=context, batch=max(ev.benchmark.batch_sizes))
 
 
 def _calibration(ctx: RunContext, cfg: Any, model: ResolvedModel):
@@ -74,8 +86,8 @@ def _text(spec: str, which: str) -> str:
     return Path(spec).read_text()
 
 
-def evaluate(ctx: RunContext, model: ResolvedModel, arts: dict[str, ModelArtifact],
-             engines: dict[str, Path]) -> dict[str, Evidence]:
+def evaluate(ctx: RunContext, engines: dict[str, Path]) -> None:
+    """Quality of each arm, agreement between them, then the interleaved benchmark."""
     from kiln.engine.loader import load_engine
     from kiln.evaluate.quality.base import documents
 
@@ -83,16 +95,13 @@ def evaluate(ctx: RunContext, model: ResolvedModel, arts: dict[str, ModelArtifac
     loaded = LazyEngines(engines, load_engine)
     docs = documents(_tokenizer(engines["baseline"]), _text(q.perplexity.text, "eval_text"),
                      q.perplexity.seq_len, q.perplexity.max_documents)
-    text_inputs = {"text": q.perplexity.text, "docs_hash": _hash_docs(docs)}
-    evidence = {role: Evidence(role) for role in engines}
+    text_inputs = {"text": q.perplexity.text, "docs_hash": hash_of(docs)}
     for role in engines:
-        _perplexity(ctx, role, loaded[role], engines[role], docs, text_inputs, evidence[role])
-        evidence[role].metrics["size_bytes"] = arts[role].manifest["size_bytes"]
+        _perplexity(ctx, role, loaded, engines[role], docs, text_inputs)
     if q.agreement:
-        _agreement(ctx, loaded, engines, docs, text_inputs, evidence["candidate"])
-    _benchmark(ctx, loaded, engines, evidence)
+        _agreement(ctx, loaded, engines, docs, text_inputs)
+    _benchmark(ctx, loaded, engines)
     loaded.close()
-    return evidence
 
 
 class LazyEngines(dict):
@@ -119,46 +128,33 @@ def _tokenizer(engine_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(read_manifest(engine_dir)["source"]["path"])
 
 
-def _hash_docs(docs: list[list[int]]) -> str:
-    from kiln.pipeline.files import hash_of
-
-    return hash_of(docs)
-
-
-def _perplexity(ctx, role, eng, engine_dir, docs, text_inputs, ev: Evidence) -> None:
+def _perplexity(ctx: RunContext, role: str, loaded: LazyEngines, engine_dir: Path, docs, text_inputs) -> None:
     from kiln.evaluate.quality.perplexity import perplexity
 
     def compute(out: Path) -> dict[str, Any]:
-        res = perplexity(eng, docs)
+        res = perplexity(loaded[role], docs)
         res.write(out)
-        return {"metrics": res.metrics}
+        return {"metrics": res.metrics, "samples": {"file": "perplexity.jsonl", "columns": ["nll", "tokens"]}}
 
-    o = run_stage(ctx, "quality", role, {"engine": _engine_key(engine_dir), **text_inputs, "eval": "perplexity"},
-                  compute, artifacts=("perplexity.jsonl",))
-    recs = _records(o.path / "perplexity.jsonl")
-    ev.metrics.update(o.result["metrics"])
-    ev.samples["nll"] = {str(r["doc_id"]): r["nll"] for r in recs}
-    ev.samples["tokens"] = {str(r["doc_id"]): r["tokens"] for r in recs}
+    run_stage(ctx, "quality", role, {"engine": engine_dir.name, **text_inputs, "eval": "perplexity"},
+              compute, artifacts=("perplexity.jsonl",))
 
 
-def _agreement(ctx, loaded, engines, docs, text_inputs, ev: Evidence) -> None:
+def _agreement(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], docs, text_inputs) -> None:
     from kiln.evaluate.quality.agreement import agreement
 
     def compute(out: Path) -> dict[str, Any]:
         res = agreement(loaded["baseline"], loaded["candidate"], docs)
         res.write(out)
-        return {"metrics": res.metrics}
+        return {"metrics": res.metrics, "samples": {"file": "agreement.jsonl", "columns": [
+            "kl_mean", "kl_p99", "top1_agreement", "greedy_match"]}}
 
-    o = run_stage(ctx, "agreement", "candidate",
-                  {"baseline": _engine_key(engines["baseline"]), "candidate": _engine_key(engines["candidate"]),
-                   **text_inputs}, compute, artifacts=("agreement.jsonl",))
-    recs = _records(o.path / "agreement.jsonl")
-    ev.metrics.update(o.result["metrics"])
-    for key in ("kl_mean", "kl_p99", "top1_agreement", "greedy_match"):
-        ev.samples[key] = {str(r["doc_id"]): r[key] for r in recs}
+    run_stage(ctx, "agreement", "candidate",
+              {"baseline": engines["baseline"].name, "candidate": engines["candidate"].name, **text_inputs},
+              compute, artifacts=("agreement.jsonl",))
 
 
-def _benchmark(ctx, loaded, engines, evidence: dict[str, Evidence]) -> None:
+def _benchmark(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path]) -> None:
     from kiln.engine.cache import hardware_fingerprint
     from kiln.evaluate.decode_bench import interleaved
 
@@ -166,45 +162,39 @@ def _benchmark(ctx, loaded, engines, evidence: dict[str, Evidence]) -> None:
     prompts = _prompts(b.prompts, b.num_prompts, _tokenizer(engines["baseline"]))
 
     def compute(out: Path) -> dict[str, Any]:
-        per_arm = interleaved({role: loaded[role] for role in engines}, prompts, b.max_new_tokens, b.batch_sizes, b.repeats)
+        per_arm = interleaved({role: loaded[role] for role in engines}, prompts, b.max_new_tokens,
+                              b.batch_sizes, b.repeats)
         atomic_write_json(out / "repeats.json", per_arm)
-        metrics = {f"{role}.{k}": _median([r[k] for r in reps]) for role, reps in per_arm.items() for k in reps[0]}
-        return {"metrics": metrics, "repeats": per_arm}
+        per_role = {role: {"repeats": {k: [r[k] for r in reps] for k in reps[0]}} for role, reps in per_arm.items()}
+        for part in per_role.values():
+            part["metrics"] = {k: statistics.median(v) for k, v in part["repeats"].items()}
+        metrics = {f"{role}.{k}": v for role, part in per_role.items() for k, v in part["metrics"].items()}
+        return {"metrics": metrics, "per_role": per_role}
 
-    o = run_stage(ctx, "benchmark", "pair",
-                  {"engines": {r: _engine_key(p) for r, p in engines.items()}, "config": b.model_dump(mode="json"),
-                   "hardware": hardware_fingerprint(), "prompts": _hash_docs(prompts)},
-                  compute, artifacts=("repeats.json",))
-    for role, reps in o.result["repeats"].items():
-        for k in reps[0]:
-            evidence[role].repeats[k] = [r[k] for r in reps]
-            evidence[role].metrics[k] = _median(evidence[role].repeats[k])
-
-
-def _median(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
+    run_stage(ctx, "benchmark", "pair",
+              {"engines": {r: p.name for r, p in engines.items()}, "config": b.model_dump(mode="json"),
+               "hardware": hardware_fingerprint(), "prompts": hash_of(prompts)},
+              compute, artifacts=("repeats.json",))
 
 
-def _prompts(spec: str, n: int, tokenizer) -> list[list[int]]:
+def _prompts(spec: str, n: int, tokenizer: Any) -> list[list[int]]:
     if spec == "demo":
         from kiln.pipeline.demo import prepare_demo_data
 
         spec = str(prepare_demo_data().prompts)
-    rows = _records(Path(spec))
-    texts = [r["prompt"] for r in rows[:n]]
+    path = Path(spec)
+    if not path.is_file():
+        raise BadInput(f"evaluate.benchmark.prompts: {path} not found; give a JSONL file with a 'prompt' field or 'demo'.")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    texts = [r["prompt"] for r in rows[:n] if "prompt" in r]
+    if len(texts) < n:
+        raise BadInput(f"evaluate.benchmark.prompts: {path} has {len(texts)} rows with a 'prompt' field; "
+                       f"evaluate.benchmark.num_prompts asks for {n}.")
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
-def _records(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-def _engine_key(engine_dir: Path) -> str:
-    return Path(engine_dir).name
-
-
-def gate(ctx: RunContext, evidence: dict[str, Evidence]) -> GateOutcome:
+def gate(ctx: RunContext) -> tuple[GateOutcome, dict[str, Evidence]]:
+    evidence = evidence_from_run(ctx.run_dir)
     outcome = judge(ctx.recipe.gate, evidence["candidate"], evidence["baseline"])
     run_id = ctx.tracker.start("gate", {"kiln.stage": "gate", "kiln.role": "candidate",
                                         "kiln.recipe_hash": ctx.recipe.digest(), "kiln.verdict": outcome.verdict.value},
@@ -214,4 +204,4 @@ def gate(ctx: RunContext, evidence: dict[str, Evidence]) -> GateOutcome:
                     metrics={f"{r.name}.observed": r.observed for r in outcome.results if r.observed is not None})
     ctx.tracker.log_artifacts(run_id, ctx.run_dir / "verdict.json")
     ctx.tracker.end(run_id)
-    return outcome
+    return outcome, evidence
