@@ -145,3 +145,6 @@ def main() -> None:
         err.print(f"[red]internal error:[/red] {type(e).__name__}: {escape(str(e))}")
         sys.exit(int(ExitCode.INTERNAL_ERROR))
     sys.exit(code if isinstance(code, int) else 0)
+
+
+from kiln.pipeline import cli_ops  # noqa: E402,F401 - registers the serving, deploy and planning commands

@@ -1,0 +1,210 @@
+"""`kiln` commands around a finished run: serve it, route to it, walk a canary, move aliases,
+compare runs, plan memory and capacity. Registered on the one `kiln` app by `cli.py`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kiln.pipeline.cli import RecipeArg, RunsOpt, SetOpt, app, console
+from kiln.pipeline.errors import BadInput
+
+HostOpt = Annotated[str, typer.Option(help="bind address; loopback unless you mean otherwise")]
+KeyEnvOpt = Annotated[str, typer.Option(help="env var holding the API key clients must send (unset: no key)")]
+TrackingOpt = Annotated[str | None, typer.Option(help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or ./mlflow.db)")]
+deploy_app = typer.Typer(no_args_is_help=True, help="Canary rollouts: walk one locally, or render Argo Rollouts manifests.")
+app.add_typer(deploy_app, name="deploy")
+
+
+def _key(env_name: str) -> str | None:
+    return os.environ.get(env_name) or None
+
+
+def run_dir(run: str, runs: Path) -> Path:
+    d = Path(run) if Path(run).is_dir() else runs / run
+    if not (d / "state.json").exists():
+        raise BadInput(f"RUN: no run '{run}' under {runs}/ (see `kiln runs`).")
+    return d
+
+
+def engine_dir(target: str, role: str, runs: Path) -> Path:
+    """An engine folder, or a run's engine for `role`."""
+    from kiln.pipeline.files import read_json
+
+    p = Path(target)
+    if (p / "kiln-engine.json").exists():
+        return p
+    stage = run_dir(target, runs) / "stages" / f"engine-{role}.json"
+    if not stage.exists():
+        raise BadInput(f"{target}: not an engine folder (no kiln-engine.json) and the run has no {role} engine.")
+    return Path(read_json(Path(read_json(stage)["path"]) / "result.json")["engine_dir"])
+
+
+@app.command()
+def serve(target: Annotated[str, typer.Argument(metavar="ENGINE_DIR|RUN")],
+          role: Annotated[str, typer.Option(help="with a RUN: which arm to serve")] = "candidate",
+          host: HostOpt = "127.0.0.1", port: int = 8000, api_key_env: KeyEnvOpt = "KILN_API_KEY",
+          model_name: Annotated[str | None, typer.Option(help="name in /v1/models")] = None,
+          runs: RunsOpt = Path("runs")) -> None:
+    """Serve an engine behind an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /health, /metrics)."""
+    from kiln.engine.server import serve as serve_engine
+
+    d = engine_dir(target, role, runs)
+    console.print(f"serving {d} on http://{host}:{port}" + (" (API key required)" if _key(api_key_env) else ""))
+    serve_engine(d, host=host, port=port, api_key=_key(api_key_env), model_name=model_name)
+
+
+@app.command("fake-engine")
+def fake_engine(ttft_ms: float = 50.0, tpot_ms: float = 10.0,
+                capacity: Annotated[int | None, typer.Option(help="max concurrent generations (default unlimited)")] = None,
+                slowdown: float = 1.0, error_rate: float = 0.0, host: HostOpt = "127.0.0.1", port: int = 8000,
+                api_key_env: KeyEnvOpt = "KILN_API_KEY") -> None:
+    """A fake engine streaming at a set TTFT/TPOT: for testing load generators, routers, canaries."""
+    from kiln.engine.fake import FakeEngineConfig, serve_fake
+
+    cfg = FakeEngineConfig(ttft_ms=ttft_ms, tpot_ms=tpot_ms, capacity=capacity, slowdown=slowdown, error_rate=error_rate)
+    console.print(f"fake engine on http://{host}:{port}: TTFT {ttft_ms * slowdown:g} ms, TPOT {tpot_ms * slowdown:g} ms")
+    serve_fake(cfg, host=host, port=port, api_key=_key(api_key_env))
+
+
+@app.command()
+def route(stable: Annotated[str, typer.Option(help="stable backend URL")],
+          canary: Annotated[str | None, typer.Option(help="canary backend URL")] = None,
+          weight: Annotated[float, typer.Option(help="percent of traffic to the canary")] = 0.0,
+          host: HostOpt = "127.0.0.1", port: int = 8080, api_key_env: KeyEnvOpt = "KILN_API_KEY",
+          upstream_api_key_env: KeyEnvOpt = "KILN_UPSTREAM_API_KEY") -> None:
+    """One OpenAI-compatible entry point splitting traffic between a stable and a canary backend."""
+    from kiln.deploy.config import RouterConfig
+    from kiln.deploy.router_process import serve_router
+
+    cfg = RouterConfig(host=host, port=port, stable_url=stable, canary_url=canary, weight=weight)
+    serve_router(cfg, api_key=_key(api_key_env), upstream_api_key=_key(upstream_api_key_env))
+
+
+def _run_recipe(d: Path):
+    from kiln.pipeline.recipe import load_recipe
+
+    return load_recipe(d / "recipe.yaml")
+
+
+@deploy_app.command("canary")
+def deploy_canary(run: Annotated[str, typer.Argument(metavar="RUN")], runs: RunsOpt = Path("runs"),
+                  port: int = 8080, api_key_env: KeyEnvOpt = "KILN_API_KEY",
+                  keep_serving: Annotated[bool, typer.Option(help="keep the router and the winner up afterwards")] = False) -> None:
+    """Walk a run's candidate through the recipe's canary steps against its baseline, on this machine.
+
+    Judged live by the recipe's gate policy; promotes (alias `champion` moves) or rolls back.
+    """
+    from kiln.deploy.run import deploy_local, kiln_serve
+    from kiln.pipeline.files import read_json
+
+    d = run_dir(run, runs)
+    recipe = _run_recipe(d)
+    state, registry = read_json(d / "state.json"), read_json(d / "registry.json")
+    result = deploy_local(recipe.gate, recipe.deploy, kiln_serve(engine_dir(str(d), "baseline", runs)),
+                          kiln_serve(engine_dir(str(d), "candidate", runs)), port=port, api_key=_key(api_key_env),
+                          tracking_uri=recipe.tracking.uri, experiment=recipe.tracking.experiment,
+                          model=registry["name"], version=str(registry["version"]),
+                          parent_run_id=state["mlflow_parent"], keep_serving=keep_serving, log=console.print)
+    console.print(f"canary {result.status}: {result.reason}")
+    raise typer.Exit(result.exit_code)
+
+
+@deploy_app.command("render")
+def deploy_render(recipe: RecipeArg, out: Annotated[Path, typer.Option(help="YAML file to write")] = Path("rollout.yaml"),
+                  set_: SetOpt = []) -> None:  # noqa: B006
+    """Render Argo Rollouts manifests (Rollout, AnalysisTemplates from the gate policy, Services, autoscaler)."""
+    from kiln.deploy.run import render_manifests
+    from kiln.pipeline.recipe import load_recipe
+
+    r = load_recipe(recipe, set_)
+    render_manifests(r.name, r.gate, r.deploy, out, log=console.print)
+
+
+def _client(tracking_uri: str | None):
+    from mlflow.tracking import MlflowClient
+
+    from kiln.pipeline.tracking import default_uri
+
+    uri = tracking_uri or default_uri()
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+@app.command()
+def promote(name: str, version: str, tracking_uri: TrackingOpt = None) -> None:
+    """Move the `champion` alias to VERSION (remembering the one it replaces, for rollback)."""
+    client = _client(tracking_uri)
+    try:
+        previous = client.get_model_version_by_alias(name, "champion").version
+    except Exception:  # noqa: BLE001 - no champion yet
+        previous = None
+    client.get_model_version(name, version)  # fails clearly on a wrong name/version
+    if previous:
+        client.set_model_version_tag(name, version, "kiln.previous_champion", previous)
+    client.set_registered_model_alias(name, "champion", version)
+    client.set_model_version_tag(name, version, "kiln.deploy", "promoted")
+    console.print(f"{name}: champion -> v{version}" + (f" (was v{previous})" if previous else ""))
+
+
+@app.command()
+def rollback(name: str, to: Annotated[str | None, typer.Option(help="version to restore")] = None,
+             tracking_uri: TrackingOpt = None) -> None:
+    """Move `champion` back to the version it replaced (or --to VERSION)."""
+    client = _client(tracking_uri)
+    current = client.get_model_version_by_alias(name, "champion")
+    target = to or current.tags.get("kiln.previous_champion")
+    if not target:
+        raise BadInput(f"{name} v{current.version} has no recorded previous champion; pass --to VERSION.")
+    client.set_registered_model_alias(name, "champion", target)
+    client.set_model_version_tag(name, current.version, "kiln.deploy", "rolled_back")
+    console.print(f"{name}: champion -> v{target} (rolled back from v{current.version})")
+
+
+@app.command()
+def compare(run_a: Annotated[str, typer.Argument(metavar="RUN_A")], run_b: Annotated[str, typer.Argument(metavar="RUN_B")],
+            runs: RunsOpt = Path("runs")) -> None:
+    """Judge RUN_B's candidate against RUN_A's candidate with RUN_B's gate policy: the gate's own table."""
+    from kiln.pipeline.evidence import evidence_from_run
+    from kiln.pipeline.gate.policy import judge
+    from kiln.pipeline.report import CHECK_HEADER, check_rows
+
+    a, b = run_dir(run_a, runs), run_dir(run_b, runs)
+    base, cand = evidence_from_run(a)["candidate"], evidence_from_run(b)["candidate"]
+    outcome = judge(_run_recipe(b).gate, cand, base)
+    from rich.table import Table
+
+    t = Table(*CHECK_HEADER, title=f"{b.name} vs {a.name}: {outcome.verdict.value}")
+    for row in check_rows(outcome.results):
+        t.add_row(*row)
+    console.print(t)
+    raise typer.Exit(int(outcome.exit_code))
+
+
+@app.command("plan-memory")
+def plan_memory_cmd(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
+                    context: Annotated[int, typer.Option(help="serving context in tokens")] = 4096,
+                    batch: Annotated[int, typer.Option(help="concurrent sequences")] = 1,
+                    kv_dtype: Annotated[str | None, typer.Option(help="KV cache dtype (default: the serving dtype)")] = None) -> None:
+    """How much memory quantizing and serving the recipe's model needs, against what is free."""
+    from kiln.optimize.memory import plan_memory
+    from kiln.pipeline.model_source import cache_root, resolve_model
+    from kiln.pipeline.recipe import load_recipe
+
+    r = load_recipe(recipe, set_)
+    model = resolve_model(r.model.path, cache_root())
+    plan = plan_memory(model.config, r.optimize, context=context, batch=batch, kv_dtype=kv_dtype)
+    console.print(plan.table())
+    plan.check()
+
+
+@app.command("plan-capacity")
+def plan_capacity_cmd(target_rps: Annotated[float, typer.Option(help="expected requests per second")],
+                      goodput: Annotated[float, typer.Option(help="requests/s one replica serves within the SLO")],
+                      headroom: float = 0.2, price_per_hour: float | None = None) -> None:
+    """Replicas (and cost per month) to serve a target rate within the SLO."""
+    from kiln.evaluate.capacity import plan_capacity
+
+    console.print(plan_capacity(target_rps, goodput, headroom, price_per_hour).table())
