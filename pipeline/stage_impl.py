@@ -63,9 +63,11 @@ def _plan_memory(ctx: RunContext, cfg: Any, model: ResolvedModel) -> Any:
 
 
 def _calibration(ctx: RunContext, cfg: Any, model: ResolvedModel):
-    from kiln.optimize.calibration import load_calibration
+    """Calibration samples, refused if they overlap the text the candidate is evaluated on."""
+    from kiln.optimize.calibration import build_calibration, check_disjoint, resolve_dataset
 
-    return load_calibration(cfg.calibration, model.path, eval_text=ctx.recipe.evaluate.quality.perplexity.text)
+    check_disjoint(resolve_dataset(cfg.calibration.dataset), _text_path(ctx.recipe.evaluate.quality.perplexity.text))
+    return build_calibration(cfg.calibration, model.path)
 
 
 def engine(ctx: RunContext, role: str, art: ModelArtifact) -> Path:
@@ -78,12 +80,15 @@ def engine(ctx: RunContext, role: str, art: ModelArtifact) -> Path:
     return Path(outcome.result["engine_dir"])
 
 
-def _text(spec: str, which: str) -> str:
+def _text_path(spec: str) -> Path:
     if spec == "demo":
         from kiln.pipeline.demo import prepare_demo_data
 
-        return Path(getattr(prepare_demo_data(), which)).read_text()
-    return Path(spec).read_text()
+        return Path(prepare_demo_data().eval_text)
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise BadInput(f"evaluate.quality.perplexity.text: {spec} is not a file; give a local .txt file or 'demo'.")
+    return path
 
 
 def evaluate(ctx: RunContext, engines: dict[str, Path]) -> None:
@@ -93,7 +98,7 @@ def evaluate(ctx: RunContext, engines: dict[str, Path]) -> None:
 
     q = ctx.recipe.evaluate.quality
     loaded = LazyEngines(engines, load_engine)
-    docs = documents(_tokenizer(engines["baseline"]), _text(q.perplexity.text, "eval_text"),
+    docs = documents(_tokenizer(engines["baseline"]), _text_path(q.perplexity.text).read_text(),
                      q.perplexity.seq_len, q.perplexity.max_documents)
     text_inputs = {"text": q.perplexity.text, "docs_hash": hash_of(docs)}
     for role in engines:
