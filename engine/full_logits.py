@@ -1,0 +1,76 @@
+"""score() and next_token_logprobs() for backends whose runtime returns logits at every position.
+
+OpenVINO (the stateful IR run without its KV cache) and CTranslate2 (`forward_batch`) both give
+[batch, length, vocab] logits for right-padded batches. What is left is the same for both:
+group sequences so one forward pass stays within a padded-token budget, turn logits into
+log-probabilities in float64-safe numpy, and read out the continuation's log-likelihood.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kiln.engine.base import Score
+from kiln.pipeline.errors import BadInput
+
+# logits_fn(batch of token-id lists) -> list of [len(seq), vocab] float32 logits, one per sequence
+LogitsFn = Callable[[list[list[int]]], list[np.ndarray]]
+
+
+def batches(seqs: Sequence[Sequence[int]], budget_tokens: int) -> list[list[int]]:
+    """Indices grouped longest-first so that (rows x longest row) stays within the budget."""
+    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and len(seqs[groups[-1][0]]) * (len(groups[-1]) + 1) <= budget_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float32, copy=False)
+    shifted = x - x.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def next_token_logprobs(ids: Sequence[list[int]], logits_fn: LogitsFn, budget_tokens: int) -> list[np.ndarray]:
+    """One [len, vocab] log-distribution per sequence, computed in budget-sized batches."""
+    if any(len(s) == 0 for s in ids):
+        raise BadInput("next_token_logprobs() needs non-empty token sequences.")
+    out: list[np.ndarray | None] = [None] * len(ids)
+    for group in batches(ids, budget_tokens):
+        for i, logits in zip(group, logits_fn([list(ids[i]) for i in group]), strict=True):
+            out[i] = log_softmax(logits)
+    return out  # type: ignore[return-value]
+
+
+def scores(pairs: Sequence[tuple[list[int], list[int]]], logits_fn: LogitsFn, budget_tokens: int) -> list[Score]:
+    """Log-likelihood of each continuation given its context, from full-position logits."""
+    if any(not ctx or not cont for ctx, cont in pairs):
+        raise BadInput("score() needs a non-empty context and continuation in every pair "
+                       "(lm-eval passes the EOT token as context for rolling log-likelihoods).")
+    # The last continuation token predicts nothing we need, so it is never fed.
+    inputs = [list(ctx) + list(cont)[:-1] for ctx, cont in pairs]
+    results: list[Score] = []
+    for (ctx, cont), rows in zip(pairs, next_token_logprobs(inputs, logits_fn, budget_tokens), strict=True):
+        predicting = rows[len(ctx) - 1 :]  # row j predicts cont[j]
+        target = np.asarray(cont)
+        lps = predicting[np.arange(len(cont)), target]
+        greedy = bool((predicting.argmax(axis=-1) == target).all())
+        results.append(Score(float(lps.sum()), greedy, tuple(float(x) for x in lps)))
+    return results
+
+
+def right_padded(seqs: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """int64 ids and attention mask of `seqs` padded on the right (causal: padding is inert)."""
+    width = max(len(s) for s in seqs)
+    ids = np.full((len(seqs), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(seqs), width), dtype=np.int64)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = s
+        mask[i, : len(s)] = 1
+    return ids, mask

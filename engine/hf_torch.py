@@ -1,0 +1,284 @@
+"""The `torch` backend: a Hugging Face checkpoint run by plain PyTorch, the reference for parity.
+
+It loads every checkpoint kiln's optimize stage writes (fp32/bf16 baselines, GPTQ through
+GPTQModel's transformers integration, torchao int8) and decodes with a hand-written loop over a
+KV cache instead of `generate()`, which was ~10x slower on CPU (FIELD.md). Continuous batching:
+a newcomer is prefilled alone, then its KV cache is left-padded and concatenated onto the running
+batch; an attention mask hides the padding and explicit position ids keep RoPE exact, so every
+sequence gets the tokens it would get alone.
+
+Building records the checkpoint path (no copy): the checkpoint already is the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
+
+from kiln.engine.base import BACKENDS, Engine, EngineBackend, EngineConfig, GenerationRequest, Score, TokenEvent
+from kiln.pipeline.errors import BadInput
+
+
+class TorchEngineConfig(EngineConfig):
+    backend: Literal["torch"] = "torch"
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    threads: int | None = Field(None, ge=1, description="torch.set_num_threads; None keeps torch's default")
+    trust_remote_code: bool = False
+    max_batch_size: int = Field(16, ge=1, description="sequences decoded together; the rest wait")
+    score_batch_tokens: int = Field(4096, ge=1, description="padded tokens per scoring forward pass")
+
+
+def check_checkpoint(path: Path) -> None:
+    if not (path / "config.json").is_file():
+        raise BadInput(f"{path}: no config.json. Point the engine at a Hugging Face checkpoint folder.")
+    if not any(path.glob("*.safetensors")):
+        raise BadInput(f"{path}: no *.safetensors weights. kiln loads safetensors only (no pickle); "
+                       "re-save the checkpoint with save_pretrained(safe_serialization=True).")
+
+
+@BACKENDS.register("torch", TorchEngineConfig)
+class TorchBackend(EngineBackend):
+    libraries: ClassVar[tuple[str, ...]] = ("torch", "transformers", "gptqmodel", "optimum", "torchao")
+
+    def build(self, checkpoint: Path, out_dir: Path) -> dict[str, Any]:
+        check_checkpoint(checkpoint)
+        return {"checkpoint": str(Path(checkpoint).resolve())}
+
+    @classmethod
+    def load(cls, engine_dir: Path, **options: Any) -> TorchEngine:
+        from kiln.engine.loader import engine_config, read_manifest
+
+        manifest = read_manifest(engine_dir)
+        config = engine_config({**manifest, "config": {**manifest["config"], **options}})
+        engine = TorchEngine(Path(manifest["build"]["checkpoint"]), config)
+        engine.manifest = manifest
+        return engine
+
+
+@dataclass
+class _Seq:
+    id: int
+    req: GenerationRequest
+    rng: Any  # torch.Generator when sampling
+    length: int = 0  # real (unpadded) tokens in the KV cache
+    produced: int = 0
+    last: int = -1  # the token to feed at the next decode step
+
+
+class TorchEngine(Engine):
+    def __init__(self, checkpoint: Path, config: TorchEngineConfig):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        checkpoint = Path(checkpoint)
+        check_checkpoint(checkpoint)
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.config = config
+        self.manifest = {"backend": "torch", "config": config.model_dump(mode="json"),
+                         "build": {"checkpoint": str(checkpoint)}}
+        self.tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=config.trust_remote_code)
+        dtype = config.dtype if config.dtype == "auto" else getattr(torch, config.dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            checkpoint, dtype=dtype, use_safetensors=True, trust_remote_code=config.trust_remote_code
+        ).eval()
+        eos = self.model.generation_config.eos_token_id
+        eos = eos if eos is not None else self.tokenizer.eos_token_id
+        self.eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.max_positions = getattr(self.model.config, "max_position_embeddings", None) or 1 << 30
+        self._next_id = 0
+        self._pending: list[_Seq] = []
+        self._batch: list[_Seq] = []
+        self._cache = None  # DynamicCache over self._batch, left-padded
+        self._mask = None  # [batch, cache_len] 1 = real token, 0 = padding
+
+    # ----- generation -----------------------------------------------------------------------
+
+    def add(self, request: GenerationRequest) -> int:
+        import torch
+
+        n = len(request.prompt_ids)
+        if n == 0 or request.max_new_tokens < 1:
+            raise BadInput("A generation request needs a non-empty prompt and max_new_tokens >= 1.")
+        if n >= self.max_positions:
+            raise BadInput(f"Prompt of {n} tokens does not fit the model's {self.max_positions} positions.")
+        rng = None
+        if request.temperature > 0:
+            seed = request.seed if request.seed is not None else int(torch.randint(0, 2**31, ()).item())
+            rng = torch.Generator().manual_seed(seed)
+        seq = _Seq(self._next_id, request, rng)
+        self._next_id += 1
+        self._pending.append(seq)
+        return seq.id
+
+    def has_work(self) -> bool:
+        return bool(self._pending or self._batch)
+
+    def cancel(self, seq_id: int) -> None:
+        self._pending = [s for s in self._pending if s.id != seq_id]
+        self._keep([i for i, s in enumerate(self._batch) if s.id != seq_id])
+
+    def step(self) -> list[TokenEvent]:
+        import torch
+
+        events: list[TokenEvent] = []
+        with torch.inference_mode():
+            if self._batch:
+                events += self._decode()
+            while self._pending and len(self._batch) < self.config.max_batch_size:
+                events += self._prefill(self._pending.pop(0))
+        return events
+
+    def _decode(self) -> list[TokenEvent]:
+        import torch
+
+        ids = torch.tensor([[s.last] for s in self._batch])
+        positions = torch.tensor([[s.length] for s in self._batch])
+        self._mask = torch.cat([self._mask, torch.ones(len(self._batch), 1, dtype=torch.long)], dim=1)
+        out = self.model(input_ids=ids, attention_mask=self._mask, position_ids=positions,
+                         past_key_values=self._cache, use_cache=True)
+        logits = out.logits[:, -1, :].float()
+        events, keep = [], []
+        for i, s in enumerate(self._batch):
+            s.length += 1
+            event = self._emit(s, logits[i])
+            events.append(event)
+            if event.finish_reason is None:
+                keep.append(i)
+        self._keep(keep)
+        return events
+
+    def _prefill(self, s: _Seq) -> list[TokenEvent]:
+        import torch
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        out = self.model(input_ids=torch.tensor([s.req.prompt_ids]), past_key_values=cache, use_cache=True)
+        s.length = len(s.req.prompt_ids)
+        event = self._emit(s, out.logits[0, -1, :].float())
+        if event.finish_reason is None:
+            self._join(s, cache)
+        return [event]
+
+    def _emit(self, s: _Seq, logits) -> TokenEvent:
+        import time
+
+        import torch
+
+        logprobs = torch.log_softmax(logits, dim=-1)
+        if s.rng is None:
+            token = int(torch.argmax(logits))
+        else:
+            probs = torch.softmax(logits / s.req.temperature, dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=s.rng))
+        s.produced += 1
+        s.last = token
+        finish = None
+        if token in s.req.stop_ids or (token in self.eos_ids and not s.req.ignore_eos):
+            finish = "stop"
+        elif s.produced >= s.req.max_new_tokens or s.length + 1 >= self.max_positions:
+            finish = "length"
+        return TokenEvent(s.id, token, time.perf_counter(), float(logprobs[token]), finish)
+
+    def _join(self, s: _Seq, cache) -> None:
+        """Append a prefilled sequence to the running batch, left-padding the shorter side."""
+        import torch
+        import torch.nn.functional as F
+
+        mask = torch.ones(1, s.length, dtype=torch.long)
+        if self._cache is None:
+            self._cache, self._mask, self._batch = cache, mask, [s]
+            return
+        width = max(self._mask.shape[1], s.length)
+        pad_old, pad_new = width - self._mask.shape[1], width - s.length
+        for old, new in zip(self._cache.layers, cache.layers, strict=True):
+            old.keys = torch.cat([F.pad(old.keys, (0, 0, pad_old, 0)), F.pad(new.keys, (0, 0, pad_new, 0))])
+            old.values = torch.cat([F.pad(old.values, (0, 0, pad_old, 0)), F.pad(new.values, (0, 0, pad_new, 0))])
+        self._mask = torch.cat([F.pad(self._mask, (pad_old, 0)), F.pad(mask, (pad_new, 0))])
+        self._batch.append(s)
+
+    def _keep(self, rows: list[int]) -> None:
+        """Keep only these batch rows, then drop padding columns no remaining row needs."""
+        if len(rows) == len(self._batch):
+            return
+        if not rows:
+            self._cache, self._mask, self._batch = None, None, []
+            return
+        import torch
+
+        idx = torch.tensor(rows)
+        self._mask = self._mask[idx]
+        lead = int((self._mask.sum(dim=0) == 0).long().cumprod(dim=0).sum())  # all-padding prefix
+        self._mask = self._mask[:, lead:]
+        for layer in self._cache.layers:
+            layer.keys = layer.keys[idx, :, lead:]
+            layer.values = layer.values[idx, :, lead:]
+        self._batch = [self._batch[i] for i in rows]
+
+    # ----- scoring --------------------------------------------------------------------------
+
+    def _batches(self, seqs: Sequence[list[int]]) -> list[list[int]]:
+        """Indices grouped longest-first so each forward pass stays within score_batch_tokens."""
+        order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
+        groups: list[list[int]] = []
+        for i in order:
+            if groups and len(seqs[groups[-1][0]]) * (len(groups[-1]) + 1) <= self.config.score_batch_tokens:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        return groups
+
+    def _logits(self, seqs: list[list[int]], keep: int):
+        """Logits of the last `keep` positions of right-padded `seqs` (causal: padding is inert)."""
+        import torch
+
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.tokenizer.pad_token_id or 0, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s)
+            mask[i, : len(s)] = 1
+        out = self.model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=keep)
+        return out.logits.float(), width
+
+    def score(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[Score]:
+        import torch
+
+        if any(not ctx or not cont for ctx, cont in pairs):
+            raise BadInput("score() needs a non-empty context and continuation in every pair "
+                           "(lm-eval passes the EOT token as context for rolling log-likelihoods).")
+        full = [list(ctx) + list(cont) for ctx, cont in pairs]
+        results: list[Score | None] = [None] * len(pairs)
+        with torch.inference_mode():
+            for group in self._batches(full):
+                inputs = [full[i][:-1] for i in group]
+                # Keep only the positions that predict some continuation token.
+                keep = max(map(len, inputs)) - min(len(pairs[i][0]) - 1 for i in group)
+                logits, width = self._logits(inputs, keep)
+                for j, i in enumerate(group):
+                    ctx, cont = pairs[i]
+                    start = len(ctx) - 1 - (width - keep)  # first predicting position, in kept coords
+                    rows = torch.log_softmax(logits[j, start : start + len(cont)], dim=-1)
+                    target = torch.tensor(cont)
+                    lps = rows.gather(1, target[:, None])[:, 0]
+                    greedy = bool((rows.argmax(dim=-1) == target).all())
+                    results[i] = Score(float(lps.sum()), greedy, tuple(float(x) for x in lps))
+        return results  # type: ignore[return-value]
+
+    def next_token_logprobs(self, ids: Sequence[list[int]]) -> list[Any]:
+        import torch
+
+        results: list[Any] = [None] * len(ids)
+        with torch.inference_mode():
+            for group in self._batches(ids):
+                logits, _ = self._logits([list(ids[i]) for i in group], 0)  # 0 keeps every position
+                for j, i in enumerate(group):
+                    results[i] = torch.log_softmax(logits[j, : len(ids[i])], dim=-1).numpy()
+        return results
+
+    def close(self) -> None:
+        self._pending, self._batch, self._cache, self._mask = [], [], None, None

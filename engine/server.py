@@ -1,0 +1,301 @@
+"""`kiln serve ENGINE_DIR`: any built engine behind an OpenAI-compatible HTTP API.
+
+aiohttp on uvloop, loopback by default, optional Bearer API key. Routes: POST /v1/completions
+(streaming SSE or not; echo + logprobs so lm-eval's `local-completions` can score), POST
+/v1/chat/completions, GET /v1/models, GET /health (503 until the engine is loaded and warmed
+up), GET /metrics (Prometheus). One scheduler thread owns the engine (scheduler.py); a client
+that disconnects has its sequence cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kiln.engine.base import Engine, GenerationRequest, TokenEvent
+from kiln.engine.protocol import (Sampling, TextStream, chat_prompt, logprobs_block, parse_prompts,
+                                  parse_sampling, position_logprobs, token_text)
+from kiln.engine.scheduler import Metrics, Scheduler
+from kiln.pipeline.errors import BadInput
+
+STATE = web.AppKey("state", object)
+STARTER = web.AppKey("starter", asyncio.Task)
+
+
+class _State:
+    def __init__(self, load: Callable[[], Engine], api_key: str | None, model_name: str | None, owns: bool):
+        self.load, self.api_key, self.model_name, self.owns = load, api_key, model_name, owns
+        self.metrics = Metrics()
+        self.engine: Engine | None = None
+        self.scheduler: Scheduler | None = None
+        self.status = "loading"
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            self.engine = await loop.run_in_executor(None, self.load)
+            self.model_name = self.model_name or _default_name(self.engine)
+            self.scheduler = Scheduler(self.engine, loop, self.metrics)
+            self.scheduler.start()
+            self.status = "warming up"
+            await self.scheduler.call(_warm_up)
+            self.status = "ready"
+        except Exception as e:  # /health reports it; the process stays up for inspection
+            self.status = f"failed: {type(e).__name__}: {e}"
+
+
+def _default_name(engine: Engine) -> str:
+    source = (engine.manifest.get("source") or {}).get("path") or engine.manifest.get("build", {}).get("checkpoint")
+    return Path(source).name if source else engine.manifest.get("backend", "kiln")
+
+
+def _warm_up(engine: Engine) -> None:
+    """One short generation and one scoring pass, so the first real request is not the slow one."""
+    ids = list(engine.tokenizer("Hello, world").input_ids)
+    ids = ids if len(ids) > 1 else ids * 2
+    list(engine.generate([GenerationRequest(ids, 2, ignore_eos=True)]))
+    engine.score([(ids[:1], ids[1:])])
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+@web.middleware
+async def _guard(request: web.Request, handler):
+    st: _State = request.app[STATE]
+    if request.path != "/health" and st.api_key:
+        sent = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(sent, f"Bearer {st.api_key}".encode()):  # constant-time
+            return _error(401, "Missing or wrong API key (send 'Authorization: Bearer <key>').",
+                          "authentication_error")
+    if request.path.startswith("/v1/") and st.status != "ready":
+        return _error(503, f"Engine not ready: {st.status}.", "service_unavailable")
+    try:
+        return await handler(request)
+    except BadInput as e:
+        return _error(400, str(e))
+    except json.JSONDecodeError:
+        return _error(400, "Request body is not valid JSON.")
+    except web.HTTPException:
+        raise
+    except Exception as e:  # an engine failure: report it as JSON, keep serving
+        return _error(500, f"{type(e).__name__}: {e}", "internal_error")
+
+
+async def health(request: web.Request) -> web.Response:
+    st: _State = request.app[STATE]
+    return web.json_response({"status": st.status}, status=200 if st.status == "ready" else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[STATE].metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def models(request: web.Request) -> web.Response:
+    st: _State = request.app[STATE]
+    card = {"id": st.model_name, "object": "model", "created": 0, "owned_by": "kiln"}
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def _events(st: _State, ids: list[int], s: Sampling) -> AsyncIterator[TokenEvent]:
+    """Generate for one prompt; leaving early (stop string, disconnect) cancels the sequence."""
+    ticket = st.scheduler.submit(GenerationRequest(ids, s.max_tokens, s.ignore_eos, (), s.temperature, s.seed))
+    try:
+        while (ev := await ticket.events.get()) is not None:
+            if isinstance(ev, Exception):
+                raise BadInput(str(ev)) if isinstance(ev, BadInput) else ev
+            yield ev
+    finally:
+        st.scheduler.cancel(ticket)
+
+
+async def _pieces(st: _State, ids: list[int], s: Sampling) -> AsyncIterator[tuple[str, str | None, TokenEvent]]:
+    """(text delta, finish reason or None, token event) as generation proceeds; text honours `stop`."""
+    text = TextStream(st.engine.tokenizer, s.stop)
+    async with contextlib.aclosing(_events(st, ids, s)) as events:
+        async for ev in events:
+            delta = text.push(ev.token_id, final=ev.finish_reason is not None)
+            if text.stopped or ev.finish_reason:
+                yield delta, "stop" if text.stopped else ev.finish_reason, ev
+                return
+            yield delta, None, ev
+
+
+async def _complete(st: _State, index: int, ids: list[int], s: Sampling) -> tuple[dict, list[int]]:
+    """One non-streamed completion choice (logprobs filled in later) and its generated tokens."""
+    text, finish, generated = "", "length", []
+    if s.max_tokens > 0:
+        async for delta, reason, ev in _pieces(st, ids, s):
+            text, finish = text + delta, reason or finish
+            generated.append(ev.token_id)
+    echo = st.engine.tokenizer.decode(ids) if s.echo else ""
+    return {"index": index, "text": echo + text, "finish_reason": finish, "logprobs": None}, generated
+
+
+async def _add_logprobs(st: _State, choices: list[dict], prompts: list[list[int]], generated: list[list[int]],
+                        s: Sampling) -> None:
+    """Fill each choice's logprobs from one batched scoring pass over prompt + generated tokens."""
+    fulls = [p + g for p, g in zip(prompts, generated, strict=True)]
+    top = s.logprobs or 0
+    positions = await st.scheduler.call(lambda e: position_logprobs(e, fulls, top))
+    for choice, prompt, full, pos in zip(choices, prompts, fulls, positions, strict=True):
+        first = 0 if s.echo else len(prompt)
+        choice["logprobs"] = logprobs_block(st.engine.tokenizer, full, pos, first, top, s.token_ids_as_text)
+
+
+def _usage(prompts: list[list[int]], generated: int) -> dict[str, int]:
+    n = sum(map(len, prompts))
+    return {"prompt_tokens": n, "completion_tokens": generated, "total_tokens": n + generated}
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _respond(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _respond(request, chat=True)
+
+
+async def _respond(request: web.Request, chat: bool) -> web.StreamResponse:
+    st: _State = request.app[STATE]
+    body = await request.json()
+    if not isinstance(body, dict):
+        raise BadInput("Request body must be a JSON object.")
+    s = parse_sampling(body, chat=chat)
+    prompts = [chat_prompt(body.get("messages"), st.engine.tokenizer)] if chat else \
+        parse_prompts(body.get("prompt"), st.engine.tokenizer)
+    head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+            "model": st.model_name}
+    if s.stream:
+        return await _stream(request, st, prompts, s, head, chat)
+    results = await asyncio.gather(*(_complete(st, i, ids, s) for i, ids in enumerate(prompts)))
+    choices, generated = [c for c, _ in results], [g for _, g in results]
+    if s.logprobs is not None:
+        await _add_logprobs(st, choices, prompts, generated, s)
+    if chat:
+        choices = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
+                    "finish_reason": c["finish_reason"], "logprobs": None} for c in choices]
+    return web.json_response({**head, "object": "chat.completion" if chat else "text_completion",
+                              "choices": choices, "usage": _usage(prompts, sum(map(len, generated)))})
+
+
+async def _stream(request, st: _State, prompts, s: Sampling, head: dict, chat: bool) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    async def send(choices: list[dict], **extra: Any) -> None:
+        await resp.write(f"data: {json.dumps({**head, 'object': kind, 'choices': choices, **extra})}\n\n".encode())
+
+    if chat:
+        await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, ids: list[int]) -> None:
+        try:
+            async for piece in _pieces(st, ids, s):
+                await merged.put((index, piece))
+        finally:
+            await merged.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
+    generated, open_streams = 0, len(prompts)
+    try:
+        while open_streams:
+            index, piece = await merged.get()
+            if piece is None:
+                open_streams -= 1
+                continue
+            delta, finish, ev = piece
+            generated += 1
+            if chat:
+                await send([{"index": index, "delta": {"content": delta}, "finish_reason": finish}])
+            else:
+                choice = {"index": index, "text": delta, "finish_reason": finish, "logprobs": None}
+                if s.logprobs is not None:
+                    choice["logprobs"] = {"tokens": [token_text(st.engine.tokenizer, ev.token_id, s.token_ids_as_text)],
+                                          "token_logprobs": [ev.logprob], "top_logprobs": None}
+                await send([choice])
+        for t in tasks:
+            t.result()  # an engine error ends the stream with an error event, not as if complete
+        if s.include_usage:
+            await send([], usage=_usage(prompts, generated))
+    except ConnectionResetError:  # the client left; nothing to report to
+        raise
+    except Exception as e:  # the 200 header is already sent: report in-band, like vLLM
+        kind = "invalid_request_error" if isinstance(e, BadInput) else "internal_error"
+        await resp.write(f"data: {json.dumps({'error': {'message': str(e), 'type': kind}})}\n\n".encode())
+    finally:
+        for t in tasks:
+            t.cancel()
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+def create_app(load: Callable[[], Engine], api_key: str | None = None, model_name: str | None = None,
+               owns_engine: bool = True) -> web.Application:
+    """The HTTP app. `load` runs in a worker thread after the server is up (so /health can say 503)."""
+    app = web.Application(middlewares=[_guard], client_max_size=64 * 2**20)
+    st = app[STATE] = _State(load, api_key, model_name, owns_engine)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+
+    async def on_startup(_app):
+        _app[STARTER] = asyncio.create_task(st.start())
+
+    async def on_cleanup(_app):
+        _app[STARTER].cancel()
+        if st.scheduler:
+            await asyncio.get_running_loop().run_in_executor(None, st.scheduler.stop)
+        if st.engine and st.owns:
+            st.engine.close()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+def serve(engine_dir: Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          model_name: str | None = None, **engine_options: Any) -> None:
+    """Serve a built engine until interrupted (blocking)."""
+    import uvloop
+
+    from kiln.engine.loader import load_engine
+
+    app = create_app(lambda: load_engine(Path(engine_dir), **engine_options), api_key, model_name)
+    web.run_app(app, host=host, port=port, loop=uvloop.new_event_loop(), handler_cancellation=True,
+                print=None)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m kiln.engine.server ENGINE_DIR [--host H] [--port N]`, the API key from
+    $KILN_API_KEY (never on the command line, where `ps` would show it)."""
+    import argparse
+    import os
+
+    p = argparse.ArgumentParser(prog="python -m kiln.engine.server", description=main.__doc__)
+    p.add_argument("engine_dir", type=Path)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-name")
+    a = p.parse_args(argv)
+    serve(a.engine_dir, a.host, a.port, os.environ.get("KILN_API_KEY") or None, a.model_name)
+
+
+if __name__ == "__main__":
+    main()
