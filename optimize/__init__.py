@@ -1,1 +1,12 @@
-"""kiln.optimize"""
+"""kiln.optimize: checkpoint + calibration data -> quantized checkpoint + manifest.
+
+The contract is in `base`; each quantization method is one module here and registers itself in
+`QUANTIZERS` when imported, which this package does for all of them. Plugin modules import
+torch, transformers, gptqmodel, torchao and modelopt inside functions, so importing kiln.optimize
+stays instant.
+"""
+
+from kiln.optimize import gptq, int8_weight_only, modelopt_fp8, modelopt_int4_awq, none  # noqa: F401 (registers)
+from kiln.optimize.base import MANIFEST, QUANTIZERS, Calibration, ModelArtifact, Quantizer, QuantizerConfig
+
+__all__ = ["MANIFEST", "QUANTIZERS", "Calibration", "ModelArtifact", "Quantizer", "QuantizerConfig"]

@@ -70,7 +70,9 @@ def test_rerun_reuses_every_stage(tiny_run):
 def test_sigkill_mid_evaluate_resumes(tmp_path, tiny_model_dir):
     # A quality stage with many documents so there is time to kill it half-way.
     recipe = write_recipe(tmp_path / "r.yaml", tiny_model_dir, name="killme",
-                          evaluate__quality__perplexity={"text": "demo", "max_documents": 300, "seq_len": 256})
+                          evaluate__quality={"perplexity": {"text": "demo", "max_documents": 64, "seq_len": 128},
+                                             "agreement": False},
+                          gate={"checks": [{"kind": "quality", "metric": "perplexity", "margin": 0.05, "relative": True}]})
     cache = Path(os.environ["KILN_CACHE"])
     before = set((cache / "stages" / "quality").glob("*")) if (cache / "stages" / "quality").exists() else set()
     proc = subprocess.Popen([sys.executable, "-m", "kiln.pipeline", "run", str(recipe)], cwd=tmp_path,

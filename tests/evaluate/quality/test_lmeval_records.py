@@ -32,7 +32,7 @@ def test_every_task_has_one_record_per_document_keyed_by_doc_id(results, data):
     for name, result in by_task.items():
         assert [r["doc_id"] for r in result.records] == list(range(LIMIT))
         assert read_records(out / f"{name}.jsonl") == json.loads(json.dumps(result.records))
-        assert result.metrics["documents"] == LIMIT
+        assert result.metrics[f"{name}_documents"] == LIMIT
     assert [r["id"] for r in by_task["word_swap"].records] == [s["id"] for s in swaps[:LIMIT]]
     summary = json.loads((out / "lmeval.json").read_text())
     assert set(summary["fingerprints"]) == set(by_task) and summary["limit"] == LIMIT

@@ -83,3 +83,14 @@ def test_config_rejects_unknown_tasks_and_fields():
         LmEvalConfig(tasks=["heldout", "heldout"])
     assert LmEvalConfig(tasks=["my/task.yaml"], limit=5, batch_size=8).limit == 5
     assert json.loads(LmEvalConfig().model_dump_json())["batch_size"] >= 1
+
+
+def test_config_module_imports_no_heavy_library():
+    """`kiln validate` reads LmEvalConfig: it must not pay for lm-eval, torch or datasets."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kiln.evaluate.quality.lmeval; "
+            "print([m for m in ('lm_eval', 'torch', 'datasets', 'transformers') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

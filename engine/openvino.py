@@ -1,0 +1,211 @@
+"""The `openvino` backend: an OpenVINO IR served by openvino-genai's continuous-batching pipeline.
+
+Build: the HF checkpoint is traced to a stateful IR by kiln's own exporter (openvino_export.py,
+no optimum-intel), weights optionally compressed to int8 or int4 by NNCF (data-free, per-channel
+int8 / group-wise int4). Runtime: `ContinuousBatchingPipeline` (paged attention, chunked prefill)
+drives add/step/cancel natively; a new request joins the running batch at the next step.
+Scoring and full next-token distributions run the same IR through plain OpenVINO inference
+with a fresh KV state per batch (the pipeline only returns the sampled token's log-prob), so
+that second compiled model is created on first use only.
+
+Everything installs from PyPI into kiln's own environment (pins in docs/engines.md).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
+
+from kiln.engine import full_logits
+from kiln.engine.base import BACKENDS, Engine, EngineBackend, EngineConfig, GenerationRequest, Score, TokenEvent
+from kiln.pipeline.errors import BadInput
+
+IR = "openvino_model.xml"
+HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json", "chat_template.jinja", "tokenizer.model")
+
+
+class OpenVINOConfig(EngineConfig):
+    backend: Literal["openvino"] = "openvino"
+    weights: Literal["fp32", "int8", "int4"] = Field("int8", description="weight-only compression at build")
+    group_size: int = Field(64, ge=8, description="int4 group size (columns per scale)")
+    threads: int | None = Field(None, ge=1, description="INFERENCE_NUM_THREADS; None: all cores")
+    activations: Literal["f32", "bf16"] = Field(
+        "f32", description="INFERENCE_PRECISION_HINT; bf16 is fast only with AVX512-BF16/AMX")
+    kv_cache_precision: Literal["f32", "f16", "u8"] = "f32"
+    kv_cache_gib: int = Field(1, ge=1, description="paged KV cache size")
+    max_batch_size: int = Field(16, ge=1, description="sequences decoded together; the rest wait")
+    max_batched_tokens: int = Field(2048, ge=16, description="tokens per step (long prompts are chunked)")
+    score_batch_tokens: int = Field(4096, ge=1, description="padded tokens per scoring forward pass")
+
+
+@BACKENDS.register("openvino", OpenVINOConfig)
+class OpenVINOBackend(EngineBackend):
+    libraries: ClassVar[tuple[str, ...]] = ("openvino", "openvino-genai", "nncf", "torch", "transformers")
+
+    def build(self, checkpoint: Path, out_dir: Path) -> dict[str, Any]:
+        import openvino as ov
+
+        from kiln.engine.hf_torch import check_checkpoint
+        from kiln.engine.openvino_export import export, load_hf_llama
+
+        check_checkpoint(checkpoint)
+        cfg: OpenVINOConfig = self.config  # type: ignore[assignment]
+        hf = load_hf_llama(checkpoint)
+        started = time.perf_counter()
+        model = export(hf, cfg.weights, cfg.group_size)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        ov.save_model(model, out_dir / IR, compress_to_fp16=False)
+        for name in HF_FILES:
+            if (checkpoint / name).is_file():
+                shutil.copy2(checkpoint / name, out_dir / name)
+        return {"format": "openvino-ir", "precision": cfg.weights,
+                "weight_bytes": (out_dir / "openvino_model.bin").stat().st_size,
+                "max_positions": hf.config.max_position_embeddings,
+                "build_seconds": round(time.perf_counter() - started, 1)}
+
+    @classmethod
+    def load(cls, engine_dir: Path, **options: Any) -> OpenVINOEngine:
+        from kiln.engine.loader import engine_config, read_manifest
+
+        manifest = read_manifest(engine_dir)
+        config = engine_config({**manifest, "config": {**manifest["config"], **options}})
+        engine = OpenVINOEngine(Path(engine_dir), config, manifest["build"].get("max_positions"))
+        engine.manifest = manifest
+        return engine
+
+
+def eos_ids_of(engine_dir: Path, tokenizer) -> frozenset[int]:
+    path = engine_dir / "generation_config.json"
+    eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+    eos = tokenizer.eos_token_id if eos is None else eos
+    return frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
+class OpenVINOEngine(Engine):
+    def __init__(self, engine_dir: Path, config: OpenVINOConfig, max_positions: int | None = None):
+        import openvino_genai as og
+        from transformers import AutoTokenizer
+
+        if not (engine_dir / IR).is_file():
+            raise BadInput(f"{engine_dir / IR} not found. Rebuild the engine (`kiln engine build`).")
+        self.engine_dir, self.config = engine_dir, config
+        self.manifest = {"backend": "openvino", "config": config.model_dump(mode="json")}
+        self.tokenizer = AutoTokenizer.from_pretrained(engine_dir)
+        self.eos_ids = eos_ids_of(engine_dir, self.tokenizer)
+        self.max_positions = max_positions or 1 << 30
+        sched = og.SchedulerConfig()
+        sched.cache_size, sched.max_num_seqs = config.kv_cache_gib, config.max_batch_size
+        sched.max_num_batched_tokens, sched.dynamic_split_fuse = config.max_batched_tokens, True
+        self._pipe = og.ContinuousBatchingPipeline(str(engine_dir), sched, "CPU", self._properties())
+        self._live: dict[int, tuple[Any, GenerationRequest, list[int]]] = {}  # id -> handle, request, [produced]
+        self._next_id = 0
+        self._scorer = None  # compiled plain IR, made on first score/next_token_logprobs
+
+    def _properties(self) -> dict[str, Any]:
+        props: dict[str, Any] = {"INFERENCE_PRECISION_HINT": self.config.activations,
+                                 "KV_CACHE_PRECISION": self.config.kv_cache_precision}
+        if self.config.threads:
+            props["INFERENCE_NUM_THREADS"] = self.config.threads
+        return props
+
+    # ----- generation -----------------------------------------------------------------------
+
+    def add(self, request: GenerationRequest) -> int:
+        import numpy as np
+        import openvino as ov
+        import openvino_genai as og
+
+        n = len(request.prompt_ids)
+        if n == 0 or request.max_new_tokens < 1:
+            raise BadInput("A generation request needs a non-empty prompt and max_new_tokens >= 1.")
+        if n >= self.max_positions:
+            raise BadInput(f"Prompt of {n} tokens does not fit the model's {self.max_positions} positions.")
+        cfg = og.GenerationConfig()
+        cfg.max_new_tokens = min(request.max_new_tokens, self.max_positions - n)
+        cfg.ignore_eos, cfg.logprobs = request.ignore_eos, 1
+        cfg.stop_token_ids = set(request.stop_ids) | (set() if request.ignore_eos else set(self.eos_ids))
+        if request.temperature > 0:
+            cfg.do_sample, cfg.temperature, cfg.top_k, cfg.top_p = True, request.temperature, 0, 1.0
+            cfg.rng_seed = request.seed if request.seed is not None else random.randrange(2**31)
+        else:
+            cfg.do_sample = False
+        seq_id, self._next_id = self._next_id, self._next_id + 1
+        handle = self._pipe.add_request(seq_id, ov.Tensor(np.asarray([request.prompt_ids], dtype=np.int64)), cfg)
+        self._live[seq_id] = (handle, request, [0])
+        return seq_id
+
+    def has_work(self) -> bool:
+        return bool(self._live)
+
+    def cancel(self, seq_id: int) -> None:
+        entry = self._live.pop(seq_id, None)
+        if entry is not None:
+            entry[0].cancel()
+
+    def step(self) -> list[TokenEvent]:
+        import openvino_genai as og
+
+        self._pipe.step()
+        now = time.perf_counter()
+        events: list[TokenEvent] = []
+        for seq_id, (handle, request, produced) in list(self._live.items()):
+            status = handle.get_status()
+            if status == og.GenerationStatus.IGNORED:
+                self._live.pop(seq_id)
+                raise BadInput(f"Request {seq_id} ({len(request.prompt_ids)} prompt tokens) does not fit the "
+                               f"KV cache; raise kv_cache_gib (now {self.config.kv_cache_gib}).")
+            if handle.can_read():
+                for out in handle.read().values():
+                    events += self._events(seq_id, request, produced, out, now)
+            if status != og.GenerationStatus.RUNNING and not handle.can_read():
+                self._live.pop(seq_id)
+        return events
+
+    def _events(self, seq_id, request, produced, out, now) -> list[TokenEvent]:
+        events = []
+        ids, lps = list(out.generated_ids), list(out.generated_log_probs)
+        for k, token in enumerate(ids):
+            produced[0] += 1
+            finish = None
+            if token in request.stop_ids or (token in self.eos_ids and not request.ignore_eos):
+                finish = "stop"
+            elif produced[0] >= request.max_new_tokens or k == len(ids) - 1 and out.finish_reason.name == "LENGTH":
+                finish = "length"
+            events.append(TokenEvent(seq_id, int(token), now, float(lps[k]) if k < len(lps) else None, finish))
+        return events
+
+    # ----- scoring --------------------------------------------------------------------------
+
+    def _logits(self, seqs: list[list[int]]):
+        import numpy as np
+        import openvino as ov
+
+        if self._scorer is None:
+            props = {k: v for k, v in self._properties().items() if k != "KV_CACHE_PRECISION"}
+            self._scorer = ov.Core().compile_model(str(self.engine_dir / IR), "CPU", props).create_infer_request()
+        ids, mask = full_logits.right_padded(seqs, self.tokenizer.pad_token_id or 0)
+        self._scorer.reset_state()  # no KV carried over from the previous batch
+        out = self._scorer.infer({"input_ids": ids, "attention_mask": mask,
+                                  "position_ids": np.broadcast_to(np.arange(ids.shape[1]), ids.shape).copy(),
+                                  "beam_idx": np.arange(len(seqs), dtype=np.int32)})
+        logits = out["logits"]
+        return [np.array(logits[i, : len(s)]) for i, s in enumerate(seqs)]
+
+    def score(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[Score]:
+        return full_logits.scores(pairs, self._logits, self.config.score_batch_tokens)
+
+    def next_token_logprobs(self, ids: Sequence[list[int]]) -> list[Any]:
+        return full_logits.next_token_logprobs(ids, self._logits, self.config.score_batch_tokens)
+
+    def close(self) -> None:
+        for handle, _, _ in self._live.values():
+            handle.cancel()
+        self._live, self._scorer = {}, None

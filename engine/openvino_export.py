@@ -1,0 +1,163 @@
+"""Export a Hugging Face Llama checkpoint to an OpenVINO IR that openvino-genai can serve.
+
+Why not optimum-intel: every release that exports Llama conflicts with kiln's pins (2.2 pulls
+torchvision + a CUDA torch, 1.27 wants transformers 4.57; docs/engines.md). So kiln traces its
+own small Llama forward with OpenVINO's PyTorch frontend (`ov.convert_model`) and shapes the
+graph the way openvino-genai expects an optimum-intel export to look:
+
+- inputs `input_ids`, `attention_mask`, `position_ids`, `beam_idx`; output `logits` at every
+  position (scoring needs them all);
+- a stateful KV cache: each past K/V input becomes a ReadValue (initialised with zeros of the
+  batch size) followed by Gather(beam_idx), each present K/V output an Assign. That is the exact
+  pattern OpenVINO's SDPA-to-PagedAttention pass matches, so `ContinuousBatchingPipeline` can
+  run the same IR with paged attention and continuous batching;
+- attention is `F.scaled_dot_product_attention` (an SDPA op) over K/V repeated for GQA with the
+  unsqueeze-expand-reshape pattern the pass recognises.
+
+Only the Llama architecture is traced (RMSNorm, RoPE with the checkpoint's own inv_freq,
+GQA, SwiGLU); anything else is refused rather than exported wrong.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kiln.pipeline.errors import BadInput
+
+SUPPORTED = ("llama",)
+
+
+def load_hf_llama(checkpoint: Path):
+    """The checkpoint as an fp32 LlamaForCausalLM; BadInput for what the trace cannot handle."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(checkpoint)
+    if config.model_type not in SUPPORTED:
+        raise BadInput(f"{checkpoint}/config.json: model_type '{config.model_type}' is not supported by "
+                       f"this engine backend (supported: {', '.join(SUPPORTED)}). Use the `torch` backend.")
+    if getattr(config, "quantization_config", None):
+        raise BadInput(f"{checkpoint}: already quantized ({config.quantization_config.get('quant_method')}). "
+                       "This backend compresses weights itself: build it from the unquantized baseline "
+                       "and pick its `weights` option (int8/int4).")
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, use_safetensors=True).eval()
+
+
+def _graph(hf):
+    import torch
+    import torch.nn.functional as F
+
+    c = hf.config
+    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+
+    def rms(x, norm):
+        return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+
+    def rotate(x):
+        a, b = x.chunk(2, dim=-1)
+        return torch.cat([-b, a], dim=-1)
+
+    def repeat(x):  # GQA: [b, kv, n, d] -> [b, heads, n, d]
+        b, kv, n, d = x.shape
+        return x[:, :, None].expand(b, kv, heads // kv, n, d).reshape(b, heads, n, d)
+
+    class Graph(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.hf = hf
+            self.register_buffer("inv_freq", hf.model.rotary_emb.inv_freq.float().clone())
+            self.rope_scale = float(getattr(hf.model.rotary_emb, "attention_scaling", 1.0))
+
+        def forward(self, input_ids, attention_mask, position_ids, *past):
+            m = self.hf.model
+            x = m.embed_tokens(input_ids)
+            freqs = position_ids[..., None].float() * self.inv_freq
+            emb = torch.cat([freqs, freqs], -1)
+            cos, sin = (emb.cos() * self.rope_scale)[:, None], (emb.sin() * self.rope_scale)[:, None]
+            b, q = input_ids.shape
+            kv_len = attention_mask.shape[1]
+            causal = torch.arange(kv_len)[None, :] <= (torch.arange(q) + (kv_len - q))[:, None]
+            allowed = causal[None, None] & attention_mask[:, None, None, :].bool()
+            mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+            presents = []
+            for i, layer in enumerate(m.layers):
+                a, h = layer.self_attn, rms(x, layer.input_layernorm)
+                qs = a.q_proj(h).view(b, q, heads, head_dim).transpose(1, 2)
+                ks = a.k_proj(h).view(b, q, kv_heads, head_dim).transpose(1, 2)
+                vs = a.v_proj(h).view(b, q, kv_heads, head_dim).transpose(1, 2)
+                qs, ks = qs * cos + rotate(qs) * sin, ks * cos + rotate(ks) * sin
+                ks, vs = torch.cat([past[2 * i], ks], 2), torch.cat([past[2 * i + 1], vs], 2)
+                presents += [ks, vs]
+                o = F.scaled_dot_product_attention(qs, repeat(ks), repeat(vs), attn_mask=mask, scale=a.scaling)
+                x = x + a.o_proj(o.transpose(1, 2).reshape(b, q, heads * head_dim))
+                h = rms(x, layer.post_attention_layernorm)
+                x = x + layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(h)) * layer.mlp.up_proj(h))
+            return (self.hf.lm_head(rms(x, m.norm)), *presents)
+
+    return Graph().eval(), kv_heads, head_dim
+
+
+def _make_stateful(model, layers: int, kv_heads: int, head_dim: int) -> None:
+    """Turn past/present K/V parameters and results into ReadValue/Gather(beam_idx)/Assign."""
+    import openvino as ov
+    import openvino.opset13 as ops
+    from openvino.op.util import Variable, VariableInfo
+
+    kv = [f"{i}.{part}" for i in range(layers) for part in ("key", "value")]
+    params = dict(zip(["input_ids", "attention_mask", "position_ids"] + [f"past_key_values.{n}" for n in kv],
+                      model.get_parameters(), strict=True))
+    results = dict(zip(["logits"] + [f"present.{n}" for n in kv], model.get_results(), strict=True))
+    for name, p in params.items():
+        p.output(0).get_tensor().set_names({name})
+    results["logits"].output(0).get_tensor().set_names({"logits"})
+    beam = ops.parameter([-1], ov.Type.i32, name="beam_idx")
+    beam.output(0).get_tensor().set_names({"beam_idx"})
+    batch = ops.gather(ops.shape_of(params["input_ids"]), ops.constant([0], ov.Type.i64), ops.constant(0, ov.Type.i64))
+    for n in kv:
+        past, present = params[f"past_key_values.{n}"], results[f"present.{n}"]
+        info = VariableInfo()
+        info.data_shape, info.data_type = ov.PartialShape([-1, kv_heads, -1, head_dim]), ov.Type.f32
+        info.variable_id = f"past_key_values.{n}present.{n}"
+        var = Variable(info)
+        model.add_variables([var])
+        zeros = ops.broadcast(ops.constant(0.0, ov.Type.f32),
+                              ops.concat([batch, ops.constant([kv_heads, 0, head_dim], ov.Type.i64)], 0))
+        past.output(0).replace(ops.gather(ops.read_value(zeros, var), beam, ops.constant(0, ov.Type.i64)).output(0))
+        new_value = present.input_value(0).get_node()
+        model.remove_result(present)
+        model.remove_parameter(past)
+        model.add_sinks([ops.assign(new_value, var)])
+    model.add_parameters([beam])
+    model.validate_nodes_and_infer_types()
+
+
+def export(hf, weights: str, group_size: int):
+    """The stateful OpenVINO model of `hf`, weights compressed to `weights` (fp32/int8/int4)."""
+    import openvino as ov
+    import torch
+
+    graph, kv_heads, head_dim = _graph(hf)
+    layers, past_len = hf.config.num_hidden_layers, 3
+    example = (torch.tensor([[1, 2, 3, 4]]), torch.ones(1, past_len + 4, dtype=torch.long),
+               torch.arange(past_len, past_len + 4)[None],
+               *[torch.zeros(1, kv_heads, past_len, head_dim) for _ in range(2 * layers)])
+    with torch.no_grad():
+        model = ov.convert_model(graph, example_input=example)
+    dims = [[-1, -1]] * 3 + [[-1, kv_heads, -1, head_dim]] * (2 * layers)
+    model.reshape({p.output(0): ov.PartialShape(d) for p, d in zip(model.get_parameters(), dims, strict=True)})
+    _make_stateful(model, layers, kv_heads, head_dim)
+    return compress(model, weights, group_size)
+
+
+def compress(model, weights: str, group_size: int) -> Any:
+    """Weight-only compression by NNCF (the data-free path: no calibration set needed)."""
+    if weights == "fp32":
+        return model
+    import nncf
+
+    if weights == "int8":
+        return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
+    # ratio=1.0: every eligible matmul in 4 bits (NNCF keeps embeddings/lm_head in 8 bits).
+    return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT4_ASYM, group_size=group_size, ratio=1.0)

@@ -1,0 +1,152 @@
+"""Shapes of a decoder-only checkpoint, read from its config.json alone (no weights loaded).
+
+The quantizers' up-front checks (does the group size divide every input dimension?) and the
+memory planner (how many bytes do weights, Hessians and the KV cache take?) both need the same
+few numbers, so they are derived here once. Covers the Llama family layout that Llama, Mistral,
+Qwen2/3 and SmolLM share: q/k/v/o attention projections with grouped-query attention and a
+gated MLP (gate/up/down).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kiln.pipeline.errors import BadInput
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One linear projection inside every decoder layer (`name` relative to the layer)."""
+
+    name: str
+    in_features: int
+    out_features: int
+    in_from: str  # which config value sets in_features, for error messages
+
+    @property
+    def params(self) -> int:
+        return self.in_features * self.out_features
+
+
+@dataclass(frozen=True)
+class DecoderShapes:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied_embeddings: bool
+    attention_bias: bool = False
+    qk_norm: bool = False  # Qwen3 normalizes q and k per head (two head_dim vectors per layer)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> DecoderShapes:
+        missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
+                               "intermediate_size", "vocab_size") if k not in config]
+        if missing:
+            raise BadInput(f"config.json: missing {', '.join(missing)}; kiln reads decoder shapes from "
+                           "the Llama-family fields (model_type llama, mistral, qwen2, qwen3).")
+        heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        return cls(
+            layers=int(config["num_hidden_layers"]),
+            hidden=hidden,
+            heads=heads,
+            kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            intermediate=int(config["intermediate_size"]),
+            vocab=int(config["vocab_size"]),
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=bool(config.get("attention_bias", False)),
+            qk_norm=config.get("model_type") == "qwen3",
+        )
+
+    def linears(self) -> list[Linear]:
+        q_out, kv_out = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return [
+            Linear("self_attn.q_proj", self.hidden, q_out, "hidden_size"),
+            Linear("self_attn.k_proj", self.hidden, kv_out, "hidden_size"),
+            Linear("self_attn.v_proj", self.hidden, kv_out, "hidden_size"),
+            Linear("self_attn.o_proj", q_out, self.hidden, "num_attention_heads × head_dim"),
+            Linear("mlp.gate_proj", self.hidden, self.intermediate, "hidden_size"),
+            Linear("mlp.up_proj", self.hidden, self.intermediate, "hidden_size"),
+            Linear("mlp.down_proj", self.intermediate, self.hidden, "intermediate_size"),
+        ]
+
+    def module_names(self) -> list[str]:
+        """Full names of every linear module, as in the checkpoint (`model.layers.3.mlp.up_proj`)."""
+        names = [f"model.layers.{i}.{lin.name}" for i in range(self.layers) for lin in self.linears()]
+        return [*names, "lm_head"]
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def layer_params(self) -> int:
+        bias = (self.heads + 2 * self.kv_heads) * self.head_dim if self.attention_bias else 0
+        norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        return sum(lin.params for lin in self.linears()) + bias + norms
+
+    @property
+    def lm_head_params(self) -> int:
+        """Parameters the output projection adds (none when it shares the embedding matrix)."""
+        return 0 if self.tied_embeddings else self.vocab * self.hidden
+
+    @property
+    def param_count(self) -> int:
+        return self.embedding_params + self.layers * self.layer_params + self.hidden + self.lm_head_params
+
+    def kv_bytes_per_token(self, bytes_per_element: float) -> float:
+        """Keys and values for one token across all layers: 2 × layers × KV heads × head dim × bytes."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * bytes_per_element
+
+
+def matches(module: str, patterns: list[str]) -> bool:
+    """Whether a module name is selected by a skip list entry.
+
+    An entry matches the module itself or any module whose name ends with `.<entry>`:
+    "lm_head" and "mlp.down_proj" select by suffix, "model.layers.0.mlp.down_proj" one module.
+    """
+    return any(module == p or module.endswith("." + p) for p in patterns)
+
+
+def quantized_linears(shapes: DecoderShapes, skip: list[str]) -> list[tuple[str, Linear]]:
+    """(full name, shape) of every decoder-layer linear not selected by `skip`.
+
+    lm_head is left out: kiln's methods keep the output projection in high precision.
+    """
+    return [(f"model.layers.{i}.{lin.name}", lin) for i in range(shapes.layers) for lin in shapes.linears()
+            if not matches(f"model.layers.{i}.{lin.name}", skip)]
+
+
+def group_size_problem(shapes: DecoderShapes, skip: list[str], group_size: int) -> str | None:
+    """The first quantized input dimension `group_size` does not divide, as a sentence, or None.
+
+    Groups run along each linear's input dimension, so every quantized in_features must be a
+    multiple of the group size (CPU int4 kernels fail otherwise: "expect K to be divisible by
+    qGroupSize").
+    """
+    if group_size <= 0:
+        return None
+    for _, lin in quantized_linears(shapes, skip):
+        if lin.in_features % group_size:
+            dims = {q.in_features for _, q in quantized_linears(shapes, skip)}
+            fits = [g for g in (1024, 512, 256, 128, 64, 32, 16) if g < group_size and all(d % g == 0 for d in dims)]
+            hint = f" Use {' or '.join(str(g) for g in fits[:2])}." if fits else " Use -1 (one group per channel)."
+            return (f"{group_size} must divide every quantized layer's input dimension; {lin.in_features} "
+                    f"({lin.in_from}) is not divisible by {group_size}.{hint}")
+    return None
+
+
+def check_skip_modules(shapes: DecoderShapes, skip: list[str]) -> None:
+    """Refuse skip entries that select no module: a typo would silently quantize what it meant to keep."""
+    names = shapes.module_names()
+    unknown = [p for p in skip if not any(matches(m, [p]) for m in names)]
+    if unknown:
+        raise BadInput(f"optimize.skip_modules: {', '.join(repr(p) for p in unknown)} matches no module. Give "
+                       "a full name such as 'model.layers.0.mlp.down_proj' or a suffix such as 'mlp.down_proj' "
+                       "(every layer's) or 'lm_head'.")

@@ -1,0 +1,130 @@
+"""Reading and copying Hugging Face checkpoint folders without loading their weights.
+
+Everything here works on safetensors headers (a JSON table of names, dtypes, shapes and byte
+offsets at the front of the file), so counting parameters or measuring bits per weight of a
+500 MB checkpoint takes milliseconds. kiln reads safetensors only: a pickle `.bin` file can
+run code when loaded.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+from typing import Any
+
+from kiln.pipeline.errors import BadInput
+
+# Weight files and their indexes: written by the quantizer, never copied from the source.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+_NOT_SIDE_FILES = {"config.json", "kiln-artifact.json", "kiln-source.json"}
+
+
+def read_config(checkpoint: Path) -> dict[str, Any]:
+    path = Path(checkpoint) / "config.json"
+    if not path.is_file():
+        raise BadInput(f"model.path: {checkpoint} has no config.json; give a Hugging Face checkpoint folder.")
+    return json.loads(path.read_text())
+
+
+def safetensors_files(checkpoint: Path) -> list[Path]:
+    """The checkpoint's safetensors files; refuses a folder that holds only pickle weights."""
+    checkpoint = Path(checkpoint)
+    files = sorted(checkpoint.glob("*.safetensors"))
+    if not files:
+        pickles = [p.name for p in checkpoint.iterdir() if p.suffix in (".bin", ".pt", ".pth")] \
+            if checkpoint.is_dir() else []
+        found = f" (found {', '.join(pickles)}: pickle files can run code when loaded)" if pickles else ""
+        raise BadInput(f"model.path: {checkpoint} has no *.safetensors weights{found}. kiln loads "
+                       "safetensors only; convert once with save_pretrained(..., safe_serialization=True) "
+                       "in a trusted environment.")
+    return files
+
+
+def read_header(path: Path) -> dict[str, Any]:
+    """The safetensors JSON header: {name: {dtype, shape, data_offsets}, "__metadata__": {...}}."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(length))
+
+
+def tensors(checkpoint: Path) -> dict[str, dict[str, Any]]:
+    """Every tensor in the checkpoint: name -> {dtype, shape, nbytes}."""
+    out: dict[str, dict[str, Any]] = {}
+    for path in safetensors_files(checkpoint):
+        for name, info in read_header(path).items():
+            if name == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            out[name] = {"dtype": info["dtype"], "shape": info["shape"], "nbytes": end - start}
+    return out
+
+
+def param_count(checkpoint: Path) -> int:
+    """Number of parameters of an unquantized checkpoint (tied weights are stored, and counted, once)."""
+    total = 0
+    for info in tensors(checkpoint).values():
+        n = 1
+        for d in info["shape"]:
+            n *= d
+        total += n
+    return total
+
+
+def bits_per_weight(checkpoint_dir: Path, source_param_count: int) -> float:
+    """Bits on disk per parameter of the source model: all tensor bytes × 8 / parameters.
+
+    Counts everything the checkpoint stores (scales, zero points, group indexes, unquantized
+    embeddings and norms), so it is the honest size figure, not the nominal bit width.
+    """
+    if source_param_count <= 0:
+        raise ValueError("source_param_count must be positive")
+    total = sum(info["nbytes"] for info in tensors(checkpoint_dir).values())
+    return total * 8 / source_param_count
+
+
+def link_or_copy(src: Path, dst: Path) -> str:
+    """Hardlink `src` to `dst` when both are on one filesystem, else copy. Returns which it did.
+
+    Checkpoint files are never modified in place (writers replace them), so sharing the inode
+    is safe and saves a copy of every weight byte.
+    """
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+        return "hardlink"
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+            raise
+    shutil.copy2(src, dst)
+    return "copy"
+
+
+def copy_side_files(source: Path, out_dir: Path) -> list[str]:
+    """Copy tokenizer, chat template and generation config: what a quantizer's save may omit.
+
+    Weight files, config.json and kiln's own manifests are left to the writer. Files the
+    quantizer already wrote are kept.
+    """
+    copied = []
+    for p in sorted(Path(source).iterdir()):
+        if (not p.is_file() or p.name in _NOT_SIDE_FILES or p.name in _WEIGHT_INDEXES
+                or p.name.endswith(_WEIGHT_SUFFIXES) or (out_dir / p.name).exists()):
+            continue
+        shutil.copy2(p, out_dir / p.name)
+        copied.append(p.name)
+    return copied
+
+
+def linear_names(checkpoint: Path, quantized_suffixes: tuple[str, ...]) -> list[str]:
+    """Module names whose weights carry one of `quantized_suffixes` (e.g. ".qweight")."""
+    names = set()
+    for name in tensors(checkpoint):
+        for suffix in quantized_suffixes:
+            if name.endswith(suffix):
+                names.add(name[: -len(suffix)])
+    return sorted(names)

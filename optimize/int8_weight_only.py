@@ -1,0 +1,85 @@
+"""`int8_weight_only`: torchao int8 weight-only quantization through transformers' TorchAoConfig.
+
+Every Linear (except `skip_modules`) gets int8 weights with one scale per output row;
+activations stay in the model's dtype, so quality barely moves. No calibration. The checkpoint
+is safetensors: torchao tensor subclasses are flattened into plain tensors plus JSON metadata
+(no pickle), and `AutoModelForCausalLM.from_pretrained` rebuilds them when torchao is installed.
+On CPU the gain is size (about a third of fp32), not much speed (~1.1× measured).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+
+from kiln.optimize.architecture import DecoderShapes, check_skip_modules
+from kiln.optimize.base import QUANTIZERS, Calibration, Quantizer, QuantizerConfig
+from kiln.optimize.checkpoint import (
+    bits_per_weight,
+    copy_side_files,
+    param_count,
+    read_config,
+    read_header,
+    safetensors_files,
+)
+from kiln.optimize.memory import DTYPE_BYTES, Component, MethodMemory, quantized_weights, weights
+
+
+class Int8WeightOnlyConfig(QuantizerConfig):
+    method: Literal["int8_weight_only"] = "int8_weight_only"
+    skip_modules: list[str] = Field(default_factory=lambda: ["lm_head"],
+                                    description="modules kept in high precision (names or suffixes)")
+
+
+@QUANTIZERS.register("int8_weight_only", Int8WeightOnlyConfig)
+class Int8WeightOnly(Quantizer):
+    config: Int8WeightOnlyConfig
+
+    def check(self, model_config: dict[str, Any]) -> None:
+        check_skip_modules(DecoderShapes.from_config(model_config), self.config.skip_modules)
+
+    def quantize(self, source: Path, out_dir: Path, calibration: Calibration | None) -> dict[str, Any]:
+        from torchao.quantization import Int8WeightOnlyConfig as AoInt8
+        from transformers import AutoModelForCausalLM, TorchAoConfig
+
+        source, out_dir = Path(source), Path(out_dir)
+        safetensors_files(source)
+        skip = self.config.skip_modules
+        model = AutoModelForCausalLM.from_pretrained(
+            str(source), dtype="auto", trust_remote_code=False,
+            quantization_config=TorchAoConfig(AoInt8(), modules_to_not_convert=skip or None))
+        model.save_pretrained(str(out_dir))
+        del model
+        copy_side_files(source, out_dir)
+        quantized = quantized_modules(out_dir)
+        shapes = DecoderShapes.from_config(read_config(source))
+        import torchao
+
+        return {
+            "format": "torchao",
+            "bits": 8, "granularity": "per output channel",
+            "quantized_modules": len(quantized),
+            "skipped_modules": [m for m in shapes.module_names() if m not in set(quantized)],
+            "bits_per_weight": round(bits_per_weight(out_dir, param_count(source)), 3),
+            "loads_with": f"transformers AutoModelForCausalLM (needs torchao {torchao.__version__})",
+        }
+
+    @staticmethod
+    def memory(shapes: DecoderShapes, config: Int8WeightOnlyConfig, source_dtype: str) -> MethodMemory:
+        size = DTYPE_BYTES[source_dtype]
+        # Per output row: a float32 scale and an int8 zero point.
+        serve = quantized_weights(shapes, config.skip_modules, 8, -1, 5, size)
+        work = [weights(shapes, size, source_dtype),
+                Component("int8 copy of the linears", serve.bytes, "built layer by layer while loading")]
+        return MethodMemory(work, serve, serving_dtype=source_dtype)
+
+
+def quantized_modules(checkpoint: Path) -> list[str]:
+    """Modules whose weight the safetensors metadata records as a torchao Int8Tensor."""
+    names = []
+    for path in safetensors_files(checkpoint):
+        meta = read_header(path).get("__metadata__", {})
+        names += [k.removesuffix(".weight") for k, v in meta.items() if '"Int8Tensor"' in v]
+    return sorted(names)

@@ -1,0 +1,174 @@
+"""Memory budget before loading: will this step fit, from config.json alone?
+
+A quantization run that dies of out-of-memory after ten minutes, or a serving config whose KV
+cache cannot fit, should be refused up front with the numbers. The plan has two steps:
+
+- quantize: what the method holds while it works (each method states its own working set,
+  e.g. GPTQ's model weights, per-layer Hessians and calibration activations);
+- serve: the quantized weights plus the KV cache,
+  2 × layers × KV heads × head dim × bytes per element per token, × context × batch.
+
+Free memory is `psutil.virtual_memory().available` on CPU, CUDA's free memory on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiln.optimize.architecture import DecoderShapes, quantized_linears
+from kiln.pipeline.errors import DoesNotFit
+
+DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0, "fp8": 1.0, "float8_e4m3fn": 1.0, "int8": 1.0}
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str
+    bytes: float
+    formula: str  # how the number was computed, shown in the table
+
+
+@dataclass(frozen=True)
+class MethodMemory:
+    """What a quantization method states about itself (see each plugin's `memory`)."""
+
+    working_set: list[Component]  # empty when the method loads nothing (the baseline)
+    serving_weights: Component
+    serving_dtype: str = "float32"  # the KV cache defaults to this when serving
+    device: str = "cpu"  # where the method works: "cuda:0" for GPU-only methods
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step: str
+    components: tuple[Component, ...]
+
+    @property
+    def total(self) -> float:
+        return sum(c.bytes for c in self.components)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    device: str
+    available_bytes: int
+    steps: tuple[StepPlan, ...] = field(default_factory=tuple)
+
+    def fits(self) -> bool:
+        return all(s.total <= self.available_bytes for s in self.steps)
+
+    def lines(self) -> list[str]:
+        out = []
+        for s in self.steps:
+            out += [f"{s.step:8} {c.name:44} {human(c.bytes):>10}  {c.formula}" for c in s.components]
+            out.append(f"{s.step:8} {'total':44} {human(s.total):>10}")
+        out.append(f"{'':8} {'available on ' + self.device:44} {human(self.available_bytes):>10}")
+        return out
+
+    def check(self) -> None:
+        """Raise DoesNotFit, with every component, when a step needs more than is available."""
+        over = [s for s in self.steps if s.total > self.available_bytes]
+        if over:
+            worst = max(over, key=lambda s: s.total)
+            raise DoesNotFit(
+                f"memory: the {worst.step} step needs {human(worst.total)} but {human(self.available_bytes)} "
+                f"is available on {self.device}. Lower optimize.calibration.samples / seq_len, the serving "
+                "context or batch, or pick a smaller model or lower precision.", problems=self.lines())
+
+    def table(self) -> Any:
+        """A rich Table of every component, step totals and what is available."""
+        from rich.table import Table
+
+        t = Table("step", "component", "bytes", "how", title=f"memory plan ({self.device})")
+        for s in self.steps:
+            for c in s.components:
+                t.add_row(s.step, c.name, human(c.bytes), c.formula)
+            style = "red" if s.total > self.available_bytes else "green"
+            t.add_row(s.step, "[b]total[/b]", f"[{style}]{human(s.total)}[/{style}]", "", end_section=True)
+        t.add_row("", "available", human(self.available_bytes), self.device)
+        return t
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"device": self.device, "available_bytes": self.available_bytes, "fits": self.fits(),
+                "steps": {s.step: {"total_bytes": s.total, "components": {c.name: c.bytes for c in s.components}}
+                          for s in self.steps}}
+
+
+def weights(shapes: DecoderShapes, bytes_per_param: float, dtype: str) -> Component:
+    """All parameters at one precision: the unquantized model."""
+    return Component(f"weights ({dtype})", shapes.param_count * bytes_per_param,
+                     f"{shapes.param_count / 1e6:.1f}M params × {bytes_per_param:g} B")
+
+
+def quantized_weights(shapes: DecoderShapes, skip: list[str], bits: float, group: int,
+                      per_group_bytes: float, other_bytes: float) -> Component:
+    """Linears at `bits` plus per-group scale/zero bytes; everything else at `other_bytes` per param."""
+    q_params = groups = 0
+    for _, lin in quantized_linears(shapes, skip):
+        q_params += lin.params
+        groups += lin.out_features * (lin.in_features // group if group > 0 else 1)
+    other = shapes.param_count - q_params
+    total = q_params * bits / 8 + groups * per_group_bytes + other * other_bytes
+    scales = f" + {groups / 1e3:.0f}k groups × {per_group_bytes:g} B" if per_group_bytes else ""
+    return Component("weights (quantized)", total,
+                     f"{q_params / 1e6:.1f}M × {bits:g} bit{scales} + {other / 1e6:.1f}M other × {other_bytes:g} B")
+
+
+def human(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def available_memory(device: str = "cpu") -> int:
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return 0
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def source_dtype(model_config: dict[str, Any]) -> str:
+    name = str(model_config.get("dtype") or model_config.get("torch_dtype") or "float32")
+    return name if name in DTYPE_BYTES else "float32"
+
+
+def plan_memory(model_config: dict[str, Any], method_config: Any = None, *, context: int = 0, batch: int = 1,
+                kv_dtype: str | None = None, device: str | None = None,
+                available_bytes: int | None = None) -> MemoryPlan:
+    """Plan the quantize and serve steps of `method_config` (None: the unquantized model).
+
+    `context` tokens × `batch` sequences size the KV cache (0: weights only). `kv_dtype` defaults
+    to the dtype the method serves in, `device` to where the method works (CPU, or GPU 0 for
+    the ModelOpt methods), `available_bytes` to what is free there now.
+    """
+    from kiln.optimize.base import QUANTIZERS
+
+    shapes = DecoderShapes.from_config(model_config)
+    src = source_dtype(model_config)
+    method = QUANTIZERS.get(method_config.method if method_config is not None else "none")
+    mem: MethodMemory = method.memory(shapes, method_config, src)  # type: ignore[attr-defined]
+    steps = []
+    if mem.working_set:
+        steps.append(StepPlan("quantize", tuple(mem.working_set)))
+    serve = [mem.serving_weights]
+    if context > 0:
+        kv = kv_dtype or mem.serving_dtype
+        if kv not in DTYPE_BYTES:
+            raise ValueError(f"kv_dtype {kv!r}: expected one of {', '.join(DTYPE_BYTES)}")
+        per_token = shapes.kv_bytes_per_token(DTYPE_BYTES[kv])
+        serve.append(Component(f"KV cache ({kv}, {context} tokens × {batch})", per_token * context * batch,
+                               f"2 × {shapes.layers} layers × {shapes.kv_heads} KV heads × {shapes.head_dim} "
+                               f"head dim × {DTYPE_BYTES[kv]:g} B = {human(per_token)}/token"))
+    steps.append(StepPlan("serve", tuple(serve)))
+    device = device or mem.device
+    if available_bytes is None:
+        available_bytes = available_memory(device)
+    return MemoryPlan(device=device, available_bytes=int(available_bytes), steps=tuple(steps))

@@ -1,0 +1,128 @@
+"""The `openvino` backend against the torch reference on the tiny Llama (tolerances: parity.py).
+
+Building an IR traces the model with OpenVINO's PyTorch frontend (~10-30 s on two busy cores),
+so each precision is built once per module; the int8/int4 builds are marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kiln.engine.base import GenerationRequest
+from kiln.pipeline.errors import BadInput
+from tests.engine import parity
+
+pytest.importorskip("openvino_genai", reason="openvino-genai is a kiln dependency; install the pinned set")
+
+from kiln.engine.openvino import OpenVINOConfig  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ov_fp32(tiny_model_dir, tmp_path_factory):
+    engine = parity.build(OpenVINOConfig(weights="fp32", threads=1), tiny_model_dir, tmp_path_factory.mktemp("ov-fp32"))
+    yield engine
+    engine.close()
+
+
+def test_manifest_records_format_and_size(ov_fp32):
+    build = ov_fp32.manifest["build"]
+    assert build["format"] == "openvino-ir" and build["precision"] == "fp32"
+    assert build["weight_bytes"] > 1_000_000  # ~1.3M fp32 parameters
+    assert ov_fp32.manifest["versions"]["openvino"]
+
+
+def test_greedy_matches_torch(ov_fp32, torch_engine):
+    ps = parity.prompts(torch_engine.tokenizer)
+    got, want = parity.greedy(ov_fp32, ps), parity.greedy(torch_engine, ps)
+    assert all(len(g) == 16 for g in got)
+    assert parity.identical_fraction(got, want) >= parity.FULL["identical"]
+
+
+def test_scores_and_distributions_match_torch(ov_fp32, torch_engine):
+    ps = parity.prompts(torch_engine.tokenizer)
+    pairs = parity.score_pairs(ps)
+    assert parity.logprob_deltas(ov_fp32, torch_engine, pairs).max() < parity.FULL["logprob_atol"]
+    assert [s.is_greedy for s in ov_fp32.score(pairs)] == [s.is_greedy for s in torch_engine.score(pairs)]
+    got, want = ov_fp32.next_token_logprobs(ps[:3]), torch_engine.next_token_logprobs(ps[:3])
+    for g, w, p in zip(got, want, ps[:3], strict=True):
+        assert g.shape == (len(p), len(torch_engine.tokenizer))
+        assert np.abs(g - w).max() < parity.FULL["logprob_atol"]
+
+
+def test_late_request_joins_running_batch(ov_fp32):
+    ps = parity.prompts(ov_fp32.tokenizer, 2)
+    alone = parity.greedy(ov_fp32, [ps[1]])[0]
+    first = ov_fp32.add(GenerationRequest(ps[0], 12, ignore_eos=True))
+    events = ov_fp32.step() + ov_fp32.step()
+    late = ov_fp32.add(GenerationRequest(ps[1], 16, ignore_eos=True))
+    while ov_fp32.has_work():
+        events += ov_fp32.step()
+    late_tokens = [e.token_id for e in events if e.seq_id == late]
+    assert late_tokens == alone
+    first_events = [e for e in events if e.seq_id == first]
+    assert len(first_events) == 12 and first_events[-1].finish_reason == "length"
+    # the late request produced tokens while the first was still decoding: it joined, not queued
+    first_end = first_events[-1].time
+    assert any(e.time <= first_end for e in events if e.seq_id == late)
+
+
+def test_stop_token_and_cancel(ov_fp32):
+    p = parity.prompts(ov_fp32.tokenizer, 1)[0]
+    tokens = parity.greedy(ov_fp32, [p], 8)[0]
+    stop = tokens[3]
+    stopped = list(ov_fp32.generate([GenerationRequest(p, 8, stop_ids=(stop,))]))
+    assert [e.token_id for e in stopped] == tokens[: tokens.index(stop) + 1]
+    assert stopped[-1].finish_reason == "stop"
+    keep = ov_fp32.add(GenerationRequest(p, 8, ignore_eos=True))
+    drop = ov_fp32.add(GenerationRequest(p, 8, ignore_eos=True))
+    events = ov_fp32.step()
+    ov_fp32.cancel(drop)
+    while ov_fp32.has_work():
+        events += ov_fp32.step()
+    assert [e.token_id for e in events if e.seq_id == keep] == tokens
+    assert len([e for e in events if e.seq_id == drop]) < 8
+
+
+def test_sampling_is_seeded(ov_fp32):
+    p = parity.prompts(ov_fp32.tokenizer, 1)[0]
+    runs = [[e.token_id for e in ov_fp32.generate([GenerationRequest(p, 12, ignore_eos=True, temperature=1.5, seed=s)])]
+            for s in (7, 7, 8)]
+    assert runs[0] == runs[1] and len(runs[0]) == 12
+
+
+def test_refuses_quantized_and_unsupported_checkpoints(tiny_model_dir, tmp_path):
+    import shutil
+
+    from kiln.engine.openvino_export import load_hf_llama
+
+    for change, message in (({"quantization_config": {"quant_method": "gptq"}}, "already quantized"),
+                            ({"model_type": "gpt2"}, "not supported")):
+        ckpt = tmp_path / message.replace(" ", "-")
+        shutil.copytree(tiny_model_dir, ckpt)
+        config = json.loads((ckpt / "config.json").read_text())
+        (ckpt / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(BadInput, match=message):
+            load_hf_llama(ckpt)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_compressed_weights_stay_close(weights, tiny_model_dir, tmp_path, torch_engine, ov_fp32):
+    engine = parity.build(OpenVINOConfig(weights=weights, group_size=32, threads=1), tiny_model_dir, tmp_path / weights)
+    try:
+        assert engine.manifest["build"]["weight_bytes"] < 0.5 * ov_fp32.manifest["build"]["weight_bytes"]
+        ps = parity.prompts(torch_engine.tokenizer)
+        got, want = parity.greedy(engine, ps), parity.greedy(torch_engine, ps)
+        first = sum(g[0] == w[0] for g, w in zip(got, want, strict=True)) / len(ps)
+        deltas = parity.logprob_deltas(engine, torch_engine, parity.score_pairs(ps))
+        if weights == "int8":
+            assert parity.identical_fraction(got, want) >= parity.INT8["identical"]
+            assert first >= parity.INT8["first_token"]
+            assert deltas.mean() < parity.INT8["mean_abs_logprob"]
+        else:  # 4-bit: only a sanity bound; quality is the evaluate stage's job
+            assert deltas.mean() < 1.0
+    finally:
+        engine.close()

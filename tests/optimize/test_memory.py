@@ -1,0 +1,81 @@
+"""Shapes, parameter counts and the memory plan, checked against known models."""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln.optimize.architecture import DecoderShapes, group_size_problem
+from kiln.optimize.checkpoint import bits_per_weight, param_count, read_config
+from kiln.optimize.gptq import GPTQConfig
+from kiln.optimize.memory import plan_memory
+from kiln.pipeline.errors import DoesNotFit
+
+SMOLLM2_135M = dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
+                    tie_word_embeddings=True, dtype="float32")
+LLAMA_31_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                   num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                   tie_word_embeddings=False, dtype="bfloat16")
+
+
+def test_param_count_matches_published_sizes():
+    # SmolLM2-135M: 134,515,008 (the converted demo checkpoint's own count); Llama-3.1-8B: 8,030,261,248.
+    assert DecoderShapes.from_config(SMOLLM2_135M).param_count == 134_515_008
+    assert DecoderShapes.from_config(LLAMA_31_8B).param_count == 8_030_261_248
+
+
+def test_param_count_matches_a_real_checkpoint(tiny_llama):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32)
+    real = sum(p.numel() for p in model.parameters())
+    assert DecoderShapes.from_config(read_config(tiny_llama)).param_count == real == param_count(tiny_llama)
+    assert bits_per_weight(tiny_llama, real) == pytest.approx(32.0)
+
+
+def test_kv_cache_matches_the_worked_example():
+    # The seed essay: Llama-3.1-8B's KV cache is ~128 KB per token in 16-bit, ~0.27 GB for 2k tokens.
+    shapes = DecoderShapes.from_config(LLAMA_31_8B)
+    assert shapes.kv_bytes_per_token(2) == 131_072
+    plan = plan_memory(LLAMA_31_8B, None, context=2048, batch=1, available_bytes=1 << 40)
+    (serve,) = plan.steps
+    assert [c.bytes for c in serve.components] == [8_030_261_248 * 2, 131_072 * 2048]
+    assert serve.components[1].bytes / 1e9 == pytest.approx(0.27, abs=0.005)
+
+
+def test_gptq_plan_numbers():
+    cfg = GPTQConfig(group_size=64)
+    cfg.calibration.samples, cfg.calibration.seq_len = 64, 256
+    plan = plan_memory(SMOLLM2_135M, cfg, context=1024, batch=2, available_bytes=1 << 40)
+    quantize, serve = plan.steps
+    parts = {c.name: c.bytes for c in quantize.components}
+    assert parts["Hessians of one decoder layer"] == (5 * 576**2 + 576**2 + 1536**2) * 4
+    assert parts["calibration activations"] == 2 * 64 * 256 * 576 * 4
+    assert parts["weights (bfloat16, as GPTQModel loads them)"] == 134_515_008 * 2
+    kv = serve.components[1]
+    assert kv.bytes == 2 * 30 * 3 * 64 * 2 * 1024 * 2  # bf16 KV: the dtype GPTQ models serve in
+    q_params = 30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536)
+    groups = 30 * sum(out * (inp // 64) for inp, out in
+                      [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)])
+    assert serve.components[0].bytes == q_params / 2 + groups * 2.5 + (134_515_008 - q_params) * 2
+    assert plan.fits()
+
+
+def test_does_not_fit_is_refused_with_the_table():
+    plan = plan_memory(LLAMA_31_8B, None, context=8192, batch=8, available_bytes=16 << 30)
+    assert not plan.fits()
+    with pytest.raises(DoesNotFit) as e:
+        plan.check()
+    text = str(e.value)
+    assert "needs 22.96 GiB but 16.00 GiB is available on cpu" in text
+    assert "KV cache (bfloat16, 8192 tokens × 8)" in text and "8.00 GiB" in text
+
+
+def test_group_size_rule_names_the_dimension():
+    shapes = DecoderShapes.from_config(SMOLLM2_135M)
+    assert group_size_problem(shapes, [], 128) == (
+        "128 must divide every quantized layer's input dimension; 576 (hidden_size) is not divisible by 128. "
+        "Use 64 or 32.")
+    assert group_size_problem(shapes, [], 64) is None
+    assert group_size_problem(shapes, [], -1) is None
