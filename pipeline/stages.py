@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
+
 from kiln.pipeline.files import atomic_dir, atomic_write_json, hash_of, read_json
 from kiln.pipeline.tracking import STAGE_KEY, Tracker, flatten
 from kiln.pipeline.versions import environment
@@ -91,7 +93,7 @@ def run_stage(ctx: RunContext, stage: str, role: str, inputs: dict[str, Any],
     run_id = ctx.tracker.start(label, tags, parent=ctx.parent_run)
     try:
         if reused:
-            ctx.console.print(f"[dim]✓ {label}: unchanged inputs, reusing {key[:12]}[/dim]")
+            ctx.console.print(f"[dim]✓ {escape(label)}: unchanged inputs, reusing {key[:12]}[/dim]")
         else:
             _compute(ctx, label, key, inputs, compute, path)
         result = read_json(path / RESULT)
@@ -118,7 +120,7 @@ def run_stage(ctx: RunContext, stage: str, role: str, inputs: dict[str, Any],
 
 def _compute(ctx: RunContext, label: str, key: str, inputs: dict[str, Any],
              compute: Callable[[Path], dict[str, Any]], path: Path) -> None:
-    ctx.console.print(f"[bold]▶ {label}[/bold]")
+    ctx.console.print(f"[bold]▶ {escape(label)}[/bold]")
     start = time.perf_counter()
     with atomic_dir(path) as tmp:
         result = compute(tmp)
@@ -131,5 +133,5 @@ def _compute(ctx: RunContext, label: str, key: str, inputs: dict[str, Any],
         })
     metrics = result.get("metrics", {})
     shown = ", ".join(f"{k}={v:.4g}" for k, v in list(metrics.items())[:6] if isinstance(v, int | float))
-    ctx.console.print(f"  done in {wall:.1f}s {shown}")
+    ctx.console.print(f"  done in {wall:.1f}s {shown}", markup=False)
     log.info("%s finished in %.1fs: %s", label, wall, json.dumps(metrics, default=str))
