@@ -82,10 +82,14 @@ def _see(page, text: str, shot: str) -> None:
     page.screenshot(path=str(SHOTS / f"{shot}.png"), full_page=True)
 
 
-def test_runs_list_shows_the_pipeline_run(mlflow_ui, page, tiny_run):
+def test_runs_list_shows_the_pipeline_run_and_its_stage_children(mlflow_ui, page, tiny_run):
     exp_id, parent, _ = _ids(tiny_run)
     page.goto(f"{mlflow_ui}/#/experiments/{exp_id}/runs")
     _see(page, parent.info.run_name, "1-runs-list")
+    page.locator("[role=row] button").nth(1).click()  # the parent row's expander
+    for child in ("optimize[candidate]", "quality[candidate]", "benchmark[pair]", "gate"):
+        page.get_by_text(child, exact=True).first.wait_for(timeout=30_000)
+    page.screenshot(path=str(SHOTS / "1b-runs-list-children.png"), full_page=True)
 
 
 def test_parent_run_shows_verdict_tag_and_report(mlflow_ui, page, tiny_run):
