@@ -3,7 +3,8 @@
 Stages write results in one convention, so the gate, `kiln compare` and `kiln show` all read
 evidence the same way:
 - `metrics`: the role's aggregate values;
-- `samples`: {"file": JSONL in the stage folder, "columns": [...]}: per-document values by doc_id;
+- `samples`: {"file": JSONL in the stage folder, "columns": [...]} (or a list of them):
+  per-document values by doc_id;
 - `per_role`: for stages that measure both arms together (interleaved benchmarks), each role's
   `metrics` and `repeats`.
 """
@@ -30,8 +31,9 @@ def add_result(evidence: dict[str, Evidence], role: str, result: dict[str, Any],
     if role in evidence:
         ev = evidence[role]
         ev.metrics.update({k: v for k, v in result.get("metrics", {}).items() if isinstance(v, int | float)})
-        if "samples" in result:
-            ev.samples.update(_samples(path, result["samples"]))
+        specs = result.get("samples", [])
+        for spec in specs if isinstance(specs, list) else [specs]:
+            ev.samples.update(_samples(path, spec))
         for name, pair in result.get("counts", {}).items():
             ev.counts[name] = tuple(pair)
     for r, part in result.get("per_role", {}).items():

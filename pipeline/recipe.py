@@ -18,6 +18,7 @@ import kiln.engine  # noqa: F401 - registers the engine backends
 import kiln.optimize  # noqa: F401 - registers the quantization methods
 from kiln.deploy.config import DeployConfig
 from kiln.engine.base import BACKENDS
+from kiln.evaluate.quality.lmeval import LmEvalConfig
 from kiln.optimize.base import QUANTIZERS
 from kiln.pipeline.errors import BadInput
 from kiln.pipeline.files import hash_of
@@ -43,6 +44,7 @@ class PerplexityConfig(Section):
 class QualitySection(Section):
     perplexity: PerplexityConfig = PerplexityConfig()
     agreement: bool = Field(True, description="token-level agreement (KL, top-1) with the baseline")
+    lmeval: LmEvalConfig | None = Field(None, description="lm-eval tasks run through the engine (per-document records)")
 
 
 class BenchmarkSection(Section):

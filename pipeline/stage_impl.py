@@ -105,6 +105,9 @@ def evaluate(ctx: RunContext, engines: dict[str, Path]) -> None:
         _perplexity(ctx, role, loaded, engines[role], docs, text_inputs)
     if q.agreement:
         _agreement(ctx, loaded, engines, docs, text_inputs)
+    if q.lmeval:
+        for role in engines:
+            _lmeval(ctx, role, loaded, engines[role], q.lmeval)
     _benchmark(ctx, loaded, engines)
     loaded.close()
 
@@ -143,6 +146,26 @@ def _perplexity(ctx: RunContext, role: str, loaded: LazyEngines, engine_dir: Pat
 
     run_stage(ctx, "quality", role, {"engine": engine_dir.name, **text_inputs, "eval": "perplexity"},
               compute, artifacts=("perplexity.jsonl",))
+
+
+def _lmeval(ctx: RunContext, role: str, loaded: LazyEngines, engine_dir: Path, cfg: Any) -> None:
+    """lm-eval tasks through the engine; keyed by each task's content fingerprint."""
+    import tempfile
+
+    from kiln.evaluate.quality.lmeval import evaluate_lmeval, prepare_tasks
+
+    with tempfile.TemporaryDirectory() as tmp:
+        fingerprints = prepare_tasks(cfg.tasks, Path(tmp)).fingerprints()
+
+    def compute(out: Path) -> dict[str, Any]:
+        results = evaluate_lmeval(loaded[role], cfg, out)
+        samples = [{"file": f"{r.name}.jsonl",
+                    "columns": sorted({k for rec in r.records for k in rec if k.startswith(f"{r.name}_")})}
+                   for r in results]
+        return {"metrics": {k: v for r in results for k, v in r.metrics.items()}, "samples": samples}
+
+    run_stage(ctx, "lmeval", role, {"engine": engine_dir.name, "tasks": fingerprints, "limit": cfg.limit},
+              compute, artifacts=("lmeval.json",))
 
 
 def _agreement(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], docs, text_inputs) -> None:
