@@ -133,6 +133,8 @@ def main() -> None:
     ap.add_argument("--eval-tokens", type=int, default=2048)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, help="torch threads for the evaluation (1 avoids OpenMP spin-waits "
+                                                  "slowing decode several-fold on a machine other jobs load)")
     ap.add_argument("--worker", nargs=3, metavar=("MODEL", "SPEC", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -162,6 +164,10 @@ def main() -> None:
             sys.exit(f"{name} failed:\n{proc.stderr[-3000:]}")
         rows[name] = json.loads(line.removeprefix("KILN-RESULT "))
     eval_ids, prompt = _texts(model, prepare_demo_data().eval_text, args.eval_tokens)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     quality = evaluate(dirs, eval_ids, prompt, args.new_tokens, args.repeats)
     report(model, rows, quality, dirs, args)
 

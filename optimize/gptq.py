@@ -35,7 +35,7 @@ from kiln.optimize.checkpoint import (
     read_config,
     safetensors_files,
 )
-from kiln.optimize.memory import Component, MethodMemory, quantized_weights, weights
+from kiln.optimize.memory import DTYPE_BYTES, Component, MethodMemory, quantized_weights, runtime, weights
 from kiln.pipeline.errors import BadInput
 from kiln.pipeline.files import atomic_write_json, read_json
 
@@ -124,7 +124,8 @@ class GPTQ(Quantizer):
         # Per group: an fp16 scale and a packed zero point; g_idx adds 4 B per input channel.
         per_group = 2 + config.bits / 8
         work = [
-            weights(shapes, 2, "bfloat16, as GPTQModel loads them"),
+            runtime("torch + transformers + gptqmodel"),
+            weights(shapes, DTYPE_BYTES[source_dtype], source_dtype),
             Component("Hessians of one decoder layer", hessians, "Σ in_features² × 4 B over its 7 linears"),
             Component("calibration activations", acts,
                       f"2 × {cal.samples} samples × {cal.seq_len} tokens × {shapes.hidden} hidden × 4 B"),

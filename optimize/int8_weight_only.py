@@ -24,7 +24,7 @@ from kiln.optimize.checkpoint import (
     read_header,
     safetensors_files,
 )
-from kiln.optimize.memory import DTYPE_BYTES, Component, MethodMemory, quantized_weights, weights
+from kiln.optimize.memory import DTYPE_BYTES, Component, MethodMemory, quantized_weights, runtime, weights
 
 
 class Int8WeightOnlyConfig(QuantizerConfig):
@@ -71,8 +71,9 @@ class Int8WeightOnly(Quantizer):
         size = DTYPE_BYTES[source_dtype]
         # Per output row: a float32 scale and an int8 zero point.
         serve = quantized_weights(shapes, config.skip_modules, 8, -1, 5, size)
-        work = [weights(shapes, size, source_dtype),
-                Component("int8 copy of the linears", serve.bytes, "built layer by layer while loading")]
+        work = [runtime("torch + transformers"), weights(shapes, size, source_dtype),
+                Component("int8 copy of the linears", serve.bytes, "built layer by layer while loading"),
+                Component("serialized copy while saving", serve.bytes, "safetensors writes from one buffer")]
         return MethodMemory(work, serve, serving_dtype=source_dtype)
 
 

@@ -19,6 +19,9 @@ from typing import Any
 from kiln.optimize.architecture import DecoderShapes, quantized_linears
 from kiln.pipeline.errors import DoesNotFit
 
+# Resident size of the libraries alone, measured on import (Python 3.11, torch 2.13 CPU): every
+# CPU step pays this before it loads a byte of model.
+RUNTIME_BYTES = {"torch + transformers": 467 << 20, "torch + transformers + gptqmodel": 595 << 20}
 DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0, "fp8": 1.0, "float8_e4m3fn": 1.0, "int8": 1.0}
 
 
@@ -113,6 +116,10 @@ def quantized_weights(shapes: DecoderShapes, skip: list[str], bits: float, group
     scales = f" + {groups / 1e3:.0f}k groups × {per_group_bytes:g} B" if per_group_bytes else ""
     return Component("weights (quantized)", total,
                      f"{q_params / 1e6:.1f}M × {bits:g} bit{scales} + {other / 1e6:.1f}M other × {other_bytes:g} B")
+
+
+def runtime(libraries: str) -> Component:
+    return Component(f"runtime ({libraries})", RUNTIME_BYTES[libraries], "resident size after import, measured")
 
 
 def human(n: float) -> str:

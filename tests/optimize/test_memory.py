@@ -52,7 +52,7 @@ def test_gptq_plan_numbers():
     parts = {c.name: c.bytes for c in quantize.components}
     assert parts["Hessians of one decoder layer"] == (5 * 576**2 + 576**2 + 1536**2) * 4
     assert parts["calibration activations"] == 2 * 64 * 256 * 576 * 4
-    assert parts["weights (bfloat16, as GPTQModel loads them)"] == 134_515_008 * 2
+    assert parts["weights (float32)"] == 134_515_008 * 4
     kv = serve.components[1]
     assert kv.bytes == 2 * 30 * 3 * 64 * 2 * 1024 * 2  # bf16 KV: the dtype GPTQ models serve in
     q_params = 30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536)

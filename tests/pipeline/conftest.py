@@ -13,13 +13,15 @@ TINY_RECIPE = {
     "optimize": {"method": "int8_weight_only"},
     "engine": {"backend": "torch", "threads": 2},
     "evaluate": {
-        "quality": {"perplexity": {"text": "demo", "max_documents": 12, "seq_len": 128}, "agreement": True},
+        "quality": {"perplexity": {"text": "demo", "max_documents": 12, "seq_len": 128}, "agreement": True,
+                    "lmeval": {"tasks": ["word_swap"], "limit": 40}},
         "benchmark": {"prompts": "demo", "num_prompts": 3, "max_new_tokens": 8, "repeats": 3},
     },
     "gate": {"checks": [
         {"kind": "quality", "metric": "perplexity", "margin": 0.05, "relative": True},
         {"kind": "agreement", "metric": "top1_agreement", "min": 0.5},
         {"kind": "size", "max_ratio": 1.0},
+        {"kind": "quality", "metric": "word_swap_acc", "margin": 0.1},
     ]},
     "tracking": {"experiment": "kiln-test"},
 }

@@ -23,12 +23,15 @@ def test_run_writes_report_verdict_and_stage_manifests(tiny_run):
     verdict = json.loads((run_dir / "verdict.json").read_text())
     assert verdict["verdict"] in {"Successful", "Failed", "Inconclusive"}
     assert verdict["exit_code"] == tiny_run["proc"].returncode
-    assert len(verdict["checks"]) == 3
+    assert len(verdict["checks"]) == 4
+    swap = next(c for c in verdict["checks"] if c["metric"] == "word_swap_acc")
+    assert "mcnemar" in swap["method"].lower() and swap["verdict"] != "Error", swap
     report = (run_dir / "report.md").read_text()
     assert report.startswith("# kiln: tiny — ") and verdict["verdict"] in report.splitlines()[0]
     stages = {p.stem for p in (run_dir / "stages").glob("*.json")}
     assert {"optimize-baseline", "optimize-candidate", "engine-baseline", "engine-candidate", "quality-baseline",
-            "quality-candidate", "agreement-candidate", "benchmark-pair"} <= stages
+            "quality-candidate", "agreement-candidate", "lmeval-baseline", "lmeval-candidate",
+            "benchmark-pair"} <= stages
     for p in (run_dir / "stages").glob("*.json"):
         stage = json.loads(p.read_text())
         manifest = json.loads((Path(stage["path"]) / "manifest.json").read_text())
@@ -67,10 +70,13 @@ def test_rerun_reuses_every_stage(tiny_run):
     assert json.loads((newest / "verdict.json").read_text()) == json.loads((tiny_run["run_dir"] / "verdict.json").read_text())
 
 
-def test_sigkill_mid_evaluate_resumes(tmp_path, tiny_model_dir):
-    # A quality stage with many documents so there is time to kill it half-way.
+def test_sigkill_mid_evaluate_resumes(tmp_path, tiny_model_dir, demo_data):
+    # A quality stage with many documents so there is time to kill it half-way; the text starts
+    # with this test's own path, so the stage is never already in the cache.
+    text = tmp_path / "heldout.txt"
+    text.write_text(f"{tmp_path}\n" + Path(demo_data.eval_text).read_text())
     recipe = write_recipe(tmp_path / "r.yaml", tiny_model_dir, name="killme",
-                          evaluate__quality={"perplexity": {"text": "demo", "max_documents": 64, "seq_len": 128},
+                          evaluate__quality={"perplexity": {"text": str(text), "max_documents": 64, "seq_len": 128},
                                              "agreement": False},
                           gate={"checks": [{"kind": "quality", "metric": "perplexity", "margin": 0.05, "relative": True}]})
     cache = Path(os.environ["KILN_CACHE"])
@@ -102,3 +108,24 @@ def test_sigkill_mid_evaluate_resumes(tmp_path, tiny_model_dir):
     assert statuses == ["FINISHED", "KILLED"]
     listed = kiln("runs", cwd=tmp_path, check=True).stdout
     assert "interrupted" in listed and "done" in listed
+
+
+def test_kiln_run_under_github_actions_writes_summary_outputs_and_comment(tiny_run, tmp_path):
+    """The real CLI in a simulated Actions job, for the passing policy and a failing one."""
+    from tests.ci.test_github import parse_outputs
+
+    event = tmp_path / "event.json"
+    event.write_text(json.dumps({"pull_request": {"number": 7, "head": {"sha": "ab" * 20}}}))
+    for label, extra, expected in (("pass", [], None), ("fail", ["--set", "gate.checks.2.max_ratio=0.01"], 1)):
+        summary, outputs = tmp_path / f"{label}-summary.md", tmp_path / f"{label}-outputs.txt"
+        env = {"GITHUB_ACTIONS": "true", "GITHUB_STEP_SUMMARY": str(summary), "GITHUB_OUTPUT": str(outputs),
+               "GITHUB_EVENT_PATH": str(event), "GITHUB_EVENT_NAME": "pull_request"}
+        proc = kiln("run", str(tiny_run["recipe"]), *extra, cwd=tiny_run["work"], env=env)
+        code = tiny_run["proc"].returncode if expected is None else expected
+        assert proc.returncode == code, proc.stderr[-2000:]
+        out = parse_outputs(outputs.read_text())
+        assert out["exit-code"] == str(code)
+        verdict = json.loads((Path(out["run-dir"]) / "verdict.json").read_text())["verdict"]
+        assert out["verdict"] == verdict and verdict in summary.read_text()
+        comment = (Path(out["run-dir"]) / "pr-comment.md").read_text()
+        assert comment.startswith("<!-- kiln-report:") and verdict in comment
