@@ -57,6 +57,17 @@ class Score:
     token_logprobs: tuple[float, ...]
 
 
+def check_request(request: GenerationRequest, max_positions: int) -> None:
+    """What every backend refuses before queueing a request."""
+    from kiln.pipeline.errors import BadInput
+
+    n = len(request.prompt_ids)
+    if n == 0 or request.max_new_tokens < 1:
+        raise BadInput("A generation request needs a non-empty prompt and max_new_tokens >= 1.")
+    if n >= max_positions:
+        raise BadInput(f"Prompt of {n} tokens does not fit the model's {max_positions} positions.")
+
+
 class Engine(abc.ABC):
     """A loaded engine. Not thread-safe: one scheduler loop drives it."""
 

@@ -25,7 +25,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from kiln.engine import full_logits
-from kiln.engine.base import BACKENDS, Engine, EngineBackend, EngineConfig, GenerationRequest, Score, TokenEvent
+from kiln.engine.base import (BACKENDS, Engine, EngineBackend, EngineConfig, GenerationRequest, Score, TokenEvent,
+                              check_request)
 from kiln.engine.openvino import HF_FILES, eos_ids_of
 from kiln.pipeline.errors import BadInput
 
@@ -135,11 +136,7 @@ class CTranslate2Engine(Engine):
     # ----- generation -----------------------------------------------------------------------
 
     def add(self, request: GenerationRequest) -> int:
-        n = len(request.prompt_ids)
-        if n == 0 or request.max_new_tokens < 1:
-            raise BadInput("A generation request needs a non-empty prompt and max_new_tokens >= 1.")
-        if n >= self.max_positions:
-            raise BadInput(f"Prompt of {n} tokens does not fit the model's {self.max_positions} positions.")
+        check_request(request, self.max_positions)
         seq = _Seq(self._next_id, request)
         self._next_id += 1
         self._pending.append(seq)

@@ -19,7 +19,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from kiln.engine.base import BACKENDS, Engine, EngineBackend, EngineConfig, GenerationRequest, Score, TokenEvent
+from kiln.engine.base import (BACKENDS, Engine, EngineBackend, EngineConfig, GenerationRequest, Score, TokenEvent,
+                              check_request)
 from kiln.pipeline.errors import BadInput
 
 
@@ -101,11 +102,7 @@ class TorchEngine(Engine):
     def add(self, request: GenerationRequest) -> int:
         import torch
 
-        n = len(request.prompt_ids)
-        if n == 0 or request.max_new_tokens < 1:
-            raise BadInput("A generation request needs a non-empty prompt and max_new_tokens >= 1.")
-        if n >= self.max_positions:
-            raise BadInput(f"Prompt of {n} tokens does not fit the model's {self.max_positions} positions.")
+        check_request(request, self.max_positions)
         rng = None
         if request.temperature > 0:
             seed = request.seed if request.seed is not None else int(torch.randint(0, 2**31, ()).item())

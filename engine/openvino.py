@@ -24,7 +24,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from kiln.engine import full_logits
-from kiln.engine.base import BACKENDS, Engine, EngineBackend, EngineConfig, GenerationRequest, Score, TokenEvent
+from kiln.engine.base import (BACKENDS, Engine, EngineBackend, EngineConfig, GenerationRequest, Score, TokenEvent,
+                              check_request)
 from kiln.pipeline.errors import BadInput
 
 IR = "openvino_model.xml"
@@ -123,13 +124,9 @@ class OpenVINOEngine(Engine):
         import openvino as ov
         import openvino_genai as og
 
-        n = len(request.prompt_ids)
-        if n == 0 or request.max_new_tokens < 1:
-            raise BadInput("A generation request needs a non-empty prompt and max_new_tokens >= 1.")
-        if n >= self.max_positions:
-            raise BadInput(f"Prompt of {n} tokens does not fit the model's {self.max_positions} positions.")
+        check_request(request, self.max_positions)
         cfg = og.GenerationConfig()
-        cfg.max_new_tokens = min(request.max_new_tokens, self.max_positions - n)
+        cfg.max_new_tokens = min(request.max_new_tokens, self.max_positions - len(request.prompt_ids))
         cfg.ignore_eos, cfg.logprobs = request.ignore_eos, 1
         cfg.stop_token_ids = set(request.stop_ids) | (set() if request.ignore_eos else set(self.eos_ids))
         if request.temperature > 0:
