@@ -17,6 +17,18 @@ def torch_engine(tiny_model_dir):
     engine.close()
 
 
+@pytest.fixture(scope="module")
+def served_engine(tiny_model_dir):
+    """A second engine for a test server to own. An engine is not thread-safe and the server's
+    scheduler thread may still be stepping (a sequence cut short by a stop string is cancelled
+    asynchronously), so expected values come from `torch_engine`, never from the served one."""
+    from kiln.engine.hf_torch import TorchEngine, TorchEngineConfig
+
+    engine = TorchEngine(tiny_model_dir, TorchEngineConfig(threads=1))
+    yield engine
+    engine.close()
+
+
 @pytest.fixture(scope="session")
 def naive_greedy():
     return _naive_greedy

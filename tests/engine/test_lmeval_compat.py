@@ -11,10 +11,10 @@ KEY = "lm-eval-key"
 
 
 @pytest.fixture(scope="module")
-def lm(torch_engine, tiny_model_dir):
+def lm(served_engine, tiny_model_dir):
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
-    with ServerThread(torch_engine, api_key=KEY, model_name="tiny") as srv:
+    with ServerThread(served_engine, api_key=KEY, model_name="tiny") as srv:
         mp = pytest.MonkeyPatch()
         mp.setenv("OPENAI_API_KEY", KEY)  # LocalCompletionsAPI sends it as the Bearer token
         try:

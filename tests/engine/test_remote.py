@@ -16,8 +16,8 @@ KEY = "remote-key"
 
 
 @pytest.fixture(scope="module")
-def server(torch_engine):
-    with ServerThread(torch_engine, api_key=KEY, model_name="tiny") as srv:
+def server(served_engine):
+    with ServerThread(served_engine, api_key=KEY, model_name="tiny") as srv:
         yield srv
 
 

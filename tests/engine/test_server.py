@@ -18,8 +18,8 @@ KEY = "test-key"
 
 
 @pytest.fixture(scope="module")
-def server(torch_engine):
-    with ServerThread(torch_engine, api_key=KEY, model_name="tiny") as srv:
+def server(served_engine):
+    with ServerThread(served_engine, api_key=KEY, model_name="tiny") as srv:
         yield srv
 
 
@@ -149,7 +149,7 @@ def test_bad_request_is_a_400_naming_the_field(server):
     assert e.value.code == 400 and "max_tokens" in json.loads(e.value.read())["error"]["message"]
 
 
-def test_client_disconnect_cancels_the_sequence(server, client, torch_engine):
+def test_client_disconnect_cancels_the_sequence(server, client, served_engine):
     stream = client.completions.create(model="tiny", prompt="Hello", max_tokens=400, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
     next(iter(stream))
@@ -158,7 +158,7 @@ def test_client_disconnect_cancels_the_sequence(server, client, torch_engine):
     while time.monotonic() < deadline:
         text = _get(f"{server.url}/metrics")[1]
         in_flight = next(line for line in text.splitlines() if line.startswith("kiln_requests_in_flight "))
-        if float(in_flight.split()[-1]) == 0 and not torch_engine.has_work():
+        if float(in_flight.split()[-1]) == 0 and not served_engine.has_work():
             break
         time.sleep(0.05)
     else:
