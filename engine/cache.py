@@ -12,12 +12,12 @@ from __future__ import annotations
 import datetime as dt
 import shutil
 import subprocess
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from kiln.engine.base import BACKENDS, MANIFEST, EngineConfig
 from kiln.pipeline.files import atomic_dir, atomic_write_json, hash_of
+from kiln.pipeline.versions import library_versions
 
 # CPU flags that change which kernels run (and so the numbers an engine produces).
 _ISA_PREFIXES = ("sse", "ssse", "avx", "fma", "f16c", "amx", "vnni", "bf16", "asimd", "sve", "neon")
@@ -68,17 +68,6 @@ def hardware_fingerprint() -> dict[str, Any]:
     return {"cpu": _cpu(), "gpus": _gpus()}
 
 
-def library_versions(names: tuple[str, ...]) -> dict[str, str | None]:
-    """Installed versions (None when absent), read without importing the libraries."""
-    out: dict[str, str | None] = {}
-    for name in names:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
-
-
 def engine_key(config: EngineConfig, checkpoint_hash: str, versions: dict, hardware: Any) -> str:
     blob = {"config": config.model_dump(mode="json"), "checkpoint": checkpoint_hash,
             "versions": versions, "hardware": hardware}
@@ -89,7 +78,7 @@ def write_engine(config: EngineConfig, checkpoint_dir: Path, checkpoint_hash: st
     """Build an engine into `out_dir` (which must exist and be empty) and write its manifest."""
     backend = BACKENDS.create(config)
     cls = type(backend)
-    versions = library_versions(getattr(cls, "libraries", ()))
+    versions = library_versions(getattr(cls, "libraries", ()), keep_missing=True)
     hardware = hardware_fingerprint() if getattr(cls, "hardware_bound", True) else None
     fields = backend.build(Path(checkpoint_dir).resolve(), Path(out_dir))
     manifest = {
@@ -109,7 +98,7 @@ def write_engine(config: EngineConfig, checkpoint_dir: Path, checkpoint_hash: st
 def build_engine(config: EngineConfig, checkpoint_dir: Path, checkpoint_hash: str, cache_root: Path) -> Path:
     """Return the cached engine for these inputs on this machine, building it once if needed."""
     cls = BACKENDS.get(config.backend)
-    versions = library_versions(getattr(cls, "libraries", ()))
+    versions = library_versions(getattr(cls, "libraries", ()), keep_missing=True)
     hardware = hardware_fingerprint() if getattr(cls, "hardware_bound", True) else None
     final = Path(cache_root) / "engines" / engine_key(config, checkpoint_hash, versions, hardware)
     if (final / MANIFEST).is_file():

@@ -16,13 +16,16 @@ LIBRARIES = (
 )
 
 
-def library_versions() -> dict[str, str]:
-    out = {}
-    for name in LIBRARIES:
+def library_versions(names: tuple[str, ...] = LIBRARIES, *, keep_missing: bool = False) -> dict[str, str | None]:
+    """Installed versions, read without importing the libraries. An absent library is left out,
+    or kept as None with `keep_missing` (an engine's cache key must change when one appears)."""
+    out: dict[str, str | None] = {}
+    for name in names:
         try:
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
-            continue
+            if keep_missing:
+                out[name] = None
     return out
 
 

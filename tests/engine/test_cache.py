@@ -40,7 +40,7 @@ def test_key_changes_with_every_input(tiny_model_dir, tmp_path, monkeypatch):
     base = build_engine(TorchEngineConfig(), tiny_model_dir, "sha-a", tmp_path)
     assert build_engine(TorchEngineConfig(), tiny_model_dir, "sha-b", tmp_path) != base
     assert build_engine(TorchEngineConfig(dtype="bfloat16"), tiny_model_dir, "sha-a", tmp_path) != base
-    monkeypatch.setattr(cache, "library_versions", lambda names: {n: "0.0" for n in names})
+    monkeypatch.setattr(cache, "library_versions", lambda names, **_: {n: "0.0" for n in names})
     assert build_engine(TorchEngineConfig(), tiny_model_dir, "sha-a", tmp_path) != base
     monkeypatch.undo()
     monkeypatch.setattr(cache, "hardware_fingerprint", lambda: {"cpu": {"model": "other", "isa": []}, "gpus": []})
