@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import traceback
@@ -33,6 +34,17 @@ def _env() -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' weight-loading bars too
+    logging.getLogger("torchao").addFilter(_CudaKernelNotice())
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # torchao's enum-registration deprecations
+
+
+class _CudaKernelNotice(logging.Filter):
+    """torchao warns at import for each CUDA kernel library it cannot load; on a CPU machine that
+    is expected and says nothing to the user. Its other warnings pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Failed to load ")
 
 
 @app.command()

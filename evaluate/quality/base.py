@@ -36,6 +36,6 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 def documents(tokenizer: Any, text: str, seq_len: int, max_documents: int) -> list[list[int]]:
     """Cut held-out text into consecutive, non-overlapping windows of `seq_len` tokens."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]  # longer than the model: cut below
     n = min(max_documents, len(ids) // seq_len)
     return [ids[i * seq_len:(i + 1) * seq_len] for i in range(n)]
