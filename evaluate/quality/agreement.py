@@ -20,8 +20,10 @@ CONTINUATION_TOKENS = 16
 
 
 def _kl_and_top1(base: np.ndarray, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per position KL(base || cand) and top-1 agreement, from [positions, vocab] log-probs.
+    Elementwise in float32 (half the memory traffic of float64 over a 49k vocab), summed in float64."""
     p = np.exp(base)
-    kl = (p * (base - cand)).sum(axis=-1)
+    kl = (p * (base - cand)).sum(axis=-1, dtype=np.float64)
     return np.maximum(kl, 0.0), base.argmax(-1) == cand.argmax(-1)
 
 
@@ -29,8 +31,8 @@ def agreement(baseline: Engine, candidate: Engine, docs: Sequence[list[int]]) ->
     records = []
     all_kl = []
     for i, doc in enumerate(docs):
-        b = np.asarray(baseline.next_token_logprobs([doc])[0], dtype=np.float64)
-        c = np.asarray(candidate.next_token_logprobs([doc])[0], dtype=np.float64)
+        b = np.asarray(baseline.next_token_logprobs([doc])[0], dtype=np.float32)
+        c = np.asarray(candidate.next_token_logprobs([doc])[0], dtype=np.float32)
         kl, top1 = _kl_and_top1(b, c)
         all_kl.append(kl)
         records.append({"doc_id": i, "kl_mean": float(kl.mean()), "kl_p99": float(np.quantile(kl, 0.99)),
