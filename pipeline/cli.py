@@ -147,12 +147,10 @@ def main() -> None:
     except KeyboardInterrupt:
         err.print("interrupted; run the same command again to resume")
         sys.exit(int(ExitCode.INTERRUPTED))
+    except typer.TyperException as e:  # typer's bundled click: unknown option, bad option value
+        e.show() if hasattr(e, "show") else err.print(f"[red]error:[/red] {escape(str(e))}")
+        sys.exit(int(ExitCode.BAD_INPUT))
     except Exception as e:  # noqa: BLE001 - the documented internal-error exit
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            sys.exit(int(ExitCode.BAD_INPUT))
         traceback.print_exc()
         err.print(f"[red]internal error:[/red] {type(e).__name__}: {escape(str(e))}")
         sys.exit(int(ExitCode.INTERNAL_ERROR))

@@ -80,6 +80,11 @@ def test_cli_validate_exit_codes(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "kiln.pipeline", "validate", str(tmp_path / "nope.yaml")],
                              capture_output=True, text=True)
     assert missing.returncode == ExitCode.BAD_INPUT and "not found" in missing.stderr
+    for args, says in ((["validate", str(good), "--bogus"], "No such option"),
+                       (["serve", str(tmp_path), "--port", "notanint"], "'--port'")):
+        usage = subprocess.run([sys.executable, "-m", "kiln.pipeline", *args], capture_output=True, text=True)
+        assert usage.returncode == ExitCode.BAD_INPUT and says in usage.stderr, usage.stderr
+        assert "Traceback" not in usage.stderr
 
 
 def test_schema_lists_plugins():
