@@ -7,12 +7,14 @@ What it does, per request on the guarded paths (the two OpenAI generation endpoi
   never the key itself); over the limit, 429 with the Retry-After that refills one token;
 - bounded queue: at most `max_concurrency` requests run, at most `max_queue` wait; when the queue
   is full the answer is an immediate 429 with Retry-After instead of a timeout minutes later;
-- one JSON log line per request on the `kiln.requests` logger: queue time, TTFT, TPOT, tokens
-  in/out, status, tenant, plus whatever the handler put in `request[STATS]`.
+- one JSON log line per request on the `kiln.requests` logger, refused ones included: queue time,
+  TTFT, TPOT, tokens in/out, status, tenant, plus whatever the handler put in `request[STATS]`
+  (a refusal carries its `reason`; a client that left mid-request is logged as status 499).
 
 Adopt it in a server with `admission = Admission(config)`, `web.Application(middlewares=
 [admission.middleware])`, and serve with `serve_until_drained(...)`, which turns SIGTERM into a
-drain. Handlers report what they measured by filling `request[STATS]` (a dict).
+drain. Handlers report what they measured by filling `request[STATS]` (a dict), timing from
+`request[ARRIVAL]` (when the request reached the middleware, `time.perf_counter()`).
 """
 
 from __future__ import annotations
@@ -23,16 +25,20 @@ import json
 import logging
 import math
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry, Gauge
 
 from kiln.deploy.config import AdmissionConfig
+from kiln.pipeline.errors import BadInput
 
 GUARDED = ("/v1/completions", "/v1/chat/completions")
 STATS = web.RequestKey("kiln.stats", dict)  # handlers add ttft_ms, tpot_ms, tokens_in, tokens_out, ...
+ARRIVAL = web.RequestKey("kiln.arrival", float)  # time.perf_counter() when the request arrived
 log = logging.getLogger("kiln.requests")
 
 
@@ -81,34 +87,42 @@ class Admission:
         self._idle: asyncio.Event | None = None
         self._buckets: dict[str, TokenBucket] = {}
 
-    def _refuse(self, reason: str, status: int, message: str, retry_after: float) -> web.Response:
+    def _refuse(self, request: web.Request, tenant: str, reason: str, status: int, message: str,
+                retry_after: float) -> web.Response:
         self.rejected[reason] += 1
+        if self.config.log_requests:
+            self._log(request, tenant, status, request[ARRIVAL], {"reason": reason})
         return _reject(status, message, retry_after, "overloaded" if status == 429 else "unavailable")
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         if request.path not in self.paths:
             return await handler(request)
-        cfg, arrival = self.config, time.perf_counter()
+        cfg = self.config
+        request[ARRIVAL] = arrival = time.perf_counter()
         if self._slots is None:  # created on the serving loop
             self._slots, self._idle = asyncio.Semaphore(cfg.max_concurrency), asyncio.Event()
-        if self.draining:
-            return self._refuse("draining", 503, "server is draining (shutting down); retry on another replica", 1)
         tenant = tenant_of(request)
+        if self.draining:
+            return self._refuse(request, tenant, "draining", 503,
+                                "server is draining (shutting down); retry on another replica", 1)
         if cfg.rate_limit_rps:
             bucket = self._buckets.setdefault(tenant, TokenBucket(cfg.rate_limit_rps, cfg.rate_limit_burst))
             if wait := bucket.take():
-                return self._refuse("rate_limited", 429, f"rate limit of {cfg.rate_limit_rps:g} requests/s exceeded", wait)
+                return self._refuse(request, tenant, "rate_limited", 429,
+                                    f"rate limit of {cfg.rate_limit_rps:g} requests/s exceeded", wait)
         if not self._slots.locked():
             await self._slots.acquire()  # a free slot: returns at once, no other request can slip in
         elif self.waiting >= cfg.max_queue:
-            return self._refuse("queue_full", 429, f"queue full ({cfg.max_queue} waiting)", cfg.retry_after_s)
+            return self._refuse(request, tenant, "queue_full", 429, f"queue full ({cfg.max_queue} waiting)",
+                                cfg.retry_after_s)
         else:
             self.waiting += 1
             try:
                 await asyncio.wait_for(self._slots.acquire(), cfg.queue_timeout_s)
             except TimeoutError:
-                return self._refuse("queue_timeout", 429, f"waited {cfg.queue_timeout_s:g} s for a slot", cfg.retry_after_s)
+                return self._refuse(request, tenant, "queue_timeout", 429,
+                                    f"waited {cfg.queue_timeout_s:g} s for a slot", cfg.retry_after_s)
             finally:
                 self.waiting -= 1
         self.running += 1
@@ -119,6 +133,9 @@ class Admission:
             response = await handler(request)
             status = response.status
             return response
+        except (asyncio.CancelledError, ConnectionResetError):
+            status = 499  # the client went away (nginx's code for it)
+            raise
         finally:
             self._slots.release()
             self.running -= 1
@@ -138,6 +155,22 @@ class Admission:
     def start_drain(self) -> None:
         self.draining = True
 
+    async def drain(self) -> bool:
+        """What SIGTERM does: refuse new requests, wait up to drain_timeout_s for the admitted ones.
+        True when they all finished."""
+        self.start_drain()
+        return await self.wait_idle(self.config.drain_timeout_s)
+
+    def export(self, registry: CollectorRegistry, prefix: str) -> None:
+        """Queue depth, requests running and refusals by reason as gauges read at scrape time."""
+        Gauge(f"{prefix}_queue_depth", "requests waiting for an admission slot", registry=registry).set_function(
+            lambda: self.waiting)
+        Gauge(f"{prefix}_running", "requests admitted and not finished", registry=registry).set_function(
+            lambda: self.running)
+        refused = Gauge(f"{prefix}_rejected", "requests refused so far, by reason", ["reason"], registry=registry)
+        for reason in self.rejected:
+            refused.labels(reason).set_function(lambda r=reason: self.rejected[r])
+
     async def wait_idle(self, timeout: float) -> bool:
         """True when every admitted request finished within `timeout` seconds."""
         if self.running == 0 and self.waiting == 0:
@@ -154,11 +187,27 @@ class Admission:
         return 200, {"status": "ok", "running": self.running, "waiting": self.waiting}
 
 
+def log_requests_to(target: str) -> None:
+    """Send the `kiln.requests` and `kiln.serve` JSON lines to 'stderr', 'stdout' or a file (appended)."""
+    streams = {"stderr": sys.stderr, "stdout": sys.stdout}
+    try:
+        handler = logging.StreamHandler(streams[target]) if target in streams else logging.FileHandler(target)
+    except OSError as e:
+        raise BadInput(f"request log: cannot open {target} ({e.strerror}); give a writable file, "
+                       "'stdout' or 'stderr'.") from None
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    for name in ("kiln.requests", "kiln.serve"):
+        logging.getLogger(name).addHandler(handler)
+        logging.getLogger(name).setLevel(logging.INFO)
+
+
 async def serve_until_drained(app: web.Application, admission: Admission, host: str, port: int,
-                              on_ready: Callable[[int], None] | None = None) -> None:
+                              on_ready: Callable[[int], None] | None = None,
+                              handler_cancellation: bool = False) -> None:
     """Serve `app` until SIGTERM or SIGINT, then drain: refuse new requests, let in-flight streams
-    finish (up to drain_timeout_s), stop. Call inside a running loop (uvloop.run)."""
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    finish (up to drain_timeout_s), stop. Call inside a running loop (uvloop.run).
+    `handler_cancellation`: cancel a handler whose client disconnected (aiohttp's option)."""
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=handler_cancellation)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=4096)
     await site.start()
@@ -170,8 +219,7 @@ async def serve_until_drained(app: web.Application, admission: Admission, host: 
         on_ready(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
     try:
         await stop.wait()
-        admission.start_drain()
-        drained = await admission.wait_idle(admission.config.drain_timeout_s)
+        drained = await admission.drain()
         logging.getLogger("kiln.serve").info(json.dumps({"event": "drained", "clean": drained}))
     finally:
         await runner.cleanup()

@@ -26,8 +26,14 @@ class AdmissionConfig(Section):
     retry_after_s: float = Field(1.0, gt=0, description="Retry-After sent with a 429 from a full queue")
     rate_limit_rps: float | None = Field(None, gt=0, description="per-tenant (API key) requests/s; None = off")
     rate_limit_burst: int = Field(20, ge=1, description="token-bucket size per tenant")
-    drain_timeout_s: float = Field(30, gt=0, description="on SIGTERM: longest wait for in-flight requests")
+    drain_timeout_s: float = Field(30, ge=0, description="on SIGTERM: longest wait for in-flight requests")
     log_requests: bool = Field(True, description="one JSON line per request on the 'kiln.requests' logger")
+
+
+# `kiln serve`'s defaults. One engine decodes a batch of ~16 sequences (max_batch_size); 32
+# admitted keep that batch full as sequences finish, and 64 waiting are a few batches' worth of
+# queue. Beyond that a client is better served by a fast 429 than by minutes in a queue.
+SERVE_ADMISSION = AdmissionConfig(max_concurrency=32, max_queue=64)
 
 
 class RouterOptions(Section):

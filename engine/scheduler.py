@@ -38,6 +38,8 @@ class Metrics:
         self.waiting = Gauge("kiln_queue_depth", "Requests waiting for their first token", registry=r)
         self.prompt_tokens = Counter("kiln_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("kiln_generation_tokens", "Tokens generated", registry=r)
+        self.cold_start = Gauge("kiln_cold_start_seconds", "Process start to ready, by phase (boot: interpreter "
+                                "and imports; load; warmup; total)", ["phase"], registry=r)
 
 
 class Ticket:

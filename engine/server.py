@@ -1,10 +1,17 @@
 """`kiln serve ENGINE_DIR`: any built engine behind an OpenAI-compatible HTTP API.
 
-aiohttp on uvloop, loopback by default, optional Bearer API key. Routes: POST /v1/completions
-(streaming SSE or not; echo + logprobs so lm-eval's `local-completions` can score), POST
-/v1/chat/completions, GET /v1/models, GET /health (503 until the engine is loaded and warmed
-up), GET /metrics (Prometheus). One scheduler thread owns the engine (scheduler.py); a client
-that disconnects has its sequence cancelled.
+aiohttp on uvloop, loopback by default, optional Bearer API keys (several, comma-separated: one
+per tenant). Routes: POST /v1/completions (streaming SSE or not; echo + logprobs so lm-eval's
+`local-completions` can score), POST /v1/chat/completions, GET /v1/models, GET /health (503
+until the engine is loaded and warmed up, and again while draining), GET /metrics (Prometheus).
+One scheduler thread owns the engine (scheduler.py); a client that disconnects has its sequence
+cancelled.
+
+Production guards come from deploy/admission.py: a bounded queue (full: a fast 429 with
+Retry-After), per-API-key rate limits, drain on SIGTERM (no new work, in-flight streams finish,
+exit 0) and one JSON log line per request (queue time, TTFT, TPOT, tokens in/out). No kiln engine
+reports prefix-cache hits, so the log has no cache field. Cold start (process start to ready,
+split into boot, engine load and warm-up) is logged, shown in /health and exported to /metrics.
 """
 
 from __future__ import annotations
@@ -13,15 +20,20 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kiln.deploy.admission import ARRIVAL, STATS, Admission, serve_until_drained
+from kiln.deploy.config import SERVE_ADMISSION, AdmissionConfig
 from kiln.engine.base import Engine, GenerationRequest, TokenEvent
 from kiln.engine.protocol import (Sampling, TextStream, chat_prompt, logprobs_block, parse_prompts,
                                   parse_sampling, position_logprobs, token_text)
@@ -33,25 +45,64 @@ STARTER = web.AppKey("starter", asyncio.Task)
 
 
 class _State:
-    def __init__(self, load: Callable[[], Engine], api_key: str | None, model_name: str | None, owns: bool):
-        self.load, self.api_key, self.model_name, self.owns = load, api_key, model_name, owns
+    def __init__(self, load: Callable[[], Engine], api_key: str | None, model_name: str | None, owns: bool,
+                 admission: Admission, on_ready: Callable[[dict[str, float]], None] | None):
+        self.load, self.keys, self.model_name, self.owns = load, _bearers(api_key), model_name, owns
+        self.admission, self.on_ready = admission, on_ready
         self.metrics = Metrics()
+        admission.export(self.metrics.registry, "kiln_admission")
         self.engine: Engine | None = None
         self.scheduler: Scheduler | None = None
         self.status = "loading"
+        self.cold_start: dict[str, float] | None = None
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        began = time.time()
         try:
             self.engine = await loop.run_in_executor(None, self.load)
+            loaded = time.time()
             self.model_name = self.model_name or _default_name(self.engine)
             self.scheduler = Scheduler(self.engine, loop, self.metrics)
             self.scheduler.start()
             self.status = "warming up"
             await self.scheduler.call(_warm_up)
-            self.status = "ready"
+            self._ready(_cold_start(began, loaded, time.time()))
         except Exception as e:  # /health reports it; the process stays up for inspection
             self.status = f"failed: {type(e).__name__}: {e}"
+
+    def _ready(self, cold: dict[str, float]) -> None:
+        self.cold_start = cold
+        for phase, seconds in cold.items():
+            self.metrics.cold_start.labels(phase.removesuffix("_s")).set(seconds)
+        logging.getLogger("kiln.serve").info(json.dumps({"event": "ready", **cold}))
+        self.status = "ready"
+        if self.on_ready:
+            self.on_ready(cold)
+
+
+def _bearers(api_key: str | None) -> list[bytes]:
+    """The Authorization values accepted: one per key, several keys comma-separated (one per tenant)."""
+    return [f"Bearer {k.strip()}".encode() for k in (api_key or "").split(",") if k.strip()]
+
+
+def _process_age() -> float:
+    """Seconds since this process started. On Linux from /proc to 10 ms; psutil's create_time
+    rests on a boot time rounded to the second, so it can be a second off either way."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, AttributeError, ValueError):  # not Linux
+        return time.time() - psutil.Process().create_time()
+
+
+def _cold_start(began: float, loaded: float, ready: float) -> dict[str, float]:
+    """Process start to ready (wall clock), in phases: boot (interpreter, imports, server up to
+    the start of the load), engine load, warm-up. The phases add up to the total."""
+    born = ready - _process_age()
+    phases = {"boot_s": began - born, "load_s": loaded - began, "warmup_s": ready - loaded, "total_s": ready - born}
+    return {k: round(v, 3) for k, v in phases.items()}
 
 
 def _default_name(engine: Engine) -> str:
@@ -73,14 +124,21 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> we
 
 @web.middleware
 async def _guard(request: web.Request, handler):
+    """Key and readiness, before admission: a wrong key never gets a rate-limit bucket or a slot."""
     st: _State = request.app[STATE]
-    if request.path != "/health" and st.api_key:
+    if request.path != "/health" and st.keys:
         sent = request.headers.get("Authorization", "").encode()
-        if not hmac.compare_digest(sent, f"Bearer {st.api_key}".encode()):  # constant-time
+        if not any([hmac.compare_digest(sent, key) for key in st.keys]):  # constant-time, every key compared
             return _error(401, "Missing or wrong API key (send 'Authorization: Bearer <key>').",
                           "authentication_error")
     if request.path.startswith("/v1/") and st.status != "ready":
         return _error(503, f"Engine not ready: {st.status}.", "service_unavailable")
+    return await handler(request)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    """Errors as OpenAI-style JSON, inside admission so the request log sees the real status."""
     try:
         return await handler(request)
     except BadInput as e:
@@ -94,8 +152,13 @@ async def _guard(request: web.Request, handler):
 
 
 async def health(request: web.Request) -> web.Response:
+    """200 once ready; 503 while loading, warming up, failed or draining (load balancers stop sending)."""
     st: _State = request.app[STATE]
-    return web.json_response({"status": st.status}, status=200 if st.status == "ready" else 503)
+    code, body = st.admission.health()
+    if code == 200:
+        body = {**body, "status": st.status, "cold_start": st.cold_start}
+        code = 200 if st.status == "ready" else 503
+    return web.json_response(body, status=code)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -133,11 +196,36 @@ async def _pieces(st: _State, ids: list[int], s: Sampling) -> AsyncIterator[tupl
             yield delta, None, ev
 
 
-async def _complete(st: _State, index: int, ids: list[int], s: Sampling) -> tuple[dict, list[int]]:
+class _Clock:
+    """Token times of one request for its log line: TTFT from arrival (queue included), TPOT per
+    choice (first to last token over the tokens after the first), averaged over choices."""
+
+    def __init__(self, arrival: float, choices: int):
+        self.arrival = arrival
+        self.first: list[float | None] = [None] * choices
+        self.last = [0.0] * choices
+        self.count = [0] * choices
+
+    def tick(self, index: int) -> None:
+        now = time.perf_counter()
+        if self.first[index] is None:
+            self.first[index] = now
+        self.last[index], self.count[index] = now, self.count[index] + 1
+
+    def stats(self) -> dict[str, float | int | None]:
+        firsts = [f for f in self.first if f is not None]
+        tpots = [(last - first) / (n - 1) for first, last, n in zip(self.first, self.last, self.count, strict=True)
+                 if first is not None and n > 1]
+        return {"ttft_ms": (min(firsts) - self.arrival) * 1000 if firsts else None,
+                "tpot_ms": 1000 * sum(tpots) / len(tpots) if tpots else None, "tokens_out": sum(self.count)}
+
+
+async def _complete(st: _State, index: int, ids: list[int], s: Sampling, clock: _Clock) -> tuple[dict, list[int]]:
     """One non-streamed completion choice (logprobs filled in later) and its generated tokens."""
     text, finish, generated = "", "length", []
     if s.max_tokens > 0:
         async for delta, reason, ev in _pieces(st, ids, s):
+            clock.tick(index)
             text, finish = text + delta, reason or finish
             generated.append(ev.token_id)
     echo = st.engine.tokenizer.decode(ids) if s.echo else ""
@@ -178,9 +266,20 @@ async def _respond(request: web.Request, chat: bool) -> web.StreamResponse:
         parse_prompts(body.get("prompt"), st.engine.tokenizer)
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": st.model_name}
-    if s.stream:
-        return await _stream(request, st, prompts, s, head, chat)
-    results = await asyncio.gather(*(_complete(st, i, ids, s) for i, ids in enumerate(prompts)))
+    stats, clock = request[STATS], _Clock(request[ARRIVAL], len(prompts))
+    stats["tokens_in"] = sum(map(len, prompts))
+    try:
+        if s.stream:
+            return await _stream(request, st, prompts, s, head, chat, clock)
+        return await _answer(st, prompts, s, head, chat, clock)
+    finally:
+        stats.update(clock.stats())
+
+
+async def _answer(st: _State, prompts: list[list[int]], s: Sampling, head: dict, chat: bool,
+                  clock: _Clock) -> web.Response:
+    """The whole answer in one JSON body."""
+    results = await asyncio.gather(*(_complete(st, i, ids, s, clock) for i, ids in enumerate(prompts)))
     choices, generated = [c for c, _ in results], [g for _, g in results]
     if s.logprobs is not None:
         await _add_logprobs(st, choices, prompts, generated, s)
@@ -191,7 +290,8 @@ async def _respond(request: web.Request, chat: bool) -> web.StreamResponse:
                               "choices": choices, "usage": _usage(prompts, sum(map(len, generated)))})
 
 
-async def _stream(request, st: _State, prompts, s: Sampling, head: dict, chat: bool) -> web.StreamResponse:
+async def _stream(request, st: _State, prompts, s: Sampling, head: dict, chat: bool,
+                  clock: _Clock) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     kind = "chat.completion.chunk" if chat else "text_completion"
@@ -219,6 +319,7 @@ async def _stream(request, st: _State, prompts, s: Sampling, head: dict, chat: b
                 open_streams -= 1
                 continue
             delta, finish, ev = piece
+            clock.tick(index)
             generated += 1
             if chat:
                 await send([{"index": index, "delta": {"content": delta}, "finish_reason": finish}])
@@ -236,6 +337,7 @@ async def _stream(request, st: _State, prompts, s: Sampling, head: dict, chat: b
         raise
     except Exception as e:  # the 200 header is already sent: report in-band, like vLLM
         kind = "invalid_request_error" if isinstance(e, BadInput) else "internal_error"
+        request[STATS]["error"] = f"{kind}: {e}"[:300]
         await resp.write(f"data: {json.dumps({'error': {'message': str(e), 'type': kind}})}\n\n".encode())
     finally:
         for t in tasks:
@@ -245,10 +347,13 @@ async def _stream(request, st: _State, prompts, s: Sampling, head: dict, chat: b
 
 
 def create_app(load: Callable[[], Engine], api_key: str | None = None, model_name: str | None = None,
-               owns_engine: bool = True) -> web.Application:
-    """The HTTP app. `load` runs in a worker thread after the server is up (so /health can say 503)."""
-    app = web.Application(middlewares=[_guard], client_max_size=64 * 2**20)
-    st = app[STATE] = _State(load, api_key, model_name, owns_engine)
+               owns_engine: bool = True, admission: AdmissionConfig = SERVE_ADMISSION,
+               on_ready: Callable[[dict[str, float]], None] | None = None) -> web.Application:
+    """The HTTP app. `load` runs in a worker thread after the server is up (so /health can say 503);
+    `on_ready(cold_start)` is called once the engine is loaded and warmed up."""
+    guard = Admission(admission)
+    app = web.Application(middlewares=[_guard, guard.middleware, _errors], client_max_size=64 * 2**20)
+    st = app[STATE] = _State(load, api_key, model_name, owns_engine, guard, on_ready)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
@@ -271,22 +376,26 @@ def create_app(load: Callable[[], Engine], api_key: str | None = None, model_nam
 
 
 def serve(engine_dir: Path, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          model_name: str | None = None, **engine_options: Any) -> None:
-    """Serve a built engine until interrupted (blocking)."""
+          model_name: str | None = None, admission: AdmissionConfig = SERVE_ADMISSION,
+          on_ready: Callable[[dict[str, float]], None] | None = None, **engine_options: Any) -> None:
+    """Serve a built engine until SIGTERM or SIGINT, then drain: /health and new requests get 503,
+    in-flight requests finish (up to `admission.drain_timeout_s`), return (blocking)."""
     import uvloop
 
     from kiln.engine.loader import load_engine
 
-    app = create_app(lambda: load_engine(Path(engine_dir), **engine_options), api_key, model_name)
-    web.run_app(app, host=host, port=port, loop=uvloop.new_event_loop(), handler_cancellation=True,
-                print=None)
+    app = create_app(lambda: load_engine(Path(engine_dir), **engine_options), api_key, model_name,
+                     admission=admission, on_ready=on_ready)
+    uvloop.run(serve_until_drained(app, app[STATE].admission, host, port, handler_cancellation=True))
 
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m kiln.engine.server ENGINE_DIR [--host H] [--port N]`, the API key from
-    $KILN_API_KEY (never on the command line, where `ps` would show it)."""
+    $KILN_API_KEY (never on the command line, where `ps` would show it), request log on stderr."""
     import argparse
     import os
+
+    from kiln.deploy.admission import log_requests_to
 
     p = argparse.ArgumentParser(prog="python -m kiln.engine.server", description=main.__doc__)
     p.add_argument("engine_dir", type=Path)
@@ -294,6 +403,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name")
     a = p.parse_args(argv)
+    log_requests_to("stderr")
     serve(a.engine_dir, a.host, a.port, os.environ.get("KILN_API_KEY") or None, a.model_name)
 
 

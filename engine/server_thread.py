@@ -6,6 +6,7 @@ backend's tests talk to one). Production serving is `serve()` in server.py, run 
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from kiln.deploy.config import SERVE_ADMISSION, AdmissionConfig
 from kiln.engine.base import Engine
 from kiln.engine.server import STATE, create_app
 
@@ -21,17 +23,18 @@ class ServerThread:
     """The same server on a background thread and a free loopback port, for tests and benches.
 
     `engine` is an Engine (not closed on exit), a callable returning one, or a built engine dir.
+    `admission`: queue bounds, rate limits and request logs, as for `kiln serve`.
     """
 
     def __init__(self, engine: Engine | Callable[[], Engine] | Path, api_key: str | None = None,
-                 model_name: str | None = None):
+                 model_name: str | None = None, admission: AdmissionConfig = SERVE_ADMISSION):
         from kiln.engine.loader import load_engine
 
         if isinstance(engine, Engine):
-            self._app = create_app(lambda: engine, api_key, model_name, owns_engine=False)
+            self._app = create_app(lambda: engine, api_key, model_name, owns_engine=False, admission=admission)
         else:
             load = engine if callable(engine) else (lambda: load_engine(Path(engine)))
-            self._app = create_app(load, api_key, model_name)
+            self._app = create_app(load, api_key, model_name, admission=admission)
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kiln-server", daemon=True)
         self.url = ""
@@ -64,6 +67,11 @@ class ServerThread:
                 raise RuntimeError(f"server failed to start: {self.status}")
             time.sleep(0.02)
         return self
+
+    def drain(self) -> bool:
+        """What SIGTERM does to `kiln serve`: /health and new requests get 503, in-flight requests
+        finish (up to the admission's drain_timeout_s). True when they all did; `stop()` after."""
+        return asyncio.run_coroutine_threadsafe(self._app[STATE].admission.drain(), self._loop).result()
 
     def stop(self) -> None:
         if self._thread.is_alive():
