@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from kiln.deploy.config import SERVE_ADMISSION
 from kiln.pipeline.cli import RecipeArg, RunsOpt, SetOpt, app, console
 from kiln.pipeline.errors import BadInput
 
@@ -46,15 +47,79 @@ def engine_dir(target: str, role: str, runs: Path) -> Path:
 @app.command()
 def serve(target: Annotated[str, typer.Argument(metavar="ENGINE_DIR|RUN")],
           role: Annotated[str, typer.Option(help="with a RUN: which arm to serve")] = "candidate",
-          host: HostOpt = "127.0.0.1", port: int = 8000, api_key_env: KeyEnvOpt = "KILN_API_KEY",
+          host: HostOpt = "127.0.0.1", port: int = 8000,
+          api_key_env: Annotated[str, typer.Option(help="env var holding the API key clients must send; several "
+                                                        "comma-separated keys = several tenants (unset: no key)")]
+          = "KILN_API_KEY",
           model_name: Annotated[str | None, typer.Option(help="name in /v1/models")] = None,
+          max_running: Annotated[int, typer.Option(min=1, help="requests admitted at once (the engine batches up to "
+                                                   "its max_batch_size of them; the rest wait inside it)")]
+          = SERVE_ADMISSION.max_concurrency,
+          max_queue: Annotated[int, typer.Option(min=0, help="requests waiting beyond --max-running; when full, an "
+                                                 "immediate 429 with Retry-After")] = SERVE_ADMISSION.max_queue,
+          rate_limit: Annotated[float, typer.Option(min=0, help="requests/s per API key (token bucket); 0 = off")] = 0,
+          rate_burst: Annotated[int, typer.Option(min=1, help="requests an API key may send at once before "
+                                                  "--rate-limit applies")] = SERVE_ADMISSION.rate_limit_burst,
+          drain_timeout: Annotated[float, typer.Option(min=0, help="on SIGTERM: stop admitting, let in-flight "
+                                                       "requests finish for up to this many seconds, exit 0")]
+          = SERVE_ADMISSION.drain_timeout_s,
+          request_log: Annotated[str, typer.Option(help="one JSON line per request (queue time, TTFT, TPOT, tokens "
+                                                   "in/out): 'stderr', 'stdout', a file (appended) or 'off'")]
+          = "stderr",
           runs: RunsOpt = Path("runs")) -> None:
-    """Serve an engine behind an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /health, /metrics)."""
+    """Serve an engine behind an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /health, /metrics).
+
+    A full queue answers 429 at once; SIGTERM drains (in-flight requests finish) and exits 0.
+    Prints the cold start (boot, engine load, warm-up) when ready.
+    """
+    from kiln.deploy.admission import log_requests_to
     from kiln.engine.server import serve as serve_engine
 
     d = engine_dir(target, role, runs)
+    admission = SERVE_ADMISSION.model_validate({
+        **SERVE_ADMISSION.model_dump(), "max_concurrency": max_running, "max_queue": max_queue,
+        "rate_limit_rps": rate_limit or None, "rate_limit_burst": rate_burst, "drain_timeout_s": drain_timeout,
+        "log_requests": request_log != "off"})
+    if admission.log_requests:
+        log_requests_to(request_log)
+
+    def ready(cold: dict[str, float]) -> None:
+        console.print(f"ready in {cold['total_s']:.1f} s (boot {cold['boot_s']:.1f} s, engine load "
+                      f"{cold['load_s']:.1f} s, warm-up {cold['warmup_s']:.1f} s)")
+
     console.print(f"serving {d} on http://{host}:{port}" + (" (API key required)" if _key(api_key_env) else ""))
-    serve_engine(d, host=host, port=port, api_key=_key(api_key_env), model_name=model_name)
+    serve_engine(d, host=host, port=port, api_key=_key(api_key_env), model_name=model_name,
+                 admission=admission, on_ready=ready)
+    console.print("drained and stopped")
+
+
+@app.command()
+def tune(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
+         runs: RunsOpt = Path("runs"),
+         fresh: Annotated[bool, typer.Option(help="tune again even if this search already ran")] = False) -> None:
+    """Tune the recipe's engine knobs (`engine.tune`) on its candidate: every trial, the Pareto front, the winner.
+
+    The same cached stage `kiln run` uses, so a later `kiln run` builds the winner without re-tuning.
+    """
+    from kiln.pipeline.model_source import resolve_model
+    from kiln.pipeline.recipe import load_recipe
+    from kiln.pipeline.runner import _finish, start_run
+    from kiln.pipeline.stage_impl import quantize, tune_engine
+
+    r = load_recipe(recipe, set_)
+    if r.engine.tune is None:
+        raise BadInput(f"{recipe}: engine.tune is not set; add `tune: {{space: {{max_batch_size: [1, 4, 8]}}}}` "
+                       "under engine (see recipes/demo-tune.yaml).")
+    ctx = start_run(r, recipe, runs, console, {"tune"} if fresh else set())
+    try:
+        art = quantize(ctx, "candidate", r.optimize, resolve_model(r.model.path, ctx.cache))
+        outcome = tune_engine(ctx, art)
+    except BaseException as e:
+        _finish(ctx, "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED", None)
+        raise
+    _finish(ctx, "FINISHED", None)
+    print((outcome.path / "trials.md").read_text())  # plain: a Markdown table must not be re-wrapped
+    print(f"winner: {outcome.result['winner']}\nrun directory: {ctx.run_dir}")
 
 
 @app.command("fake-engine")

@@ -14,7 +14,7 @@ from kiln.pipeline.files import atomic_write_json, dir_size, hash_of
 from kiln.pipeline.gate.base import Evidence
 from kiln.pipeline.gate.policy import GateOutcome, judge
 from kiln.pipeline.model_source import ResolvedModel
-from kiln.pipeline.stages import RunContext, peak_rss_bytes, run_stage
+from kiln.pipeline.stages import RunContext, StageOutcome, peak_rss_bytes, run_stage
 from kiln.pipeline.versions import library_versions
 
 
@@ -71,13 +71,40 @@ def _calibration(ctx: RunContext, cfg: Any, model: ResolvedModel):
 
 
 def engine(ctx: RunContext, role: str, art: ModelArtifact) -> Path:
+    """The role's engine, built once per config and artifact.
+
+    With `engine.tune` set, both roles get the knobs tuned on the candidate (`tune_engine`): the
+    gate then compares the two models served the same way, so what it sees comes from the
+    optimization, not from knobs that happen to suit one arm. Tuning the baseline separately
+    would confound the two."""
     from kiln.engine.cache import build_engine
+    from kiln.engine.tune import with_knobs
 
     cfg = ctx.recipe.engine
+    if cfg.tune:
+        candidate = art if role == "candidate" else ModelArtifact(
+            path=ctx.outcomes["optimize:candidate"].path / "model",
+            manifest=ctx.outcomes["optimize:candidate"].result["manifest"])
+        cfg = with_knobs(cfg, tune_engine(ctx, candidate).result["winner"])
     outcome = run_stage(ctx, "engine", role, {"backend": cfg.model_dump(mode="json"), "artifact": art.manifest["sha256"]},
                         lambda out: {"engine_dir": str(build_engine(cfg, art.path, art.manifest["sha256"], ctx.cache)),
                                      "metrics": {}}, portable=False)
     return Path(outcome.result["engine_dir"])
+
+
+def tune_engine(ctx: RunContext, art: ModelArtifact) -> StageOutcome:
+    """Search `engine.tune` on `art`, once per run; a cached stage, so re-running does not re-tune.
+    Every trial is logged as a child of the stage's MLflow run."""
+    from kiln.engine.tune import log_trials, tune, tune_inputs
+
+    if "tune:candidate" in ctx.outcomes:
+        return ctx.outcomes["tune:candidate"]
+    cfg, sha = ctx.recipe.engine, art.manifest["sha256"]
+    outcome = run_stage(ctx, "tune", "candidate", tune_inputs(cfg, sha),
+                        lambda out: tune(cfg, art.path, sha, ctx.cache, out, log=lambda s: ctx.console.print(s, markup=False)),
+                        artifacts=("trials.md", "pareto.png"))
+    log_trials(ctx.tracker, outcome.mlflow_run, outcome.result, outcome.reused)
+    return outcome
 
 
 def _text_path(spec: str) -> Path:
@@ -92,7 +119,7 @@ def _text_path(spec: str) -> Path:
 
 
 def evaluate(ctx: RunContext, engines: dict[str, Path]) -> None:
-    """Quality of each arm, agreement between them, then the interleaved benchmark."""
+    """Quality of each arm, agreement between them, the interleaved benchmark, then load over HTTP."""
     from kiln.engine.loader import load_engine
     from kiln.evaluate.quality.base import documents
 
@@ -109,6 +136,8 @@ def evaluate(ctx: RunContext, engines: dict[str, Path]) -> None:
         for role in engines:
             _lmeval(ctx, role, loaded, engines[role], q.lmeval)
     _benchmark(ctx, loaded, engines)
+    if ctx.recipe.evaluate.load:
+        _load(ctx, loaded, engines)
     loaded.close()
 
 
@@ -203,6 +232,18 @@ def _benchmark(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path]) -
               {"engines": {r: p.name for r, p in engines.items()}, "config": b.model_dump(mode="json"),
                "hardware": hardware_fingerprint(), "prompts": hash_of(prompts)},
               compute, artifacts=("repeats.json",))
+
+
+def _load(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path]) -> None:
+    """Both arms served over HTTP under the recipe's load shape (see kiln.pipeline.load_stage)."""
+    from kiln.engine.cache import hardware_fingerprint
+    from kiln.pipeline.load_stage import ARTIFACTS, measure
+
+    cfg = ctx.recipe.evaluate.load
+    run_stage(ctx, "load", "pair",
+              {"engines": {r: p.name for r, p in engines.items()}, "config": cfg.model_dump(mode="json"),
+               "hardware": hardware_fingerprint()},
+              lambda out: measure({role: loaded[role] for role in engines}, engines, cfg, out), artifacts=ARTIFACTS)
 
 
 def _prompts(spec: str, n: int, tokenizer: Any) -> list[list[int]]:
