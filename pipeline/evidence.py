@@ -6,7 +6,7 @@ evidence the same way:
 - `samples`: {"file": JSONL in the stage folder, "columns": [...]} (or a list of them):
   per-document values by doc_id;
 - `per_role`: for stages that measure both arms together (interleaved benchmarks), each role's
-  `metrics` and `repeats`.
+  `metrics`, `repeats` and `counts` (the load stage's requests: error_rate -> [errors, trials]).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ def add_result(evidence: dict[str, Evidence], role: str, result: dict[str, Any],
         if r in evidence:
             evidence[r].metrics.update(part.get("metrics", {}))
             evidence[r].repeats.update(part.get("repeats", {}))
+            evidence[r].counts.update({name: tuple(pair) for name, pair in part.get("counts", {}).items()})
 
 
 def evidence_from_run(run_dir: Path) -> dict[str, Evidence]:

@@ -50,3 +50,24 @@ declare("tpot_ms", False, "ms", "time per output token after the first", "perfor
 # Footprint.
 declare("size_bytes", False, "bytes", "checkpoint size on disk", "size")
 declare("error_rate", False, "fraction", "failed requests / all requests", "error_rate")
+# Under load: the evaluate.load stage serves each arm over HTTP and reads these from its headline
+# stage (the knee of a sweep, else the only or last stage); one value per interleaved repeat.
+LOAD_PREFIX = "load_"
+for _name, _up, _unit, _what in (
+    ("ttft_p50_ms", False, "ms", "time to first token, median"),
+    ("ttft_p95_ms", False, "ms", "time to first token, 95th percentile"),
+    ("tpot_p50_ms", False, "ms", "time per output token, median"),
+    ("tpot_p95_ms", False, "ms", "time per output token, 95th percentile"),
+    ("itl_p50_ms", False, "ms", "inter-token latency, median"),
+    ("itl_p95_ms", False, "ms", "inter-token latency, 95th percentile"),
+    ("e2e_p50_ms", False, "ms", "request latency end to end, median"),
+    ("e2e_p95_ms", False, "ms", "request latency end to end, 95th percentile"),
+    ("output_token_throughput", True, "tok/s", "output tokens per second, all users together"),
+    ("request_throughput", True, "req/s", "completed requests per second"),
+    ("goodput", True, "req/s", "requests per second that met the TTFT and TPOT SLOs"),
+    ("slo_attainment", True, "fraction", "completed requests that met both SLOs"),
+    ("cost_per_1m_output_tokens", False, "$", "machine price / output tokens, per million"),
+    ("knee_rate", True, "req/s", "highest request rate before TTFT climbs (the sweep's knee)"),
+):
+    declare(LOAD_PREFIX + _name, _up, _unit, f"{_what} (served over HTTP under the load shape)", "performance")
+declare("peak_rss_bytes", False, "bytes", "peak resident memory while producing the artifact", "size")

@@ -18,6 +18,7 @@ import kiln.engine  # noqa: F401 - registers the engine backends
 import kiln.optimize  # noqa: F401 - registers the quantization methods
 from kiln.deploy.config import DeployConfig
 from kiln.engine.base import BACKENDS
+from kiln.evaluate.perf.config import PerformanceConfig
 from kiln.evaluate.quality.lmeval import LmEvalConfig
 from kiln.optimize.base import QUANTIZERS
 from kiln.pipeline.errors import BadInput
@@ -58,6 +59,8 @@ class BenchmarkSection(Section):
 class EvaluateSection(Section):
     quality: QualitySection = QualitySection()
     benchmark: BenchmarkSection = BenchmarkSection()
+    load: PerformanceConfig | None = Field(
+        None, description="serve each arm over HTTP and run this load shape (a sweep gives the report's curves)")
 
 
 class TrackingSection(Section):

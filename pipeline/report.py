@@ -1,13 +1,18 @@
 """The run's report (verdict first, then each check with its evidence) and its registry version.
 
-Markdown for terminals, pull requests and the GitHub job summary; a self-contained HTML page of
-the same content; both logged to the parent MLflow run. The candidate becomes a registered model
+After the checks: the plots (quality deltas with intervals and margins; with a load stage, the
+latency curves with the knee and the decode ceiling vs measured), the knee and roofline tables,
+memory and cost, every metric, and the lineage from recipe to registry version with each step's
+content key and MLflow run. Markdown for terminals, pull requests and the GitHub job summary
+(plots named by their path under the run dir); a self-contained HTML page of the same content
+(plots embedded); both logged to the parent MLflow run. The candidate becomes a registered model
 version with alias `challenger`, tagged with the verdict, each check and the lineage.
 """
 
 from __future__ import annotations
 
 import html
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,16 +40,73 @@ def check_rows(results: list[CheckResult]) -> list[list[str]]:
 
 
 CHECK_HEADER = ["verdict", "check", "candidate", "baseline", "threshold", "interval", "evidence"]
+MEMORY_COST = ("size_bytes", "peak_rss_bytes", "load_cost_per_1m_output_tokens")
+Table = tuple[str, list[str], list[list[str]]]  # section title, header, rows
 
 
-def markdown(name: str, outcome: GateOutcome, evidence: dict[str, Evidence], links: dict[str, str]) -> str:
+@dataclass
+class Sections:
+    """What the report shows beside the checks and metrics; every part optional."""
+
+    plots: dict[str, Path] = field(default_factory=dict)  # title -> PNG under the run dir
+    load: dict[str, Any] | None = None  # the load stage's result
+    lineage: list[dict[str, str]] = field(default_factory=list)
+
+
+def tables(outcome: GateOutcome, evidence: dict[str, Evidence], sections: Sections) -> list[Table]:
+    """The report's tables in reading order after the verdict and the plots (empty ones left out)."""
+    base, cand = evidence["baseline"].metrics, evidence["candidate"].metrics
+    names = sorted(set(base) | set(cand))
+    metric_rows = [[n, _fmt(base.get(n)), _fmt(cand.get(n)), METRICS[n].unit if n in METRICS else ""] for n in names]
+    memory = [[n, _amount(n, base.get(n)), _amount(n, cand.get(n)),
+               _fmt(cand[n] / base[n]) if base.get(n) and n in cand else "—"] for n in MEMORY_COST if n in names]
+    out: list[Table] = [("Checks", CHECK_HEADER, check_rows(outcome.results))]
+    out += _load_tables(sections.load or {"per_role": {}})
+    out += [("Memory and cost", ["figure", "baseline", "candidate", "candidate / baseline"], memory),
+            ("Metrics", ["metric", "baseline", "candidate", "unit"], metric_rows),
+            ("Lineage", ["step", "key", "MLflow run", "detail"],
+             [[r["step"], r["key"], r["mlflow_run"], r["detail"]] for r in sections.lineage])]
+    return [t for t in out if t[2]]
+
+
+def _load_tables(load: dict[str, Any]) -> list[Table]:
+    """The sweep's knee per arm, and the roofline's ceiling beside the measured TPOT (MBU)."""
+    arms = load["per_role"]
+    knees = [[role, _fmt(part["knee"]["rate"]) if part["knee"] else "none", part["headline"],
+              part["knee"]["reason"] if part["knee"] else _no_knee(part["stages"])] for role, part in arms.items()]
+    ceiling = [[role, str(r["batch"]), _fmt(r["tokens_per_s_per_user"]), _fmt(r["step_ms"]),
+                _fmt(r["measured_tpot_ms"]), f"{r['mbu']:.0%}" if r["mbu"] else "—"]
+               for role, part in arms.items() for r in part["roofline"]]
+    bandwidth = f" at {load['bandwidth_gb_s']:.1f} GB/s measured" if "bandwidth_gb_s" in load else ""
+    return [("Knee (highest rate before TTFT climbs)", ["arm", "knee (req/s)", "headline stage", "why"], knees),
+            (f"Decode ceiling vs measured (roofline{bandwidth})",
+             ["arm", "batch", "ceiling tok/s per user", "ceiling step (ms)", "measured TPOT p50 (ms)", "MBU"], ceiling)]
+
+
+def _no_knee(stages: list[dict[str, Any]]) -> str:
+    """Why a sweep found no knee, in its own numbers."""
+    open_loop = sorted((s for s in stages if s["target_rate"]), key=lambda s: s["target_rate"])
+    unloaded = [s["ttft_ms"]["p50"] for s in stages if s["concurrency"] == 1]
+    if len(open_loop) < 2 or not unloaded:
+        return "fewer than two open-loop rates, or no one-user stage to compare with"
+    low = open_loop[0]
+    return (f"even the lowest rate, {low['target_rate']:.3g}/s, queued: TTFT p50 {low['ttft_ms']['p50']:.0f} ms "
+            f"against {min(unloaded):.0f} ms for one user")
+
+
+def _amount(name: str, v: float | None) -> str:
+    return f"{v / 1e6:,.1f} MB" if v is not None and name.endswith("_bytes") else _fmt(v)
+
+
+def markdown(name: str, outcome: GateOutcome, evidence: dict[str, Evidence], links: dict[str, str],
+             sections: Sections | None = None) -> str:
+    sections = sections or Sections()
     lines = [f"# kiln: {name} — {ICON[outcome.verdict]} {outcome.verdict.value}", "",
-             f"Rule: {outcome.rule}. Exit code {int(outcome.exit_code)}.", "", "## Checks", "",
-             _md_table(CHECK_HEADER, check_rows(outcome.results)), "", "## Metrics", ""]
-    names = sorted(set(evidence["baseline"].metrics) | set(evidence["candidate"].metrics))
-    rows = [[n, _fmt(evidence["baseline"].metrics.get(n)), _fmt(evidence["candidate"].metrics.get(n)),
-             METRICS[n].unit if n in METRICS else ""] for n in names]
-    lines += [_md_table(["metric", "baseline", "candidate", "unit"], rows), ""]
+             f"Rule: {outcome.rule}. Exit code {int(outcome.exit_code)}.", ""]
+    for i, (title, header, rows) in enumerate(tables(outcome, evidence, sections)):
+        lines += [f"## {title}", "", _md_table(header, rows), ""]
+        if i == 0 and sections.plots:  # the plots follow the checks
+            lines += ["## Plots", ""] + [f"- {t}: `plots/{p.name}`" for t, p in sections.plots.items()] + [""]
     if links:
         lines += ["## Links", ""] + [f"- {k}: {v}" for k, v in links.items()] + [""]
     return "\n".join(lines)
@@ -55,22 +117,30 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in esc])
 
 
-def html_page(md_title: str, outcome: GateOutcome, evidence: dict[str, Evidence]) -> str:
+def html_page(md_title: str, outcome: GateOutcome, evidence: dict[str, Evidence],
+              sections: Sections | None = None) -> str:
+    """The same content as the Markdown, one self-contained file: the plots are embedded."""
+    from kiln.pipeline.report_plots import embedded
+
     def table(header: list[str], rows: list[list[str]]) -> str:
         head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
         body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
         return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
-    names = sorted(set(evidence["baseline"].metrics) | set(evidence["candidate"].metrics))
-    metric_rows = [[n, _fmt(evidence["baseline"].metrics.get(n)), _fmt(evidence["candidate"].metrics.get(n))] for n in names]
+    sections = sections or Sections()
+    parts = []
+    for i, (title, header, rows) in enumerate(tables(outcome, evidence, sections)):
+        parts.append(f"<h2>{html.escape(title)}</h2>{table(header, rows)}")
+        if i == 0 and sections.plots:
+            parts.append("<h2>Plots</h2>" + "".join(embedded(t, p) for t, p in sections.plots.items()))
     color = {"Successful": "#1a7f37", "Failed": "#cf222e"}.get(outcome.verdict.value, "#9a6700")
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(md_title)}</title>
-<style>body{{font-family:system-ui,sans-serif;margin:2em;max-width:1100px}}table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left}}.v{{color:{color}}}</style></head><body>
+<style>body{{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}}table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left}}.v{{color:{color}}}img{{max-width:100%}}
+figure{{margin:1em 0}}figcaption{{color:#555;font-size:90%}}</style></head><body>
 <h1>{html.escape(md_title)}: <span class="v">{outcome.verdict.value}</span></h1>
 <p>Rule: {html.escape(outcome.rule)}. Exit code {int(outcome.exit_code)}.</p>
-<h2>Checks</h2>{table(CHECK_HEADER, check_rows(outcome.results))}
-<h2>Metrics</h2>{table(["metric", "baseline", "candidate"], metric_rows)}
+{"".join(parts)}
 </body></html>"""
 
 
@@ -92,16 +162,48 @@ def register(ctx: Any, outcome: GateOutcome, artifact_path: Path, artifact_sha: 
     return {"name": name, "version": mv.version, "alias": "challenger"}
 
 
+def lineage(ctx: Any, outcome: GateOutcome, version: dict[str, Any]) -> list[dict[str, str]]:
+    """recipe -> optimize artifact -> engine -> quality -> benchmark -> verdict -> registry version,
+    each step with its content key and its MLflow run, in the order the run made them."""
+    steps = [{"step": "recipe", "key": ctx.recipe.digest(), "mlflow_run": ctx.parent_run,
+              "detail": str(ctx.recipe_path)}]
+    for o in ctx.outcomes.values():
+        detail = {"optimize": f"artifact sha256 {o.result.get('manifest', {}).get('sha256', '')}",
+                  "engine": str(o.result.get("engine_dir", ""))}.get(o.stage, str(o.path))
+        steps.append({"step": f"{o.stage}[{o.role}]", "key": o.key, "mlflow_run": o.mlflow_run, "detail": detail})
+    gate_runs = ctx.tracker.client.search_runs(
+        [ctx.tracker.experiment_id], f"tags.`mlflow.parentRunId` = '{ctx.parent_run}' and tags.`kiln.stage` = 'gate'",
+        max_results=1, order_by=["attributes.start_time DESC"])
+    steps.append({"step": "verdict", "key": outcome.verdict.value, "detail": outcome.rule,
+                  "mlflow_run": gate_runs[0].info.run_id if gate_runs else ""})
+    steps.append({"step": "registry version", "key": f"{version['name']} v{version['version']}",
+                  "mlflow_run": ctx.parent_run, "detail": f"alias {version['alias']}"})
+    return steps
+
+
 def publish(ctx: Any, outcome: GateOutcome, evidence: dict[str, Evidence], artifact: Any) -> Path:
+    from kiln.pipeline.report_plots import gather
+
     version = register(ctx, outcome, artifact.path, artifact.manifest.get("sha256", ""))
     links = {"registered model": f"{version['name']} v{version['version']} (alias {version['alias']})"}
     if url := ctx.tracker.run_url(ctx.parent_run):
         links["MLflow run"] = url
-    md = markdown(ctx.recipe.name, outcome, evidence, links)
+    load = ctx.outcomes.get("load:pair")
+    checks = {c.label: c for c in ctx.recipe.gate.checks}
+    sections = Sections(plots=gather(ctx.run_dir, outcome.results, checks, load.path if load else None),
+                        load=load.result if load else None, lineage=lineage(ctx, outcome, version))
+    md = markdown(ctx.recipe.name, outcome, evidence, links, sections)
     atomic_write_text(ctx.run_dir / "report.md", md)
-    atomic_write_text(ctx.run_dir / "report.html", html_page(f"kiln: {ctx.recipe.name}", outcome, evidence))
+    atomic_write_text(ctx.run_dir / "report.html", html_page(f"kiln: {ctx.recipe.name}", outcome, evidence, sections))
     atomic_write_json(ctx.run_dir / "registry.json", version)
-    for f in ("report.md", "report.html", "verdict.json", "registry.json"):
+    atomic_write_json(ctx.run_dir / "lineage.json", sections.lineage)
+    for step in sections.lineage[:-1]:  # the version itself links back along the chain in the UI
+        tag = "kiln.lineage." + step["step"].replace("[", ".").rstrip("]")
+        ctx.tracker.client.set_model_version_tag(version["name"], version["version"], tag,
+                                                 f"{step['key']} (run {step['mlflow_run']})")
+    for f in ("report.md", "report.html", "verdict.json", "registry.json", "lineage.json"):
         ctx.tracker.log_artifacts(ctx.parent_run, ctx.run_dir / f)
+    if sections.plots:
+        ctx.tracker.log_artifacts(ctx.parent_run, ctx.run_dir / "plots", "plots")
     ctx.tracker.log(ctx.parent_run, tags={"kiln.registered_version": f"{version['name']}/{version['version']}"})
     return ctx.run_dir / "report.md"

@@ -1,0 +1,89 @@
+"""The report's figures: quality deltas from the gate, and the load stage's plots gathered beside it.
+
+Figures are PNG files under `<run dir>/plots/` (the Markdown report names them, the parent MLflow
+run holds them); the HTML report embeds the same files as base64, so it stands alone.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from kiln.pipeline.gate.base import CheckResult
+from kiln.pipeline.metrics import METRICS
+
+VERDICT_COLORS = {"Successful": "#1a7f37", "Failed": "#cf222e", "Inconclusive": "#9a6700", "Error": "#6e7781"}
+LOAD_PLOTS = {"latency_vs_rate.png": "TTFT and TPOT vs rate", "latency_throughput.png": "latency-throughput curve",
+              "ceiling_vs_measured.png": "decode ceiling vs measured"}
+
+
+def quality_drop(result: CheckResult, relative: bool) -> tuple[float, float, float] | None:
+    """(drop, ci low, ci high) of a quality check, in its margin's units; positive is worse.
+
+    The check's interval is of candidate - baseline (candidate / baseline - 1 when relative);
+    the drop turns it so that up is always a regression, as `stats.non_inferiority` does.
+    """
+    declared = METRICS.get(result.metric)
+    if declared is None or result.ci is None or result.observed is None or result.baseline is None \
+            or (relative and not result.baseline):
+        return None
+    diff = result.observed / result.baseline - 1 if relative else result.observed - result.baseline
+    sign = -1.0 if declared.higher_is_better else 1.0
+    low, high = sorted((sign * result.ci[0], sign * result.ci[1]))
+    return sign * diff + 0.0, low, high  # + 0.0: no '-0' when nothing changed
+
+
+def quality_deltas(results: Sequence[CheckResult], checks: Mapping[str, Any], path: Path) -> Path | None:
+    """One row per quality check: its drop with the confidence interval, and the margin line.
+
+    `checks` maps a check's label to its config (for the margin and whether it is relative).
+    None when the gate has no quality check with an interval.
+    """
+    rows = [(r, checks[r.name], d) for r in results if r.kind == "quality" and r.name in checks
+            and (d := quality_drop(r, checks[r.name].relative))]
+    if not rows:
+        return None
+    fig = Figure(figsize=(7, 0.3 + 1.6 * len(rows)))
+    for ax, (r, cfg, (drop, low, high)) in zip(fig.subplots(len(rows), 1, squeeze=False)[:, 0], rows):
+        color = VERDICT_COLORS[r.verdict.value]
+        ax.errorbar([drop], [0], xerr=[[drop - low], [high - drop]], fmt="o", color=color, capsize=6)
+        ax.axvline(cfg.margin, color="#cf222e", linestyle="--", label=f"margin {cfg.margin:g}")
+        ax.axvline(0, color="#888", linewidth=0.8)
+        span = max(abs(low), abs(high), cfg.margin) * 1.3 or 1.0
+        ax.set_xlim(min(low, 0) - 0.1 * span, span)
+        ax.set_yticks([])
+        unit = " (fraction of baseline)" if cfg.relative else ""
+        ax.set_title(f"{r.name}: drop {drop:.3g} [{low:.3g}, {high:.3g}]{unit} — {r.verdict.value}",
+                     fontsize=9, color=color)
+        ax.legend(fontsize=7, loc="lower right")
+        ax.grid(alpha=0.3, axis="x")
+        ax.set_xlabel("drop (candidate worse →) with its confidence interval", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return path
+
+
+def gather(run_dir: Path, results: Sequence[CheckResult], checks: Mapping[str, Any],
+           load_dir: Path | None) -> dict[str, Path]:
+    """Every report figure as title -> PNG under `run_dir/plots`: quality deltas, then load plots."""
+    plots = {}
+    if path := quality_deltas(results, checks, run_dir / "plots" / "quality_deltas.png"):
+        plots["quality deltas"] = path
+    for name, title in LOAD_PLOTS.items():
+        if load_dir and (load_dir / "plots" / name).is_file():
+            plots[title] = Path(shutil.copy2(load_dir / "plots" / name, run_dir / "plots" / name))
+    return plots
+
+
+def embedded(title: str, path: Path) -> str:
+    """An <img> carrying the PNG itself, so the HTML report needs no other file."""
+    data = base64.b64encode(Path(path).read_bytes()).decode()
+    title = html.escape(title)
+    return f'<figure><img alt="{title}" src="data:image/png;base64,{data}"><figcaption>{title}</figcaption></figure>'

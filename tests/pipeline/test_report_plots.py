@@ -1,0 +1,52 @@
+"""The report's quality-deltas figure and its sections, from hand-made gate results (no model)."""
+
+import base64
+import re
+
+import pytest
+
+from kiln.pipeline.errors import ExitCode
+from kiln.pipeline.gate.base import CheckResult, Evidence, Verdict
+from kiln.pipeline.gate.policy import GateOutcome
+from kiln.pipeline.gate.quality import QualityCheckConfig
+from kiln.pipeline.report import Sections, html_page, markdown
+from kiln.pipeline.report_plots import quality_deltas, quality_drop
+
+ACC = CheckResult("acc", "quality", "greedy_match", Verdict.FAILED, 0.8, 0.9, "drop ≤ 0.05", ci=(-0.15, -0.05))
+PPL = CheckResult("ppl", "quality", "perplexity", Verdict.INCONCLUSIVE, 11.0, 10.0, "drop ≤ 0.12 (relative)",
+                  ci=(0.05, 0.15))
+SIZE = CheckResult("size", "size", "size_bytes", Verdict.SUCCESSFUL, 1.0, 4.0, "ratio ≤ 0.5")
+CHECKS = {"acc": QualityCheckConfig(metric="greedy_match", margin=0.05, name="acc"),
+          "ppl": QualityCheckConfig(metric="perplexity", margin=0.12, relative=True, name="ppl")}
+
+
+def test_drop_is_positive_when_the_candidate_is_worse_whatever_the_direction():
+    # accuracy (higher is better) fell by 0.1; perplexity (lower is better) rose by 10%
+    assert quality_drop(ACC, relative=False) == pytest.approx((0.1, 0.05, 0.15))
+    assert quality_drop(PPL, relative=True) == pytest.approx((0.1, 0.05, 0.15))
+    assert quality_drop(SIZE, relative=False) is None  # no interval, nothing to draw
+
+
+def test_quality_deltas_draws_one_row_per_quality_check_with_its_margin(tmp_path):
+    path = quality_deltas([ACC, SIZE, PPL], CHECKS, tmp_path / "q.png")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    assert quality_deltas([SIZE], CHECKS, tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
+
+
+def test_report_sections_in_order_with_embedded_plots_and_lineage(tmp_path):
+    plot = quality_deltas([ACC, PPL], CHECKS, tmp_path / "plots" / "quality_deltas.png")
+    outcome = GateOutcome(Verdict.FAILED, [ACC, PPL], ExitCode.GATE_FAILED, "any Failed fails")
+    evidence = {"baseline": Evidence("baseline", metrics={"size_bytes": 4e8}),
+                "candidate": Evidence("candidate", metrics={"size_bytes": 1e8})}
+    lineage = [{"step": "recipe", "key": "abc123", "mlflow_run": "run0", "detail": "r.yaml"},
+               {"step": "registry version", "key": "demo v3", "mlflow_run": "run0", "detail": "alias challenger"}]
+    sections = Sections(plots={"quality deltas": plot}, lineage=lineage)
+    md = markdown("demo", outcome, evidence, {}, sections)
+    titles = re.findall(r"^## (.+)$", md, flags=re.M)
+    assert titles == ["Checks", "Plots", "Memory and cost", "Metrics", "Lineage"]
+    assert "`plots/quality_deltas.png`" in md and "| size_bytes | 400.0 MB | 100.0 MB | 0.25 |" in md
+    page = html_page("kiln: demo", outcome, evidence, sections)
+    (data,) = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
+    assert base64.b64decode(data) == plot.read_bytes()
+    assert page.index("<h2>Checks</h2>") < page.index("<h2>Plots</h2>") < page.index("<h2>Lineage</h2>")
+    assert "demo v3" in page and "abc123" in page
