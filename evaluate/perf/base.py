@@ -10,7 +10,7 @@ they are measured (that is the driver and metrics). It does so as a sequence of 
 
 `LoadShape.stages()` is a generator: it yields a `Stage`, receives that stage's `Summary` back,
 and may base the next stage on it. Most shapes yield one stage (or one per configured rate);
-`sweep` measures the synchronous rate and the maximum throughput first, then steps between them.
+`sweep` measures the synchronous rate and the maximum throughput first, then steps up to the maximum.
 """
 
 from __future__ import annotations

@@ -2,7 +2,11 @@
 
 1. `synchronous` (one user) measures the rate a server sustains with no batching;
 2. `concurrent` at `max_concurrency` users measures its maximum request throughput;
-3. `steps` open-loop stages at rates evenly spaced above the synchronous rate, up to the maximum.
+3. `steps` open-loop stages at rates evenly spaced from maximum/steps up to the maximum.
+
+The lowest rates sit well below saturation, so the curve starts where latency is flat and the
+knee shows. (Spacing them above the synchronous rate, as GuideLLM does, leaves no unloaded point
+when batching buys little, as on a 2-core CPU: every stage then queues.)
 
 The result is a latency-versus-load curve. Its knee (where latency starts climbing fast; see
 `metrics.find_knee`) is the server's real capacity: beyond it more load buys queueing, not
@@ -30,10 +34,10 @@ class SweepConfig(BaseModel):
 
 
 def sweep_rates(low: float, high: float, steps: int) -> list[float]:
-    """`steps` rates evenly spaced above `low`, the last one `high`."""
-    if high <= low:  # batching buys nothing: probe just around the synchronous rate
-        high = low * 1.5
-    return [low + (high - low) * k / steps for k in range(1, steps + 1)]
+    """`steps` rates evenly spaced up to the maximum sustained rate (`high`, or the synchronous
+    rate `low` when batching bought nothing), the first at maximum/steps."""
+    top = max(low, high)
+    return [top * k / steps for k in range(1, steps + 1)]
 
 
 @SHAPES.register("sweep", SweepConfig)

@@ -70,6 +70,6 @@ def test_sweep_probes_then_steps_up_to_the_maximum():
     peak = gen.send(_Probe(2.0))
     assert peak.concurrency == 16
     rest = [gen.send(_Probe(8.0))] + list(gen)
-    assert [round(s.target_rate, 6) for s in rest] == [4.0, 6.0, 8.0]
+    assert [round(s.target_rate, 6) for s in rest] == [2.666667, 5.333333, 8.0]
     assert all(s.open_loop for s in rest)
-    assert sweep_rates(5, 5, 2) == [6.25, 7.5]  # no batching gain: probe just above the synchronous rate
+    assert sweep_rates(5, 4, 2) == [2.5, 5.0]  # no batching gain: up to the synchronous rate, half of it first
