@@ -6,7 +6,8 @@ torch, transformers, gptqmodel, torchao and modelopt inside functions, so import
 stays instant.
 """
 
-from kiln.optimize import gptq, int8_weight_only, modelopt_fp8, modelopt_int4_awq, none  # noqa: F401 (registers)
+from kiln.optimize import (  # noqa: F401 (registers)
+    gptq, int8_dynamic, int8_weight_only, modelopt_fp8, modelopt_int4_awq, none)
 from kiln.optimize.base import MANIFEST, QUANTIZERS, Calibration, ModelArtifact, Quantizer, QuantizerConfig
 
 __all__ = ["MANIFEST", "QUANTIZERS", "Calibration", "ModelArtifact", "Quantizer", "QuantizerConfig"]

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from kiln.optimize.architecture import DecoderShapes, check_skip_modules
+from kiln.optimize.architecture import DecoderShapes, check_skip_modules, matches
 from kiln.optimize.base import QUANTIZERS, Calibration, Quantizer, QuantizerConfig
 from kiln.optimize.checkpoint import (
     bits_per_weight,
@@ -40,16 +40,26 @@ class Int8WeightOnly(Quantizer):
     def check(self, model_config: dict[str, Any]) -> None:
         check_skip_modules(DecoderShapes.from_config(model_config), self.config.skip_modules)
 
-    def quantize(self, source: Path, out_dir: Path, calibration: Calibration | None) -> dict[str, Any]:
+    def ao_config(self) -> Any:
+        """The torchao config applied to every quantized Linear (subclasses change only this)."""
         from torchao.quantization import Int8WeightOnlyConfig as AoInt8
+
+        return AoInt8()
+
+    def scheme(self) -> dict[str, Any]:
+        return {"bits": 8, "granularity": "per output channel"}
+
+    def quantize(self, source: Path, out_dir: Path, calibration: Calibration | None) -> dict[str, Any]:
         from transformers import AutoModelForCausalLM, TorchAoConfig
 
         source, out_dir = Path(source), Path(out_dir)
         safetensors_files(source)
         skip = self.config.skip_modules
+        # An empty list, not None: None would let transformers add its own default skips (lm_head).
         model = AutoModelForCausalLM.from_pretrained(
             str(source), dtype="auto", trust_remote_code=False,
-            quantization_config=TorchAoConfig(AoInt8(), modules_to_not_convert=skip or None))
+            quantization_config=TorchAoConfig(self.ao_config(), modules_to_not_convert=list(skip)))
+        untied = not matches("lm_head", skip) and untie_and_quantize_lm_head(model, self.ao_config())
         model.save_pretrained(str(out_dir))
         del model
         copy_side_files(source, out_dir)
@@ -58,10 +68,10 @@ class Int8WeightOnly(Quantizer):
         import torchao
 
         return {
-            "format": "torchao",
-            "bits": 8, "granularity": "per output channel",
+            "format": "torchao", **self.scheme(),
             "quantized_modules": len(quantized),
             "skipped_modules": [m for m in shapes.module_names() if m not in set(quantized)],
+            **({"untied_lm_head": True} if untied else {}),
             "bits_per_weight": round(bits_per_weight(out_dir, param_count(source)), 3),
             "loads_with": f"transformers AutoModelForCausalLM (needs torchao {torchao.__version__})",
         }
@@ -75,6 +85,25 @@ class Int8WeightOnly(Quantizer):
                 Component("int8 copy of the linears", serve.bytes, "built layer by layer while loading"),
                 Component("serialized copy while saving", serve.bytes, "safetensors writes from one buffer")]
         return MethodMemory(work, serve, serving_dtype=source_dtype)
+
+
+def untie_and_quantize_lm_head(model: Any, ao_config: Any) -> bool:
+    """Quantize a tied lm_head on its own copy of the embedding; True when that happened.
+
+    A tied checkpoint stores only `embed_tokens.weight`, so transformers never offers lm_head to
+    torchao and it would stay in full precision whatever the skip list says. Quantizing it means
+    untying: the embedding stays in full precision and lm_head gets its own quantized copy.
+    """
+    import torch
+    from torchao.quantization import quantize_
+
+    if not model.config.tie_word_embeddings:
+        return False
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone(),
+                                              requires_grad=False)
+    quantize_(model.lm_head, ao_config)
+    return True
 
 
 def quantized_modules(checkpoint: Path) -> list[str]:

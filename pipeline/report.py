@@ -35,7 +35,7 @@ def check_rows(results: list[CheckResult]) -> list[list[str]]:
     for r in results:
         ci = f"[{_fmt(r.ci[0])}, {_fmt(r.ci[1])}]" if r.ci else "—"
         rows.append([f"{ICON[r.verdict]} {r.verdict.value}", r.name, _fmt(r.observed), _fmt(r.baseline),
-                     r.threshold, ci, r.reason + (f" (≈{r.items_needed} items would decide it)" if r.items_needed else "")])
+                     r.threshold, ci, r.reason])  # an undecided reason already says how many items would decide it
     return rows
 
 
