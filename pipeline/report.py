@@ -40,7 +40,8 @@ def check_rows(results: list[CheckResult]) -> list[list[str]]:
 
 
 CHECK_HEADER = ["verdict", "check", "candidate", "baseline", "threshold", "interval", "evidence"]
-MEMORY_COST = ("size_bytes", "peak_rss_bytes", "load_cost_per_1m_output_tokens")
+MEMORY_COST = {"size_bytes": "size on disk", "peak_rss_bytes": "peak RSS while optimizing (not serving)",
+               "load_cost_per_1m_output_tokens": "cost per 1M output tokens (load sweep)"}
 Table = tuple[str, list[str], list[list[str]]]  # section title, header, rows
 
 
@@ -58,7 +59,7 @@ def tables(outcome: GateOutcome, evidence: dict[str, Evidence], sections: Sectio
     base, cand = evidence["baseline"].metrics, evidence["candidate"].metrics
     names = sorted(set(base) | set(cand))
     metric_rows = [[n, _fmt(base.get(n)), _fmt(cand.get(n)), METRICS[n].unit if n in METRICS else ""] for n in names]
-    memory = [[n, _amount(n, base.get(n)), _amount(n, cand.get(n)),
+    memory = [[MEMORY_COST[n], _amount(n, base.get(n)), _amount(n, cand.get(n)),
                _fmt(cand[n] / base[n]) if base.get(n) and n in cand else "—"] for n in MEMORY_COST if n in names]
     out: list[Table] = [("Checks", CHECK_HEADER, check_rows(outcome.results))]
     out += _load_tables(sections.load or {"per_role": {}})
