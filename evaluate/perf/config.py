@@ -1,4 +1,4 @@
-"""`PerformanceConfig`: the recipe's `evaluate.performance` section, validated in one object.
+"""`PerformanceConfig`: the recipe's `evaluate.load` section (and `engine.tune.load`), validated in one object.
 
 Defaults fit the 2-core CPU demo (a 135M model served on CPU): 4 closed-loop users for 20 s
 per stage, 128-token synthetic prompts, 32 output tokens, SLOs a CPU engine can meet. A GPU
