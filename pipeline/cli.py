@@ -148,7 +148,10 @@ def main() -> None:
         err.print("interrupted; run the same command again to resume")
         sys.exit(int(ExitCode.INTERRUPTED))
     except typer.TyperException as e:  # typer's bundled click: unknown option, bad option value
-        e.show() if hasattr(e, "show") else err.print(f"[red]error:[/red] {escape(str(e))}")
+        if hasattr(e, "show"):
+            e.show()
+        else:
+            err.print(f"[red]error:[/red] {escape(str(e))}")
         sys.exit(int(ExitCode.BAD_INPUT))
     except Exception as e:  # noqa: BLE001 - the documented internal-error exit
         traceback.print_exc()
