@@ -53,7 +53,8 @@ class BenchmarkSection(Section):
     num_prompts: int = Field(8, ge=1)
     max_new_tokens: int = Field(32, ge=2)
     batch_sizes: list[int] = Field(default_factory=lambda: [1])
-    repeats: int = Field(3, ge=1, description="interleaved baseline/candidate repeats")
+    repeats: int = Field(3, ge=1, description="rounds; each runs every prompt on both arms back to back, "
+                                              "one paired sample per prompt (repeats x num_prompts pairs)")
 
 
 class EvaluateSection(Section):

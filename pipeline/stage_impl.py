@@ -222,15 +222,14 @@ def _benchmark(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path]) -
         per_arm = interleaved({role: loaded[role] for role in engines}, prompts, b.max_new_tokens,
                               b.batch_sizes, b.repeats)
         atomic_write_json(out / "repeats.json", per_arm)
-        per_role = {role: {"repeats": {k: [r[k] for r in reps] for k in reps[0]}} for role, reps in per_arm.items()}
-        for part in per_role.values():
-            part["metrics"] = {k: statistics.median(v) for k, v in part["repeats"].items()}
+        per_role = {role: {"repeats": samples, "metrics": {k: statistics.median(v) for k, v in samples.items()}}
+                    for role, samples in per_arm.items()}
         metrics = {f"{role}.{k}": v for role, part in per_role.items() for k, v in part["metrics"].items()}
         return {"metrics": metrics, "per_role": per_role}
 
     run_stage(ctx, "benchmark", "pair",
               {"engines": {r: p.name for r, p in engines.items()}, "config": b.model_dump(mode="json"),
-               "hardware": hardware_fingerprint(), "prompts": hash_of(prompts)},
+               "hardware": hardware_fingerprint(), "prompts": hash_of(prompts), "pairing": "per-prompt"},
               compute, artifacts=("repeats.json",))
 
 

@@ -1,8 +1,9 @@
-"""Performance checks: ratios to the baseline or absolute SLOs, with intervals across repeats.
+"""Performance checks: ratios to the baseline or absolute SLOs, with intervals across paired samples.
 
-Baseline and candidate are measured in interleaved repeats (A, B, A, B…), so repeat i of each
-saw the same machine state. The ratio is estimated from the paired log-ratios with a Student-t
-interval; a single repeat has no interval and cannot pass.
+Baseline and candidate are measured in interleaved pairs (A B, B A, …): the decode benchmark's
+pairs are one prompt on each arm back to back, the load stage's are whole repeats of the load
+shape. Sample i of each arm saw the same machine state. The ratio is estimated from the paired
+log-ratios with a Student-t interval; a single pair has no interval and cannot pass.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class PerformanceCheck(Check):
             log_ratio = np.log(cand[:n] / base[:n])
             mean, lo, hi = (math.exp(v) for v in t_interval(log_ratio, self.confidence))
             verdict = bounded_verdict(lo, hi, c.min_ratio, c.max_ratio)
-            method = f"paired log-ratio t-interval over {n} interleaved repeats"
+            method = f"paired log-ratio t-interval over {n} interleaved pairs"
         else:
             mean, lo, hi = t_interval(cand, self.confidence)
             verdict = bounded_verdict(lo, hi, c.min, c.max)

@@ -1,0 +1,47 @@
+"""The in-process decode benchmark pairs each prompt's run on both arms, back to back, in
+alternating order, and keeps one paired sample per pair."""
+
+from __future__ import annotations
+
+from kiln.engine.hf_torch import TorchEngine, TorchEngineConfig
+from kiln.evaluate.decode_bench import interleaved
+
+
+class Recording:
+    """A real engine that notes, in a log shared by the arms, which arm each request went to."""
+
+    def __init__(self, engine: TorchEngine, name: str, log: list[tuple[str, int]]):
+        self.engine, self.name, self.log = engine, name, log
+
+    def add(self, request):
+        self.log.append((self.name, len(request.prompt_ids)))
+        return self.engine.add(request)
+
+    def __getattr__(self, attr):
+        return getattr(self.engine, attr)
+
+
+def test_pairs_alternate_and_every_pair_is_one_sample(tiny_model_dir):
+    engine = TorchEngine(tiny_model_dir, TorchEngineConfig(threads=1))
+    log: list[tuple[str, int]] = []
+    arms = {"baseline": Recording(engine, "A", log), "candidate": Recording(engine, "B", log)}
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11, 12]]
+
+    out = interleaved(arms, prompts, new_tokens=4, batch_sizes=[1], rounds=2)
+
+    for samples in out.values():
+        assert set(samples) == {"ttft_ms", "decode_tok_s", "tpot_ms"}
+        assert all(len(v) == 6 and all(x > 0 for x in v) for v in samples.values())
+    runs = log[2:]  # after one warm-up request per arm
+    pairs = [runs[i:i + 2] for i in range(0, len(runs), 2)]
+    assert [(a[0], b[0]) for a, b in pairs] == [("A", "B"), ("B", "A")] * 3
+    assert all(a[1] == b[1] for a, b in pairs)  # both arms ran the same prompt
+    assert [a[1] for a, _ in pairs] == [3, 4, 5] * 2
+
+
+def test_batch_throughput_is_one_sample_per_round(tiny_model_dir):
+    engine = TorchEngine(tiny_model_dir, TorchEngineConfig(threads=1))
+    out = interleaved({"baseline": engine, "candidate": engine}, [[1, 2, 3], [4, 5]], new_tokens=3,
+                      batch_sizes=[1, 4], rounds=3)
+    for samples in out.values():
+        assert len(samples["batch4_tok_s"]) == 3 and len(samples["decode_tok_s"]) == 6
