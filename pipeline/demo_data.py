@@ -25,10 +25,10 @@ from kiln.pipeline.demo_austen import BOOKS, read_novels
 from kiln.pipeline.errors import BadInput
 from kiln.pipeline.files import atomic_write_text, sha256_file
 
-DATA_VERSION = "demo-v2"  # bump when any file's format or content rule changes
+DATA_VERSION = "demo-v3"  # bump when any file's format or content rule changes
 EVAL_BOOKS = ("persuasion",)
 CALIBRATION_BOOKS = ("sensesensibility", "emma")
-SWAP_ITEMS, SWAP_SEED, SWAP_MIN_WORDS, SWAP_MAX_WORDS = 200, 20261129, 8, 30
+SWAP_ITEMS, SWAP_SEED, SWAP_MIN_WORDS, SWAP_MAX_WORDS = 400, 20261129, 8, 30
 TRIVIAL_WORDS = 8  # shorter paragraphs ("Chapter 3", "THE END") may legitimately repeat
 
 FILES = {

@@ -146,8 +146,9 @@ def test_gsm8k_prompts_and_answers(demo_data):
 def test_word_swap_items_are_mixed_and_minimal(demo_data):
     items = _jsonl(demo_data.word_swap)
     eval_text = demo_data.eval_text.read_text(encoding="utf-8")
-    assert len(items) == 200 and len({i["id"] for i in items}) == 200
-    assert 60 < sum(i["label"] for i in items) < 140  # the original is not always in one place
+    n = demo_data_mod.SWAP_ITEMS
+    assert len(items) == n == 400 and len({i["id"] for i in items}) == n
+    assert 0.35 * n < sum(i["label"] for i in items) < 0.65 * n  # the original is not always in one place
     for item in items:
         original, swapped = item["choices"][item["label"]], item["choices"][1 - item["label"]]
         a, b = original.split(), swapped.split()

@@ -11,7 +11,7 @@ import pytest
 from kiln.evaluate.quality.lmeval import prepare_tasks, run_lmeval
 
 pytestmark = pytest.mark.slow
-SWAP_ITEMS = 100  # of the 200: enough to separate 0.95 from 0.84, half the time
+SWAP_ITEMS = 100  # of the 400: enough to separate 0.95 from 0.84, half the time
 HELDOUT_DOCS = 4
 
 
