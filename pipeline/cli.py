@@ -35,6 +35,9 @@ def _env() -> None:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' weight-loading bars too
+    if not sys.stderr.isatty():  # a log file or CI: each bar would be hundreds of redraws in one line
+        os.environ.setdefault("TQDM_DISABLE", "1")
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     logging.getLogger("torchao").addFilter(_CudaKernelNotice())
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # torchao's enum-registration deprecations
 

@@ -112,7 +112,8 @@ class KilnLM(TemplateLM):
         order = sorted(range(len(requests)), key=lambda i: (-len(requests[i][1]) - len(requests[i][2]),
                                                             tuple(requests[i][1] + requests[i][2])))
         results: list[tuple[float, bool] | None] = [None] * len(requests)
-        with tqdm(total=len(requests), disable=disable_tqdm, desc="kiln loglikelihood") as bar:
+        # disable=None: tqdm draws only on a terminal, not hundreds of redraws into a CI log.
+        with tqdm(total=len(requests), disable=disable_tqdm or None, desc="kiln loglikelihood") as bar:
             for start in range(0, len(order), self.batch_size):
                 chunk = order[start:start + self.batch_size]
                 scores = self.engine.score([self._fit(requests[i][1], requests[i][2]) for i in chunk])
@@ -157,7 +158,7 @@ class KilnLM(TemplateLM):
             prompt = self.tok_encode(context, left_truncate_len=self.max_length - budget)
             seq = self.engine.add(GenerationRequest(prompt, budget, temperature=float(kwargs.get("temperature") or 0.0)))
             live[seq] = (n, until, [])
-        with tqdm(total=len(requests), disable=disable_tqdm, desc="kiln generate_until") as bar:
+        with tqdm(total=len(requests), disable=disable_tqdm or None, desc="kiln generate_until") as bar:
             while self.engine.has_work():
                 for event in self.engine.step():
                     if event.seq_id not in live:
