@@ -64,7 +64,7 @@ def test_broken_candidate_fails_every_quality_check(run):
     assert proc.returncode == ExitCode.GATE_FAILED, report
     assert {n: checks[n]["verdict"] for n in QUALITY} == dict.fromkeys(QUALITY, "Failed")
     assert checks["quality:perplexity"]["observed"] > 1.05 * checks["quality:perplexity"]["baseline"]
-    assert checks["quality:word_swap_acc"]["observed"] < checks["quality:word_swap_acc"]["baseline"] - 0.05
+    assert checks["quality:word_swap_acc"]["observed"] < checks["quality:word_swap_acc"]["baseline"] - 0.03
     assert checks["agreement:top1_agreement"]["ci"][1] < 0.9
     for name in QUALITY:  # the failed checks are named where a user looks
         assert name in report and name in proc.stdout
