@@ -1,12 +1,14 @@
 """The run's report (verdict first, then each check with its evidence) and its registry version.
 
-After the checks: the plots (quality deltas with intervals and margins; with a load stage, the
-latency curves with the knee and the decode ceiling vs measured), the knee and roofline tables,
-memory and cost, every metric, and the lineage from recipe to registry version with each step's
-content key and MLflow run. Markdown for terminals, pull requests and the GitHub job summary
-(plots named by their path under the run dir); a self-contained HTML page of the same content
-(plots embedded); both logged to the parent MLflow run. The candidate becomes a registered model
-version with alias `challenger`, tagged with the verdict, each check and the lineage.
+After the checks: every quality metric both arms scored item by item, gated or not (difference,
+interval, p-value and test, also in comparisons.json); the plots (quality deltas with intervals and
+margins; with a load stage, the latency curves with the knee and the decode ceiling vs measured),
+the knee and roofline tables, memory and cost, every metric, and the lineage from recipe to
+registry version with each step's content key and MLflow run. Markdown for terminals, pull
+requests and the GitHub job summary (plots named by their path under the run dir); a
+self-contained HTML page of the same content (plots embedded); both logged to the parent MLflow
+run. The candidate becomes a registered model version with alias `challenger`, tagged with the
+verdict, each check and the lineage.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kiln.pipeline.errors import BadInput
 from kiln.pipeline.files import atomic_write_json, atomic_write_text
 from kiln.pipeline.gate.base import CheckResult, Evidence, Verdict
 from kiln.pipeline.gate.policy import GateOutcome
@@ -40,6 +43,19 @@ def check_rows(results: list[CheckResult]) -> list[list[str]]:
 
 
 CHECK_HEADER = ["verdict", "check", "candidate", "baseline", "threshold", "interval", "evidence"]
+COMPARISON_HEADER = ["metric", "baseline", "candidate", "difference", "interval", "p-value", "test"]
+
+
+def comparison_rows(comparisons: list[Any]) -> list[list[str]]:
+    """Every paired quality metric, gated or not: difference = candidate - baseline (relative: / baseline - 1)."""
+    def diff(c: Any, v: float) -> str:
+        return f"{v:+.2%}" if c.relative else f"{v:+.4g}"
+
+    return [[c.metric, _fmt(c.baseline), _fmt(c.candidate), diff(c, c.difference),
+             f"[{diff(c, c.ci_low)}, {diff(c, c.ci_high)}] at {c.confidence:.0%}", f"{c.p_value:.3g}",
+             f"{c.method}, n={c.n}"] for c in comparisons]
+
+
 MEMORY_COST = {"size_bytes": "size on disk", "peak_rss_bytes": "peak RSS while optimizing (not serving)",
                "load_cost_per_1m_output_tokens": "cost per 1M output tokens (load sweep)"}
 Table = tuple[str, list[str], list[list[str]]]  # section title, header, rows
@@ -52,6 +68,7 @@ class Sections:
     plots: dict[str, Path] = field(default_factory=dict)  # title -> PNG under the run dir
     load: dict[str, Any] | None = None  # the load stage's result
     lineage: list[dict[str, str]] = field(default_factory=list)
+    comparisons: list[Any] = field(default_factory=list)  # kiln.evaluate.stats.Comparison, one per paired metric
 
 
 def tables(outcome: GateOutcome, evidence: dict[str, Evidence], sections: Sections) -> list[Table]:
@@ -61,7 +78,8 @@ def tables(outcome: GateOutcome, evidence: dict[str, Evidence], sections: Sectio
     metric_rows = [[n, _fmt(base.get(n)), _fmt(cand.get(n)), METRICS[n].unit if n in METRICS else ""] for n in names]
     memory = [[MEMORY_COST[n], _amount(n, base.get(n)), _amount(n, cand.get(n)),
                _fmt(cand[n] / base[n]) if base.get(n) and n in cand else "—"] for n in MEMORY_COST if n in names]
-    out: list[Table] = [("Checks", CHECK_HEADER, check_rows(outcome.results))]
+    out: list[Table] = [("Checks", CHECK_HEADER, check_rows(outcome.results)),
+                        ("Quality, paired item by item", COMPARISON_HEADER, comparison_rows(sections.comparisons))]
     out += _load_tables(sections.load or {"per_role": {}})
     out += [("Memory and cost", ["figure", "baseline", "candidate", "candidate / baseline"], memory),
             ("Metrics", ["metric", "baseline", "candidate", "unit"], metric_rows),
@@ -182,6 +200,21 @@ def lineage(ctx: Any, outcome: GateOutcome, version: dict[str, Any]) -> list[dic
     return steps
 
 
+def comparisons(evidence: dict[str, Evidence], confidence: float) -> list[Any]:
+    """Each quality metric both arms have per-item records of, compared paired (perplexity as a
+    relative change), at the gate's confidence; a metric whose records do not join is left out."""
+    from kiln.pipeline.gate.quality import compare, paired_metrics
+
+    cand, base = evidence["candidate"], evidence["baseline"]
+    out = []
+    for name in paired_metrics(cand, base):
+        try:
+            out.append(compare(name, cand, base, confidence, relative=name == "perplexity"))
+        except (ValueError, BadInput):  # records that differ: the gate's own check reports it as an Error
+            continue
+    return out
+
+
 def publish(ctx: Any, outcome: GateOutcome, evidence: dict[str, Evidence], artifact: Any) -> Path:
     from kiln.pipeline.report_plots import gather
 
@@ -192,7 +225,9 @@ def publish(ctx: Any, outcome: GateOutcome, evidence: dict[str, Evidence], artif
     load = ctx.outcomes.get("load:pair")
     checks = {c.label: c for c in ctx.recipe.gate.checks}
     sections = Sections(plots=gather(ctx.run_dir, outcome.results, checks, load.path if load else None),
-                        load=load.result if load else None, lineage=lineage(ctx, outcome, version))
+                        load=load.result if load else None, lineage=lineage(ctx, outcome, version),
+                        comparisons=comparisons(evidence, ctx.recipe.gate.confidence))
+    atomic_write_json(ctx.run_dir / "comparisons.json", [c.to_dict() for c in sections.comparisons])
     md = markdown(ctx.recipe.name, outcome, evidence, links, sections)
     atomic_write_text(ctx.run_dir / "report.md", md)
     atomic_write_text(ctx.run_dir / "report.html", html_page(f"kiln: {ctx.recipe.name}", outcome, evidence, sections))
@@ -202,7 +237,7 @@ def publish(ctx: Any, outcome: GateOutcome, evidence: dict[str, Evidence], artif
         tag = "kiln.lineage." + step["step"].replace("[", ".").rstrip("]")
         ctx.tracker.client.set_model_version_tag(version["name"], version["version"], tag,
                                                  f"{step['key']} (run {step['mlflow_run']})")
-    for f in ("report.md", "report.html", "verdict.json", "registry.json", "lineage.json"):
+    for f in ("report.md", "report.html", "verdict.json", "comparisons.json", "registry.json", "lineage.json"):
         ctx.tracker.log_artifacts(ctx.parent_run, ctx.run_dir / f)
     if sections.plots:
         ctx.tracker.log_artifacts(ctx.parent_run, ctx.run_dir / "plots", "plots")

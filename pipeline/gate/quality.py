@@ -36,6 +36,30 @@ def joined(candidate: Evidence, baseline: Evidence, key: str) -> tuple[list[str]
     return ids, np.array([b[i] for i in ids], dtype=float), np.array([c[i] for i in ids], dtype=float)
 
 
+def compare(name: str, candidate: Evidence, baseline: Evidence, confidence: float, relative: bool = False) -> Any:
+    """`kiln.evaluate.stats.Comparison` of one quality metric, paired on doc id: perplexity from
+    per-document NLL and token counts (bootstrap), 0/1 items by exact McNemar, other scores by bootstrap."""
+    from kiln.evaluate import stats
+
+    if name == "perplexity":
+        _, b_nll, c_nll = joined(candidate, baseline, "nll")
+        _, tokens, _ = joined(candidate, baseline, "tokens")
+        return stats.paired_bootstrap(b_nll, c_nll, denom=tokens, transform=np.exp, relative=relative,
+                                      confidence=confidence, iterations=BOOTSTRAP_ITERATIONS, seed=SEED,
+                                      metric="perplexity")
+    _, b, cand = joined(candidate, baseline, name)
+    if not relative and set(np.unique(np.concatenate([b, cand]))) <= {0.0, 1.0}:
+        return stats.mcnemar_exact(b.astype(bool), cand.astype(bool), confidence, metric=name)
+    return stats.paired_bootstrap(b, cand, relative=relative, confidence=confidence,
+                                  iterations=BOOTSTRAP_ITERATIONS, seed=SEED, metric=name)
+
+
+def paired_metrics(candidate: Evidence, baseline: Evidence) -> list[str]:
+    """Quality metrics both arms kept per-item records of (perplexity from per-document NLL)."""
+    shared = set(candidate.samples) & set(baseline.samples)
+    return (["perplexity"] if {"nll", "tokens"} <= shared else []) + sorted(shared - {"nll", "tokens"})
+
+
 @CHECKS.register("quality", QualityCheckConfig)
 class QualityCheck(Check):
     def check(self, candidate: Evidence, baseline: Evidence) -> CheckResult:
@@ -43,28 +67,12 @@ class QualityCheck(Check):
 
         c: QualityCheckConfig = self.config  # type: ignore[assignment]
         m = metric(c.metric, f"gate check {c.label}")
-        cmp = self._compare(candidate, baseline)
+        cmp = compare(c.metric, candidate, baseline, self.confidence, c.relative)
         ni = stats.non_inferiority(cmp, c.margin, m.higher_is_better)
         unit = " (relative)" if c.relative else ""
         return self.result(ni.verdict, observed=cmp.candidate, baseline=cmp.baseline,
                            threshold=f"drop ≤ {c.margin:g}{unit}", ci=(cmp.ci_low, cmp.ci_high),
                            p_value=cmp.p_value, method=cmp.method, reason=ni.reason, items_needed=ni.items_needed)
-
-    def _compare(self, candidate: Evidence, baseline: Evidence) -> Any:
-        from kiln.evaluate import stats
-
-        c: QualityCheckConfig = self.config  # type: ignore[assignment]
-        if c.metric == "perplexity":
-            ids, b_nll, c_nll = joined(candidate, baseline, "nll")
-            _, tokens, _ = joined(candidate, baseline, "tokens")
-            return stats.paired_bootstrap(b_nll, c_nll, denom=tokens, transform=np.exp, relative=c.relative,
-                                          confidence=self.confidence, iterations=BOOTSTRAP_ITERATIONS, seed=SEED,
-                                          metric="perplexity")
-        _, b, cand = joined(candidate, baseline, c.metric)
-        if not c.relative and set(np.unique(np.concatenate([b, cand]))) <= {0.0, 1.0}:
-            return stats.mcnemar_exact(b.astype(bool), cand.astype(bool), self.confidence, metric=c.metric)
-        return stats.paired_bootstrap(b, cand, relative=c.relative, confidence=self.confidence,
-                                      iterations=BOOTSTRAP_ITERATIONS, seed=SEED, metric=c.metric)
 
 
 class AgreementCheckConfig(CheckConfig):

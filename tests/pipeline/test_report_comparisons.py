@@ -1,0 +1,52 @@
+"""The report compares every quality metric both arms scored item by item, gated or not, with its
+difference, interval, p-value and test (from hand-made per-item records, no model)."""
+
+import re
+
+import numpy as np
+from scipy import stats as sps
+
+from kiln.pipeline.errors import ExitCode
+from kiln.pipeline.gate.base import Evidence, Verdict
+from kiln.pipeline.gate.policy import GateOutcome
+from kiln.pipeline.report import Sections, comparisons, markdown
+
+
+def _arms() -> dict[str, Evidence]:
+    rng = np.random.default_rng(0)
+    nll = rng.uniform(500, 700, 30)
+    right_b = np.ones(120)
+    right_c = right_b.copy()
+    right_c[:12] = 0  # the candidate gets 12 items wrong the baseline got right, none the other way
+    ids = [f"d{i}" for i in range(120)]
+
+    def arm(role: str, nll_: np.ndarray, right: np.ndarray) -> Evidence:
+        return Evidence(role, samples={"nll": dict(zip(ids, nll_)), "tokens": dict.fromkeys(ids[:30], 255.0),
+                                       "word_swap_acc": dict(zip(ids, right))})
+
+    return {"baseline": arm("baseline", nll, right_b), "candidate": arm("candidate", nll * 1.02, right_c)}
+
+
+def test_every_paired_metric_is_compared_whether_gated_or_not():
+    cmps = {c.metric: c for c in comparisons(_arms(), 0.95)}
+    assert list(cmps) == ["perplexity", "word_swap_acc"]
+    ppl, acc = cmps["perplexity"], cmps["word_swap_acc"]
+    # NLL 2% higher on every document: perplexity exp(sum NLL / tokens) rises by this much, every resample agreeing
+    nll = np.array(list(_arms()["baseline"].samples["nll"].values()))
+    assert ppl.relative and abs(ppl.difference - np.expm1(0.02 * nll.sum() / (30 * 255))) < 1e-9
+    assert 0 < ppl.ci_low <= ppl.difference <= ppl.ci_high
+    # 12 discordant pairs, all one way: the exact McNemar p-value is the two-sided binomial test's
+    assert acc.difference == -0.1 and acc.n == 120
+    assert acc.p_value == sps.binomtest(0, 12, 0.5).pvalue
+
+
+def test_report_shows_the_paired_table_after_the_checks():
+    arms = _arms()
+    outcome = GateOutcome(Verdict.SUCCESSFUL, [], ExitCode.PASSED, "any Failed fails")
+    md = markdown("demo", outcome, arms, {}, Sections(comparisons=comparisons(arms, 0.95)))
+    section = md.split("## Quality, paired item by item", 1)[1].split("\n## ", 1)[0]
+    rows = [r for r in section.splitlines() if r.startswith("| ") and "metric" not in r]
+    assert [r.split(" | ")[0] for r in rows] == ["| perplexity", "| word_swap_acc"]
+    assert re.search(r"\| word_swap_acc \| 1 \| 0\.9 \| -0\.1 \| \[-0\.\d+, -0\.\d+\] at 95% \| 0\.000488 \| "
+                     r"mcnemar-exact\S* n=120 \|", md), section
+    assert "| perplexity |" in section and "%" in rows[0]
