@@ -3,10 +3,10 @@
 The quick performance signal of `kiln run` (the served, open-loop load test is `evaluate/perf`).
 Both engines run the same prompts with a fixed output length (EOS ignored, so a model that stops
 early cannot look faster). The unit of comparison is one prompt run on both arms back to back, in
-an order that alternates pair by pair (A B, B A, …): on a shared CPU the speed of one request
-varies by ±10-15% from the next, and that noise is not slow drift, so many short adjacent pairs
-give a far tighter ratio interval than a few long repeats of the same total duration (measured:
-per-pair log-ratio sd 0.17 on 16-token requests). Each round runs every prompt once; each pair is
+an order that alternates pair by pair (A B, B A, …): on a 2-core CPU the speed of one request
+varies by ±15-25% from the next, and that noise is per request, not slow drift, so many short
+adjacent pairs give a far tighter ratio interval than a few long repeats of the same total
+duration (measured: per-pair log-ratio sd 0.17 on 16-token, 0.25 on 32-token requests). Each round runs every prompt once; each pair is
 one paired sample per metric, and the gate takes its interval across all of them.
 """
 
