@@ -222,12 +222,13 @@ def unpaired_test(base: Any, cand: Any, confidence: float = 0.95, metric: str = 
 
 @dataclasses.dataclass(frozen=True)
 class NonInferiority:
-    """A non-inferiority decision. `drop` is how much worse the candidate is (positive = worse);
-    `bound` is the end of the drop's CI the verdict rests on; `items_needed` (Inconclusive only)
-    estimates how many paired items would decide it."""
+    """A non-inferiority decision. `drop` is how much worse the candidate is (positive = worse) and
+    `interval` its CI (low, high), in the margin's units; `bound` is the end of that CI the verdict
+    rests on; `items_needed` (Inconclusive only) estimates how many paired items would decide it."""
 
     verdict: Verdict
     drop: float
+    interval: tuple[float, float]
     bound: float
     margin: float
     reason: str
@@ -253,21 +254,21 @@ def non_inferiority(cmp: Comparison, margin: float, higher_is_better: bool) -> N
     if not margin >= 0:
         raise BadInput(f"margin must be >= 0 (the largest tolerated drop), got {margin}.")
     sign = -1.0 if higher_is_better else 1.0
-    drop = sign * cmp.difference
-    low, high = sorted((sign * cmp.ci_low, sign * cmp.ci_high))
+    drop = sign * cmp.difference + 0.0
+    low, high = sorted((sign * cmp.ci_low + 0.0, sign * cmp.ci_high + 0.0))  # + 0.0: no -0.0
     ci = f"{cmp.confidence:.0%} CI of the drop [{low:.4g}, {high:.4g}] ({cmp.method}, n={cmp.n})"
     if not all(map(math.isfinite, (drop, low, high))):
-        return NonInferiority(Verdict.ERROR, drop, high, margin, f"non-finite statistics: {ci}")
+        return NonInferiority(Verdict.ERROR, drop, (low, high), high, margin, f"non-finite statistics: {ci}")
     if high <= margin:
-        return NonInferiority(Verdict.SUCCESSFUL, drop, high, margin,
+        return NonInferiority(Verdict.SUCCESSFUL, drop, (low, high), high, margin,
                               f"worst case drop {high:.4g} is within margin {margin:.4g}: {ci}")
     if low > margin:
-        return NonInferiority(Verdict.FAILED, drop, low, margin,
+        return NonInferiority(Verdict.FAILED, drop, (low, high), low, margin,
                               f"even the best case drop {low:.4g} exceeds margin {margin:.4g}: {ci}")
     distance = abs(margin - drop)
     half = high - drop if drop < margin else drop - low
     needed = math.ceil(cmp.n * (half / distance) ** 2) if distance > 0 else None
     hint = (f"about {needed} items would decide it" if needed
             else "the observed drop sits on the margin; more items decide it only if it moves")
-    return NonInferiority(Verdict.INCONCLUSIVE, drop, high, margin,
+    return NonInferiority(Verdict.INCONCLUSIVE, drop, (low, high), high, margin,
                           f"margin {margin:.4g} lies inside the {ci}; {hint}", needed)

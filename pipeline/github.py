@@ -174,7 +174,7 @@ def _annotate(recipe: str, checks: list[Mapping[str, Any]], env: Mapping[str, st
     for c in checks:
         if c.get("verdict") in level:
             msg = (f"{c.get('name')}: {c.get('verdict')} — observed {_fmt(c.get('observed'))}, baseline "
-                   f"{_fmt(c.get('baseline'))}, threshold {_fmt(c.get('threshold'))}, interval {_fmt(c.get('ci'))}"
+                   f"{_fmt(c.get('baseline'))}, threshold {_fmt(c.get('threshold'))}, interval {_interval(c)}"
                    + (f". {c['reason']}" if c.get("reason") else ""))
             print(_command(level[c["verdict"]], msg, {"file": recipe, "title": f"kiln {c.get('verdict')}"}, env))
 
@@ -237,8 +237,13 @@ def _links(env: Mapping[str, str], mlflow_url: str | None, mlflow: Mapping[str, 
 def _table(checks: list[Mapping[str, Any]]) -> str:
     rows = ["| | check | candidate | baseline | threshold | interval |", "|---|---|---|---|---|---|"]
     rows += [f"| {ICON.get(c.get('verdict'), '💥')} {c.get('verdict')} | {_cell(c.get('name'))} | {_fmt(c.get('observed'))} "
-             f"| {_fmt(c.get('baseline'))} | {_cell(_fmt(c.get('threshold')))} | {_fmt(c.get('ci'))} |" for c in checks]
+             f"| {_fmt(c.get('baseline'))} | {_cell(_fmt(c.get('threshold')))} | {_interval(c)} |" for c in checks]
     return "\n".join(rows)
+
+
+def _interval(check: Mapping[str, Any]) -> str:
+    """A check's interval in its threshold's terms: a quality check's is the drop's (positive is worse)."""
+    return f"drop {_fmt(check['drop_ci'])}" if check.get("drop_ci") else _fmt(check.get("ci"))
 
 
 def _fmt(v: Any) -> str:

@@ -34,9 +34,12 @@ def _fmt(v: float | None) -> str:
 
 
 def check_rows(results: list[CheckResult]) -> list[list[str]]:
+    """One row per check, its interval in its threshold's terms: a quality check's is the drop's
+    (positive is worse), the others' of the value or ratio the threshold names."""
     rows = []
     for r in results:
-        ci = f"[{_fmt(r.ci[0])}, {_fmt(r.ci[1])}]" if r.ci else "—"
+        low_high = r.drop_ci or r.ci
+        ci = "—" if not low_high else f"{'drop ' if r.drop_ci else ''}[{_fmt(low_high[0])}, {_fmt(low_high[1])}]"
         rows.append([f"{ICON[r.verdict]} {r.verdict.value}", r.name, _fmt(r.observed), _fmt(r.baseline),
                      r.threshold, ci, r.reason])  # an undecided reason already says how many items would decide it
     return rows

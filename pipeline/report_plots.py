@@ -16,27 +16,10 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from kiln.pipeline.gate.base import CheckResult
-from kiln.pipeline.metrics import METRICS
 
 VERDICT_COLORS = {"Successful": "#1a7f37", "Failed": "#cf222e", "Inconclusive": "#9a6700", "Error": "#6e7781"}
 LOAD_PLOTS = {"latency_vs_rate.png": "TTFT and TPOT vs rate", "latency_throughput.png": "latency-throughput curve",
               "ceiling_vs_measured.png": "decode ceiling vs measured"}
-
-
-def quality_drop(result: CheckResult, relative: bool) -> tuple[float, float, float] | None:
-    """(drop, ci low, ci high) of a quality check, in its margin's units; positive is worse.
-
-    The check's interval is of candidate - baseline (candidate / baseline - 1 when relative);
-    the drop turns it so that up is always a regression, as `stats.non_inferiority` does.
-    """
-    declared = METRICS.get(result.metric)
-    if declared is None or result.ci is None or result.observed is None or result.baseline is None \
-            or (relative and not result.baseline):
-        return None
-    diff = result.observed / result.baseline - 1 if relative else result.observed - result.baseline
-    sign = -1.0 if declared.higher_is_better else 1.0
-    low, high = sorted((sign * result.ci[0], sign * result.ci[1]))
-    return sign * diff + 0.0, low, high  # + 0.0: no '-0' when nothing changed
 
 
 def quality_deltas(results: Sequence[CheckResult], checks: Mapping[str, Any], path: Path) -> Path | None:
@@ -45,8 +28,8 @@ def quality_deltas(results: Sequence[CheckResult], checks: Mapping[str, Any], pa
     `checks` maps a check's label to its config (for the margin and whether it is relative).
     None when the gate has no quality check with an interval.
     """
-    rows = [(r, checks[r.name], d) for r in results if r.kind == "quality" and r.name in checks
-            and (d := quality_drop(r, checks[r.name].relative))]
+    rows = [(r, checks[r.name], (r.drop, *r.drop_ci)) for r in results
+            if r.kind == "quality" and r.name in checks and r.drop is not None and r.drop_ci]
     if not rows:
         return None
     fig = Figure(figsize=(7, 0.3 + 1.6 * len(rows)))

@@ -43,7 +43,9 @@ class CheckResult:
     observed: float | None
     baseline: float | None
     threshold: str
-    ci: tuple[float, float] | None = None
+    ci: tuple[float, float] | None = None  # of the value, ratio or (quality) candidate - baseline
+    drop: float | None = None  # quality checks: how much worse, positive = worse, in the margin's units
+    drop_ci: tuple[float, float] | None = None  # ... and its interval, the quantity the threshold bounds
     p_value: float | None = None
     method: str = ""
     reason: str = ""
@@ -53,6 +55,7 @@ class CheckResult:
         d = asdict(self)
         d["verdict"] = self.verdict.value
         d["ci"] = list(self.ci) if self.ci else None
+        d["drop_ci"] = list(self.drop_ci) if self.drop_ci else None
         return d
 
 

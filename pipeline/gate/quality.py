@@ -72,6 +72,7 @@ class QualityCheck(Check):
         unit = " (relative)" if c.relative else ""
         return self.result(ni.verdict, observed=cmp.candidate, baseline=cmp.baseline,
                            threshold=f"drop ≤ {c.margin:g}{unit}", ci=(cmp.ci_low, cmp.ci_high),
+                           drop=ni.drop, drop_ci=ni.interval,
                            p_value=cmp.p_value, method=cmp.method, reason=ni.reason, items_needed=ni.items_needed)
 
 

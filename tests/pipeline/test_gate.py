@@ -67,7 +67,10 @@ def test_perplexity_non_inferiority(seed):
     assert same.verdict is Verdict.SUCCESSFUL
     broken = judge(_policy(check), *_ppl_evidence(rng, 40, 0.5))  # exp(0.5) = +65% perplexity
     assert broken.verdict is Verdict.FAILED
-    assert broken.results[0].observed > broken.results[0].baseline
+    r = broken.results[0]
+    assert r.observed > r.baseline
+    # perplexity up is worse: the drop is the relative rise, its interval the difference's, above the margin
+    assert r.drop == pytest.approx(r.observed / r.baseline - 1) and r.drop_ci == r.ci and r.drop_ci[0] > 0.05
 
 
 def test_accuracy_uses_mcnemar_and_small_sets_are_inconclusive():
@@ -77,6 +80,8 @@ def test_accuracy_uses_mcnemar_and_small_sets_are_inconclusive():
     out = judge(_policy({"kind": "quality", "metric": "top1_agreement", "margin": 0.02}), c, b)
     r = out.results[0]
     assert r.verdict is Verdict.INCONCLUSIVE and "mcnemar" in r.method.lower()
+    # accuracy down is worse: the drop's interval is the difference's, negated and reordered
+    assert r.drop == pytest.approx(0.1) and r.drop_ci == (-r.ci[1], -r.ci[0]) and r.drop_ci[1] > 0.02
     assert r.items_needed and r.items_needed > 10
 
 

@@ -9,22 +9,27 @@ from kiln.pipeline.errors import ExitCode
 from kiln.pipeline.gate.base import CheckResult, Evidence, Verdict
 from kiln.pipeline.gate.policy import GateOutcome
 from kiln.pipeline.gate.quality import QualityCheckConfig
-from kiln.pipeline.report import Sections, html_page, markdown
-from kiln.pipeline.report_plots import quality_deltas, quality_drop
+from kiln.pipeline.report import Sections, check_rows, html_page, markdown
+from kiln.pipeline.report_plots import quality_deltas
 
-ACC = CheckResult("acc", "quality", "greedy_match", Verdict.FAILED, 0.8, 0.9, "drop ≤ 0.05", ci=(-0.15, -0.05))
+# As the quality check writes them: ci of candidate - baseline, drop and drop_ci positive when worse.
+ACC = CheckResult("acc", "quality", "greedy_match", Verdict.FAILED, 0.8, 0.9, "drop ≤ 0.05", ci=(-0.15, -0.05),
+                  drop=0.1, drop_ci=(0.05, 0.15))
 PPL = CheckResult("ppl", "quality", "perplexity", Verdict.INCONCLUSIVE, 11.0, 10.0, "drop ≤ 0.12 (relative)",
-                  ci=(0.05, 0.15))
+                  ci=(0.05, 0.15), drop=0.1, drop_ci=(0.05, 0.15))
 SIZE = CheckResult("size", "size", "size_bytes", Verdict.SUCCESSFUL, 1.0, 4.0, "ratio ≤ 0.5")
 CHECKS = {"acc": QualityCheckConfig(metric="greedy_match", margin=0.05, name="acc"),
           "ppl": QualityCheckConfig(metric="perplexity", margin=0.12, relative=True, name="ppl")}
 
 
-def test_drop_is_positive_when_the_candidate_is_worse_whatever_the_direction():
-    # accuracy (higher is better) fell by 0.1; perplexity (lower is better) rose by 10%
-    assert quality_drop(ACC, relative=False) == pytest.approx((0.1, 0.05, 0.15))
-    assert quality_drop(PPL, relative=True) == pytest.approx((0.1, 0.05, 0.15))
-    assert quality_drop(SIZE, relative=False) is None  # no interval, nothing to draw
+def test_checks_table_shows_quality_intervals_as_the_drop_its_threshold_bounds():
+    speed = CheckResult("speed", "performance", "decode_tok_s", Verdict.SUCCESSFUL, 1.1, 1.0, "ratio ≥ 0.85",
+                        ci=(1.02, 1.18))
+    rows = {r[1]: r for r in check_rows([ACC, PPL, speed, SIZE])}
+    # accuracy fell: its difference interval [-0.15, -0.05] is a drop of [0.05, 0.15], read against 'drop ≤ 0.05'
+    assert rows["acc"][4:6] == ["drop ≤ 0.05", "drop [0.05, 0.15]"]
+    assert rows["ppl"][5] == "drop [0.05, 0.15]"
+    assert rows["speed"][5] == "[1.02, 1.18]" and rows["size"][5] == "—"
 
 
 def test_quality_deltas_draws_one_row_per_quality_check_with_its_margin(tmp_path):
