@@ -12,6 +12,7 @@ Building records the checkpoint path (no copy): the checkpoint already is the en
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,18 @@ class TorchEngineConfig(EngineConfig):
     trust_remote_code: bool = False
     max_batch_size: int = Field(16, ge=1, description="sequences decoded together; the rest wait")
     score_batch_tokens: int = Field(4096, ge=1, description="padded tokens per scoring forward pass")
+
+
+def slow_kernel_notice(model_config: dict[str, Any], cuda: bool) -> str | None:
+    """Why this checkpoint will decode slowly here, when kiln knows: GPTQModel has a CPU kernel for
+    4-bit GPTQ only (TorchAtenLinear); other widths fall back to its generic TorchLinear, which
+    dequantizes every weight at every step."""
+    q = model_config.get("quantization_config") or {}
+    if cuda or q.get("quant_method") != "gptq" or q.get("bits") == 4:
+        return None
+    return (f"GPTQ {q.get('bits')}-bit on CPU runs GPTQModel's generic TorchLinear kernel, which dequantizes every "
+            "weight at every step: about 1 token/s on the 135M demo model, a tenth of fp32 (bench/quantize_methods.py). "
+            "For 8-bit on CPU use optimize.method int8_weight_only; GPTQ 4-bit has a CPU kernel.")
 
 
 def check_checkpoint(path: Path) -> None:
@@ -87,6 +100,9 @@ class TorchEngine(Engine):
         self.model = AutoModelForCausalLM.from_pretrained(
             checkpoint, dtype=dtype, use_safetensors=True, trust_remote_code=config.trust_remote_code
         ).eval()
+        notice = slow_kernel_notice(self.model.config.to_dict(), torch.cuda.is_available())
+        if notice:
+            logging.getLogger("kiln").warning("%s: %s", checkpoint, notice)
         eos = self.model.generation_config.eos_token_id
         eos = eos if eos is not None else self.tokenizer.eos_token_id
         self.eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kiln.engine.base import GenerationRequest
-from kiln.engine.hf_torch import TorchBackend, TorchEngine, TorchEngineConfig
+from kiln.engine.hf_torch import TorchBackend, TorchEngine, TorchEngineConfig, slow_kernel_notice
 from kiln.pipeline.errors import BadInput
 
 
@@ -161,8 +161,18 @@ def test_loads_a_torchao_int8_checkpoint(tiny_model_dir, tmp_path, torch_engine)
     assert len(list(engine.generate([GenerationRequest(prompt, 4, ignore_eos=True)]))) == 4
 
 
+def test_slow_cpu_kernels_are_named_at_load():
+    def gptq(bits):
+        return {"quantization_config": {"quant_method": "gptq", "bits": bits, "group_size": 64}}
+
+    assert "int8_weight_only" in slow_kernel_notice(gptq(8), cuda=False)
+    assert slow_kernel_notice(gptq(4), cuda=False) is None  # TorchAtenLinear: a real CPU int4 kernel
+    assert slow_kernel_notice(gptq(8), cuda=True) is None
+    assert slow_kernel_notice({"model_type": "llama"}, cuda=False) is None
+
+
 @pytest.mark.slow
-def test_loads_a_gptq_checkpoint(tiny_model_dir, tmp_path, torch_engine):
+def test_loads_a_gptq_checkpoint(tiny_model_dir, tmp_path, torch_engine, caplog):
     from kiln.optimize.base import Calibration
     from kiln.optimize.gptq import GPTQ, GPTQConfig
 
@@ -173,7 +183,9 @@ def test_loads_a_gptq_checkpoint(tiny_model_dir, tmp_path, torch_engine):
     out = tmp_path / "gptq"
     out.mkdir()
     GPTQ(GPTQConfig(bits=8)).quantize(tiny_model_dir, out, calibration)
-    engine = TorchEngine(out, TorchEngineConfig(threads=1))
+    with caplog.at_level("WARNING", logger="kiln"):
+        engine = TorchEngine(out, TorchEngineConfig(threads=1))
+    assert "GPTQ 8-bit on CPU runs GPTQModel's generic TorchLinear kernel" in caplog.text
     prompt = _prompts(tok)[0]
     pairs = [(prompt[:3], prompt[3:])]
     assert engine.score(pairs)[0].logprob == pytest.approx(torch_engine.score(pairs)[0].logprob, rel=0.05)

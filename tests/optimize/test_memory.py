@@ -59,6 +59,7 @@ def test_gptq_plan_numbers():
     groups = 30 * sum(out * (inp // 64) for inp, out in
                       [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)])
     assert serve.components[0].bytes == q_params / 2 + groups * 2.5 + (134_515_008 - q_params) * 2
+    assert parts["the quantized copy being packed"] == serve.components[0].bytes
     assert plan.fits()
 
 
