@@ -1,10 +1,11 @@
 """What the two NVIDIA ModelOpt methods (`fp8`, `int4_awq`) share: the GPU check and the run.
 
 ModelOpt (nvidia-modelopt 0.47.0, pinned in constraints.txt and installed with kiln; the core
-package: its `[hf]` extra pins transformers < 5.15, which kiln does not need) inserts fake-quantizers into a Hugging Face model
-(`mtq.quantize(model, config, forward_loop)`), calibrates them on the calibration samples, and
-`export_hf_checkpoint` writes the unified Hugging Face checkpoint (safetensors +
-`hf_quant_config.json`, `quant_method: modelopt`) that TensorRT-LLM and vLLM load. transformers
+package: its `[hf]` extra pins transformers < 5.15, which kiln does not need) inserts
+fake-quantizers into a Hugging Face model (`mtq.quantize(model, config, forward_loop)`),
+calibrates them on the calibration samples, and `export_hf_checkpoint` writes the unified
+Hugging Face checkpoint (safetensors + `hf_quant_config.json`, `quant_method: modelopt`) that
+TensorRT-LLM and vLLM load. transformers
 itself cannot run these checkpoints, so both methods are for GPU serving only and refuse up front
 on a machine without CUDA. Calibration (fake quantization) and export are plain PyTorch, so the
 same code runs on CPU, which is how kiln's default tests verify it (tests/optimize/test_modelopt.py).

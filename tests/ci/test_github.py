@@ -169,8 +169,7 @@ def test_quality_interval_is_shown_as_the_drop_its_threshold_bounds(tmp_path: Pa
     # verdict.json as the gate writes it: the interval is of candidate - baseline (accuracy fell)
     check = {"name": "quality:word_swap_acc", "kind": "quality", "metric": "word_swap_acc", "verdict": "Inconclusive",
              "observed": 0.9075, "baseline": 0.975, "threshold": "drop ≤ 0.03", "ci": [-0.1, -0.04],
-             "drop": 0.0675, "drop_ci": [0.04, 0.1],
-             "reason": ""}
+             "drop": 0.0675, "drop_ci": [0.04, 0.1], "reason": ""}
     github.publish(make_run(tmp_path, actions, "Inconclusive", 3, [check]), actions)
     comment = (tmp_path / "runs" / "demo-inconclusive" / github.COMMENT_FILE).read_text()
     assert "| drop ≤ 0.03 | drop [0.04, 0.1] |" in comment
