@@ -23,6 +23,8 @@ from kiln.engine.tune import TuneConfig, check_space
 from kiln.pipeline.registry import Registry
 
 MANIFEST = "kiln-engine.json"
+REBUILD = ("Engines are built by a run's engine stage: rebuild with `kiln run RECIPE --fresh engine`, "
+           "then `kiln serve RUN`.")  # the fix every "this engine folder is broken" message names
 
 
 class EngineConfig(BaseModel):
@@ -46,8 +48,9 @@ class GenerationRequest:
     max_new_tokens: int
     ignore_eos: bool = False
     stop_ids: tuple[int, ...] = ()
-    temperature: float = 0.0
-    seed: int | None = None
+    temperature: float = 0.0  # 0: greedy
+    seed: int | None = None  # 0..2**63-1
+    top_p: float = 1.0  # nucleus sampling when temperature > 0: the smallest set of tokens with this mass
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,11 @@ class Engine(abc.ABC):
 
     tokenizer: Any
     manifest: dict[str, Any]
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids this engine accepts are 0..vocab_size-1 (the server refuses others)."""
+        return len(self.tokenizer)
 
     @abc.abstractmethod
     def add(self, request: GenerationRequest) -> int:

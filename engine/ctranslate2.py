@@ -25,8 +25,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from kiln.engine import full_logits
-from kiln.engine.base import (BACKENDS, Engine, EngineBackend, EngineConfig, GenerationRequest, Score, TokenEvent,
-                              check_request)
+from kiln.engine.base import (BACKENDS, REBUILD, Engine, EngineBackend, EngineConfig, GenerationRequest, Score,
+                              TokenEvent, check_request)
 from kiln.engine.openvino import HF_FILES, eos_ids_of
 from kiln.pipeline.errors import BadInput
 
@@ -119,7 +119,7 @@ class CTranslate2Engine(Engine):
         from transformers import AutoTokenizer
 
         if not (engine_dir / MODEL / "model.bin").is_file():
-            raise BadInput(f"{engine_dir / MODEL / 'model.bin'} not found. Rebuild the engine (`kiln engine build`).")
+            raise BadInput(f"{engine_dir / MODEL / 'model.bin'} not found. {REBUILD}")
         self.config = config
         self.manifest = {"backend": "ctranslate2", "config": config.model_dump(mode="json")}
         self.tokenizer = AutoTokenizer.from_pretrained(engine_dir)
@@ -155,14 +155,14 @@ class CTranslate2Engine(Engine):
         return sorted(set(r.stop_ids) | (set() if r.ignore_eos else set(self.eos_ids)))
 
     def _start_cohort(self) -> None:
-        key = lambda r: (tuple(self._end_ids(r)), r.temperature, r.seed)  # noqa: E731
+        key = lambda r: (tuple(self._end_ids(r)), r.temperature, r.top_p, r.seed)  # noqa: E731
         first = key(self._pending[0].req)
         seqs = [s for s in self._pending if key(s.req) == first][: self.config.max_batch_size]
         self._pending = [s for s in self._pending if s not in seqs]
         r0 = seqs[0].req
         longest = max(s.req.max_new_tokens for s in seqs)
         sampling = {"sampling_topk": 1} if r0.temperature <= 0 else {
-            "sampling_topk": 0, "sampling_temperature": r0.temperature}
+            "sampling_topk": 0, "sampling_temperature": r0.temperature, "sampling_topp": r0.top_p}
         if r0.temperature > 0:
             self._gen_seed(r0.seed)
         cohort = _Cohort(seqs)
@@ -175,7 +175,7 @@ class CTranslate2Engine(Engine):
     def _gen_seed(self, seed: int | None) -> None:
         import ctranslate2
 
-        ctranslate2.set_random_seed(seed if seed is not None else random.randrange(2**31))
+        ctranslate2.set_random_seed(seed % 2**32 if seed is not None else random.randrange(2**31))  # an unsigned int
 
     def _on_token(self, cohort: _Cohort, step) -> bool:
         """CTranslate2's worker thread calls this per token; True stops that sequence."""

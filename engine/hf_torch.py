@@ -20,8 +20,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from kiln.engine.base import (BACKENDS, Engine, EngineBackend, EngineConfig, GenerationRequest, Score, TokenEvent,
-                              check_request)
+from kiln.engine.base import (BACKENDS, REBUILD, Engine, EngineBackend, EngineConfig, GenerationRequest, Score,
+                              TokenEvent, check_request)
 from kiln.pipeline.errors import BadInput
 
 
@@ -68,7 +68,10 @@ class TorchBackend(EngineBackend):
 
         manifest = read_manifest(engine_dir)
         config = engine_config({**manifest, "config": {**manifest["config"], **options}})
-        engine = TorchEngine(Path(manifest["build"]["checkpoint"]), config)
+        checkpoint = Path(manifest["build"]["checkpoint"])
+        if not checkpoint.is_dir():
+            raise BadInput(f"{engine_dir}: the checkpoint it serves, {checkpoint}, does not exist. {REBUILD}")
+        engine = TorchEngine(checkpoint, config)
         engine.manifest = manifest
         return engine
 
@@ -81,6 +84,15 @@ class _Seq:
     length: int = 0  # real (unpadded) tokens in the KV cache
     produced: int = 0
     last: int = -1  # the token to feed at the next decode step
+
+
+def _nucleus(probs, top_p: float):
+    """Top-p: keep the most likely tokens until their mass reaches top_p (at least one), zero the rest."""
+    import torch
+
+    ranked, order = torch.sort(probs, descending=True)
+    ranked[ranked.cumsum(-1) - ranked >= top_p] = 0  # the mass before this token already reaches top_p
+    return torch.zeros_like(probs).scatter(-1, order, ranked)
 
 
 class TorchEngine(Engine):
@@ -187,6 +199,8 @@ class TorchEngine(Engine):
             token = int(torch.argmax(logits))
         else:
             probs = torch.softmax(logits / s.req.temperature, dim=-1)
+            if s.req.top_p < 1:
+                probs = _nucleus(probs, s.req.top_p)
             token = int(torch.multinomial(probs, 1, generator=s.rng))
         s.produced += 1
         s.last = token
@@ -196,6 +210,11 @@ class TorchEngine(Engine):
         elif s.produced >= s.req.max_new_tokens or s.length + 1 >= self.max_positions:
             finish = "length"
         return TokenEvent(s.id, token, time.perf_counter(), float(logprobs[token]), finish)
+
+    @property
+    def vocab_size(self) -> int:
+        """An id past either the tokenizer or the embedding table fails, so the smaller bound."""
+        return min(len(self.tokenizer), self.model.get_input_embeddings().num_embeddings)
 
     def _join(self, s: _Seq, cache) -> None:
         """Append a prefilled sequence to the running batch, left-padding the shorter side."""

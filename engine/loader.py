@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from kiln.engine.base import BACKENDS, MANIFEST, Engine, EngineConfig
+from kiln.engine.base import BACKENDS, MANIFEST, REBUILD, Engine, EngineConfig
 from kiln.engine.cache import hardware_fingerprint
 from kiln.pipeline.errors import BadInput
 
@@ -24,15 +24,14 @@ def read_manifest(engine_dir: Path) -> dict[str, Any]:
     """The manifest of `engine_dir`, checked for shape; BadInput names the file and the fix."""
     path = Path(engine_dir) / MANIFEST
     if not path.is_file():
-        raise BadInput(f"{path} not found: {engine_dir} is not a built engine. "
-                       "Build one with `kiln engine build` (or point at the folder it wrote).")
+        raise BadInput(f"{path} not found: {engine_dir} is not a built engine. {REBUILD}")
     try:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise BadInput(f"{path} is not valid JSON ({e}). Rebuild the engine.") from e
+        raise BadInput(f"{path} is not valid JSON ({e}). {REBUILD}") from e
     missing = [k for k in _REQUIRED if k not in manifest]
     if missing:
-        raise BadInput(f"{path} lacks {', '.join(missing)}. Rebuild the engine with this kiln.")
+        raise BadInput(f"{path} lacks {', '.join(missing)}. {REBUILD}")
     BACKENDS.get(manifest["backend"])  # unknown backend -> BadInput with "Did you mean"
     return manifest
 
@@ -43,7 +42,7 @@ def engine_config(manifest: dict[str, Any], where: Path | str = MANIFEST) -> Eng
         return TypeAdapter(BACKENDS.config_union()).validate_python(manifest["config"])
     except ValidationError as e:
         problems = [f"config.{'.'.join(map(str, x['loc'][1:] or x['loc']))}: {x['msg']}" for x in e.errors()]
-        raise BadInput(f"{where}: invalid engine config. Rebuild the engine.", problems) from e
+        raise BadInput(f"{where}: invalid engine config. {REBUILD}", problems) from e
 
 
 def check_hardware(manifest: dict[str, Any], engine_dir: Path) -> None:
@@ -55,8 +54,7 @@ def check_hardware(manifest: dict[str, Any], engine_dir: Path) -> None:
     if built_for != here:
         diff = [f"{k}: built for {built_for.get(k)!r}, this machine has {here.get(k)!r}"
                 for k in sorted(set(built_for) | set(here)) if built_for.get(k) != here.get(k)]
-        raise BadInput(f"Engine {engine_dir} was built on different hardware. Rebuild it on this "
-                       "machine (`kiln engine build`, or delete it from the engine cache).", diff)
+        raise BadInput(f"Engine {engine_dir} was built on different hardware. {REBUILD}", diff)
 
 
 def load_engine(engine_dir: Path, **options: Any) -> Engine:

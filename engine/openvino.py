@@ -24,8 +24,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from kiln.engine import full_logits
-from kiln.engine.base import (BACKENDS, Engine, EngineBackend, EngineConfig, GenerationRequest, Score, TokenEvent,
-                              check_request)
+from kiln.engine.base import (BACKENDS, REBUILD, Engine, EngineBackend, EngineConfig, GenerationRequest, Score,
+                              TokenEvent, check_request)
 from kiln.pipeline.errors import BadInput
 
 IR = "openvino_model.xml"
@@ -96,7 +96,7 @@ class OpenVINOEngine(Engine):
         from transformers import AutoTokenizer
 
         if not (engine_dir / IR).is_file():
-            raise BadInput(f"{engine_dir / IR} not found. Rebuild the engine (`kiln engine build`).")
+            raise BadInput(f"{engine_dir / IR} not found. {REBUILD}")
         self.engine_dir, self.config = engine_dir, config
         self.manifest = {"backend": "openvino", "config": config.model_dump(mode="json")}
         self.tokenizer = AutoTokenizer.from_pretrained(engine_dir)
@@ -130,7 +130,7 @@ class OpenVINOEngine(Engine):
         cfg.ignore_eos, cfg.logprobs = request.ignore_eos, 1
         cfg.stop_token_ids = set(request.stop_ids) | (set() if request.ignore_eos else set(self.eos_ids))
         if request.temperature > 0:
-            cfg.do_sample, cfg.temperature, cfg.top_k, cfg.top_p = True, request.temperature, 0, 1.0
+            cfg.do_sample, cfg.temperature, cfg.top_k, cfg.top_p = True, request.temperature, 0, request.top_p
             cfg.rng_seed = request.seed if request.seed is not None else random.randrange(2**31)
         else:
             cfg.do_sample = False

@@ -1,93 +1,13 @@
-"""OpenAI request parsing and response pieces for the server: pure functions, no I/O.
+"""OpenAI response pieces for the server: logprobs blocks and incremental detokenization.
 
-Token-ID prompts are used exactly as given (no BOS added): lm-eval's `local-completions` sends
-them that way, and a server that adds BOS shifts every log-likelihood by one token without any
-error (FIELD.md). String prompts are tokenized the way the model's tokenizer says (usually BOS).
+Requests are parsed and validated in request.py, before they reach the scheduler.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from kiln.pipeline.errors import BadInput
-
-DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default
-
-
-def _is_ids(x: Any) -> bool:
-    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-
-
-def parse_prompts(prompt: Any, tokenizer) -> list[list[int]]:
-    """`prompt` as a string, list of strings, token ids, or list of token-id lists."""
-    if isinstance(prompt, str):
-        return [tokenizer(prompt).input_ids]
-    if _is_ids(prompt) and prompt:
-        return [list(prompt)]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        return [tokenizer(p).input_ids for p in prompt]
-    if isinstance(prompt, list) and prompt and all(_is_ids(p) and p for p in prompt):
-        return [list(p) for p in prompt]
-    raise BadInput("prompt: expected a string, a list of strings, a list of token ids, "
-                   "or a list of token-id lists (none empty).")
-
-
-def chat_prompt(messages: Any, tokenizer) -> list[int]:
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-        raise BadInput("messages: expected a list of {role, content} objects.")
-    if not getattr(tokenizer, "chat_template", None):
-        raise BadInput("This model's tokenizer has no chat template; use /v1/completions.")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False).input_ids  # the template already has BOS
-
-
-@dataclass(frozen=True)
-class Sampling:
-    max_tokens: int
-    temperature: float
-    seed: int | None
-    stop: tuple[str, ...]
-    ignore_eos: bool
-    logprobs: int | None
-    echo: bool
-    stream: bool
-    include_usage: bool
-    token_ids_as_text: bool  # vLLM's return_tokens_as_token_ids: tokens as "token_id:N"
-
-
-def parse_sampling(body: dict[str, Any], chat: bool = False) -> Sampling:
-    def get(name, kind, default):
-        value = body.get(name, default)
-        if value is None:
-            return default
-        if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-            raise BadInput(f"{name}: expected {getattr(kind, '__name__', kind)}, got {value!r}.")
-        return value
-
-    if get("n", int, 1) != 1:
-        raise BadInput("n: only n=1 is supported; send the prompt several times instead.")
-    max_tokens = get("max_completion_tokens", int, None) if chat else None
-    max_tokens = max_tokens if max_tokens is not None else get("max_tokens", int, DEFAULT_MAX_TOKENS)
-    stop = body.get("stop") or ()
-    stop = (stop,) if isinstance(stop, str) else tuple(stop)
-    if chat and (body.get("logprobs") or body.get("top_logprobs")):
-        raise BadInput("logprobs: not supported on chat completions; use /v1/completions.")
-    logprobs = None if chat else get("logprobs", int, None)
-    s = Sampling(max_tokens, float(get("temperature", (int, float), 1.0)), get("seed", int, None), stop,
-                 get("ignore_eos", bool, False), logprobs, get("echo", bool, False),
-                 get("stream", bool, False), bool((body.get("stream_options") or {}).get("include_usage")),
-                 get("return_tokens_as_token_ids", bool, False))
-    if s.max_tokens < 0 or s.temperature < 0 or (s.logprobs is not None and not 0 <= s.logprobs <= 20):
-        raise BadInput("max_tokens and temperature must be >= 0; logprobs must be in 0..20.")
-    if s.max_tokens == 0 and not s.echo:
-        raise BadInput("max_tokens: 0 only makes sense with echo=true (prompt scoring).")
-    if s.stream and (s.echo or (s.logprobs or 0) > 0):
-        raise BadInput("stream=true supports logprobs=0 only and no echo; use stream=false for "
-                       "top_logprobs and echo (scoring).")
-    return s
 
 
 def token_text(tokenizer, token_id: int, as_ids: bool) -> str:

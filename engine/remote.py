@@ -142,6 +142,8 @@ class RemoteEngine(Engine):
                                 "ignore_eos": r.ignore_eos}
         if r.seed is not None:
             body["seed"] = r.seed
+        if r.top_p < 1:
+            body["top_p"] = r.top_p
         if r.stop_ids:
             body["stop_token_ids"] = list(r.stop_ids)
         if self.config.stream_token_ids:

@@ -5,11 +5,18 @@ calls `step()` while there is work, and hands each step's tokens back to the eve
 `call_soon_threadsafe`. Requests that arrive while others decode join the batch at the next
 step (continuous batching is the engine's job; feeding it promptly is ours). Serving metrics
 are measured here, from the engine's own token timestamps.
+
+A failing step fails only the request that caused it: the server validates requests before they
+get here, and should one still break the shared step, each request in flight is retried alone
+from the tokens it has delivered; those that step alone carry on, the one that fails again gets
+the error. A sampled request resumed this way restarts its seeded random stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -51,8 +58,15 @@ class Ticket:
         self.submitted = time.perf_counter()
         self.first: float | None = None
         self.count = 0
+        self.tokens: list[int] = []  # delivered so far (scheduler thread): where a retry resumes
         self.seq_id: int | None = None
         self.done = False
+
+    def resumed(self) -> GenerationRequest:
+        """The rest of this request: its prompt plus the tokens delivered, for what is left."""
+        r = self.request
+        return dataclasses.replace(r, prompt_ids=[*r.prompt_ids, *self.tokens],
+                                   max_new_tokens=r.max_new_tokens - len(self.tokens))
 
 
 class Scheduler:
@@ -106,19 +120,14 @@ class Scheduler:
             if self.engine.has_work():
                 try:
                     events = self.engine.step()
-                except Exception as e:  # fail every request in flight, keep serving new ones
-                    self._fail_all(e)
+                except Exception as e:
+                    self._isolate(e)
                     continue
                 self.loop.call_soon_threadsafe(_deliver, self._account(events))
 
     def _handle(self, kind: str, payload: Any) -> None:
         if kind == "add":
-            try:
-                payload.seq_id = self.engine.add(payload.request)
-                self._by_seq[payload.seq_id] = payload
-            except Exception as e:
-                self._finish(payload)
-                self.loop.call_soon_threadsafe(payload.events.put_nowait, e)
+            self._add(payload, payload.request)
         elif kind == "cancel" and payload.seq_id in self._by_seq:
             self.engine.cancel(payload.seq_id)
             self._finish(self._by_seq.pop(payload.seq_id))
@@ -130,6 +139,52 @@ class Scheduler:
                 result, error = None, e
             self.loop.call_soon_threadsafe(_resolve, future, result, error)
 
+    def _add(self, t: Ticket, request: GenerationRequest) -> bool:
+        try:
+            t.seq_id = self.engine.add(request)
+        except Exception as e:
+            self._fail(t, e)
+            return False
+        self._by_seq[t.seq_id] = t
+        return True
+
+    def _isolate(self, error: Exception) -> None:
+        """A shared step failed and which request caused it is unknown: step each request alone
+        (from the tokens it has delivered), fail those that fail again, resume the others together."""
+        suspects = list(self._by_seq.values())
+        logging.getLogger("kiln.serve").warning("engine step failed (%s: %s); retrying its %d requests one by one",
+                                                type(error).__name__, error, len(suspects))
+        for t in suspects:
+            self._drop(t)
+        survivors = []
+        for t in suspects:
+            if not self._add(t, t.resumed()):
+                continue
+            try:
+                events = self.engine.step()
+            except Exception as e:
+                self._drop(t)
+                self._fail(t, e)
+                continue
+            self.loop.call_soon_threadsafe(_deliver, self._account(events))
+            if not t.done:
+                self._drop(t)
+                survivors.append(t)
+        for t in survivors:  # they join one batch again at the next step
+            self._add(t, t.resumed())
+
+    def _drop(self, t: Ticket) -> None:
+        """Take a sequence out of the engine, keeping its ticket open."""
+        self._by_seq.pop(t.seq_id, None)
+        try:
+            self.engine.cancel(t.seq_id)
+        except Exception:  # noqa: BLE001 - a broken engine is reported by the step that follows
+            logging.getLogger("kiln.serve").exception("cancelling sequence %s failed", t.seq_id)
+
+    def _fail(self, t: Ticket, error: Exception) -> None:
+        self._finish(t)
+        self.loop.call_soon_threadsafe(t.events.put_nowait, error)
+
     def _account(self, events: list[TokenEvent]) -> list[tuple[Ticket, TokenEvent]]:
         """Update metrics and bookkeeping; pair each event with its ticket for delivery."""
         m, pairs = self.metrics, []
@@ -139,6 +194,7 @@ class Scheduler:
                 continue
             pairs.append((t, ev))
             t.count += 1
+            t.tokens.append(ev.token_id)
             m.generation_tokens.inc()
             if t.first is None:
                 t.first = ev.time
@@ -158,13 +214,6 @@ class Scheduler:
         self.metrics.running.dec()
         if t.first is None:
             self.metrics.waiting.dec()
-
-    def _fail_all(self, error: Exception) -> None:
-        for seq_id, t in list(self._by_seq.items()):
-            self.engine.cancel(seq_id)
-            self._finish(t)
-            self.loop.call_soon_threadsafe(t.events.put_nowait, error)
-        self._by_seq.clear()
 
 
 def _deliver(pairs: list[tuple[Ticket, TokenEvent]]) -> None:  # on the event loop

@@ -5,7 +5,8 @@ per tenant). Routes: POST /v1/completions (streaming SSE or not; echo + logprobs
 `local-completions` can score), POST /v1/chat/completions, GET /v1/models, GET /health (503
 until the engine is loaded and warmed up, and again while draining), GET /metrics (Prometheus).
 One scheduler thread owns the engine (scheduler.py); a client that disconnects has its sequence
-cancelled.
+cancelled. Every client mistake is an OpenAI-style JSON 4xx (request.py validates a request before
+it joins the shared batch; unknown routes, wrong methods and oversized bodies answer JSON too).
 
 Production guards come from deploy/admission.py: a bounded queue (full: a fast 429 with
 Retry-After), per-API-key rate limits, drain on SIGTERM (no new work, in-flight streams finish,
@@ -24,6 +25,7 @@ import logging
 import os
 import time
 import uuid
+from dataclasses import replace
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -35,8 +37,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kiln.deploy.admission import ARRIVAL, STATS, Admission, serve_until_drained
 from kiln.deploy.config import SERVE_ADMISSION, AdmissionConfig
 from kiln.engine.base import Engine, GenerationRequest, TokenEvent
-from kiln.engine.protocol import (Sampling, TextStream, chat_prompt, logprobs_block, parse_prompts,
-                                  parse_sampling, position_logprobs, token_text)
+from kiln.engine.protocol import TextStream, logprobs_block, position_logprobs, token_text
+from kiln.engine.request import (RequestError, Sampling, budgets, chat_prompt, check_model, parse_prompts,
+                                 parse_sampling, read_body)
 from kiln.engine.scheduler import Metrics, Scheduler
 from kiln.pipeline.errors import BadInput
 
@@ -55,6 +58,8 @@ class _State:
         self.scheduler: Scheduler | None = None
         self.status = "loading"
         self.cold_start: dict[str, float] | None = None
+        self.error: Exception | None = None
+        self.failed = asyncio.Event()  # set when loading or warm-up failed: `serve` exits
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -68,8 +73,9 @@ class _State:
             self.status = "warming up"
             await self.scheduler.call(_warm_up)
             self._ready(_cold_start(began, loaded, time.time()))
-        except Exception as e:  # /health reports it; the process stays up for inspection
-            self.status = f"failed: {type(e).__name__}: {e}"
+        except Exception as e:  # /health reports it; `serve` stops with it, a ServerThread stays up
+            self.status, self.error = f"failed: {type(e).__name__}: {e}", e
+            self.failed.set()
 
     def _ready(self, cold: dict[str, float]) -> None:
         self.cold_start = cold
@@ -82,8 +88,14 @@ class _State:
 
 
 def _bearers(api_key: str | None) -> list[bytes]:
-    """The Authorization values accepted: one per key, several keys comma-separated (one per tenant)."""
-    return [f"Bearer {k.strip()}".encode() for k in (api_key or "").split(",") if k.strip()]
+    """The keys accepted: several comma-separated (one per tenant)."""
+    return [k.strip().encode() for k in (api_key or "").split(",") if k.strip()]
+
+
+def _sent_key(authorization: str) -> bytes:
+    """The credentials of `Authorization: Bearer KEY`; the scheme is case-insensitive (RFC 7235)."""
+    scheme, _, key = authorization.strip().partition(" ")
+    return key.strip().encode() if scheme.lower() == "bearer" else b""
 
 
 def _process_age() -> float:
@@ -118,8 +130,11 @@ def _warm_up(engine: Engine) -> None:
     engine.score([(ids[:1], ids[1:])])
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+           code: str | int | None = None, headers: dict[str, str] | None = None) -> web.Response:
+    """The OpenAI error shape: {"error": {"message", "type", "param", "code"}}."""
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code or status}}
+    return web.json_response(body, status=status, headers=headers)
 
 
 @web.middleware
@@ -127,7 +142,7 @@ async def _guard(request: web.Request, handler):
     """Key and readiness, before admission: a wrong key never gets a rate-limit bucket or a slot."""
     st: _State = request.app[STATE]
     if request.path != "/health" and st.keys:
-        sent = request.headers.get("Authorization", "").encode()
+        sent = _sent_key(request.headers.get("Authorization", ""))
         if not any([hmac.compare_digest(sent, key) for key in st.keys]):  # constant-time, every key compared
             return _error(401, "Missing or wrong API key (send 'Authorization: Bearer <key>').",
                           "authentication_error")
@@ -141,12 +156,16 @@ async def _errors(request: web.Request, handler):
     """Errors as OpenAI-style JSON, inside admission so the request log sees the real status."""
     try:
         return await handler(request)
+    except RequestError as e:
+        return _error(e.status, str(e), param=e.param, code=e.code)
     except BadInput as e:
         return _error(400, str(e))
-    except json.JSONDecodeError:
-        return _error(400, "Request body is not valid JSON.")
-    except web.HTTPException:
-        raise
+    except web.HTTPException as e:  # aiohttp's own 404, 405, 413: JSON like every other error
+        if e.status < 400:
+            raise
+        kind = "not_found_error" if e.status == 404 else "invalid_request_error"
+        allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+        return _error(e.status, f"{request.method} {request.path}: {e.text or e.reason}", kind, headers=allow)
     except Exception as e:  # an engine failure: report it as JSON, keep serving
         return _error(500, f"{type(e).__name__}: {e}", "internal_error")
 
@@ -174,7 +193,8 @@ async def models(request: web.Request) -> web.Response:
 
 async def _events(st: _State, ids: list[int], s: Sampling) -> AsyncIterator[TokenEvent]:
     """Generate for one prompt; leaving early (stop string, disconnect) cancels the sequence."""
-    ticket = st.scheduler.submit(GenerationRequest(ids, s.max_tokens, s.ignore_eos, (), s.temperature, s.seed))
+    ticket = st.scheduler.submit(GenerationRequest(ids, s.max_tokens, s.ignore_eos, s.stop_token_ids, s.temperature,
+                                                   s.seed, s.top_p))
     try:
         while (ev := await ticket.events.get()) is not None:
             if isinstance(ev, Exception):
@@ -257,29 +277,32 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _respond(request: web.Request, chat: bool) -> web.StreamResponse:
+    """Validate the whole request (a 4xx before anything is queued or streamed), then answer it."""
     st: _State = request.app[STATE]
-    body = await request.json()
-    if not isinstance(body, dict):
-        raise BadInput("Request body must be a JSON object.")
-    s = parse_sampling(body, chat=chat)
+    body = read_body(await request.read())
+    check_model(body, st.model_name)
+    s = parse_sampling(body, st.engine.vocab_size, chat=chat)
     prompts = [chat_prompt(body.get("messages"), st.engine.tokenizer)] if chat else \
-        parse_prompts(body.get("prompt"), st.engine.tokenizer)
+        parse_prompts(body.get("prompt"), st.engine.tokenizer, st.engine.vocab_size)
+    per_prompt = [replace(s, max_tokens=n)
+                  for n in budgets(prompts, s, getattr(st.engine, "max_positions", None))]
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
             "model": st.model_name}
     stats, clock = request[STATS], _Clock(request[ARRIVAL], len(prompts))
     stats["tokens_in"] = sum(map(len, prompts))
     try:
         if s.stream:
-            return await _stream(request, st, prompts, s, head, chat, clock)
-        return await _answer(st, prompts, s, head, chat, clock)
+            return await _stream(request, st, prompts, per_prompt, head, chat, clock)
+        return await _answer(st, prompts, per_prompt, head, chat, clock)
     finally:
         stats.update(clock.stats())
 
 
-async def _answer(st: _State, prompts: list[list[int]], s: Sampling, head: dict, chat: bool,
+async def _answer(st: _State, prompts: list[list[int]], per_prompt: list[Sampling], head: dict, chat: bool,
                   clock: _Clock) -> web.Response:
-    """The whole answer in one JSON body."""
-    results = await asyncio.gather(*(_complete(st, i, ids, s, clock) for i, ids in enumerate(prompts)))
+    """The whole answer in one JSON body. `per_prompt` differ in max_tokens only."""
+    s = per_prompt[0]
+    results = await asyncio.gather(*(_complete(st, i, ids, per_prompt[i], clock) for i, ids in enumerate(prompts)))
     choices, generated = [c for c, _ in results], [g for _, g in results]
     if s.logprobs is not None:
         await _add_logprobs(st, choices, prompts, generated, s)
@@ -290,8 +313,9 @@ async def _answer(st: _State, prompts: list[list[int]], s: Sampling, head: dict,
                               "choices": choices, "usage": _usage(prompts, sum(map(len, generated)))})
 
 
-async def _stream(request, st: _State, prompts, s: Sampling, head: dict, chat: bool,
+async def _stream(request, st: _State, prompts, per_prompt: list[Sampling], head: dict, chat: bool,
                   clock: _Clock) -> web.StreamResponse:
+    s = per_prompt[0]
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     kind = "chat.completion.chunk" if chat else "text_completion"
@@ -305,7 +329,7 @@ async def _stream(request, st: _State, prompts, s: Sampling, head: dict, chat: b
 
     async def pump(index: int, ids: list[int]) -> None:
         try:
-            async for piece in _pieces(st, ids, s):
+            async for piece in _pieces(st, ids, per_prompt[index]):
                 await merged.put((index, piece))
         finally:
             await merged.put((index, None))
@@ -379,14 +403,35 @@ def serve(engine_dir: Path, host: str = "127.0.0.1", port: int = 8000, api_key: 
           model_name: str | None = None, admission: AdmissionConfig = SERVE_ADMISSION,
           on_ready: Callable[[dict[str, float]], None] | None = None, **engine_options: Any) -> None:
     """Serve a built engine until SIGTERM or SIGINT, then drain: /health and new requests get 503,
-    in-flight requests finish (up to `admission.drain_timeout_s`), return (blocking)."""
+    in-flight requests finish (up to `admission.drain_timeout_s`), return (blocking).
+
+    An engine that fails to load or warm up stops the server and raises the load's error (a broken
+    engine folder is BadInput, naming the fix); a port in use is BadInput too."""
     import uvloop
 
     from kiln.engine.loader import load_engine
 
     app = create_app(lambda: load_engine(Path(engine_dir), **engine_options), api_key, model_name,
                      admission=admission, on_ready=on_ready)
-    uvloop.run(serve_until_drained(app, app[STATE].admission, host, port, handler_cancellation=True))
+    uvloop.run(_serve_or_fail(app, host, port))
+
+
+async def _serve_or_fail(app: web.Application, host: str, port: int) -> None:
+    st: _State = app[STATE]
+    serving = asyncio.create_task(serve_until_drained(app, st.admission, host, port, handler_cancellation=True))
+    failed = asyncio.create_task(st.failed.wait())
+    await asyncio.wait({serving, failed}, return_when=asyncio.FIRST_COMPLETED)
+    failed.cancel()
+    if not serving.done():  # the engine failed: stop serving 503s and say why
+        serving.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await serving
+        raise st.error  # type: ignore[misc]
+    try:
+        serving.result()
+    except OSError as e:  # EADDRINUSE, EACCES, a host with no such address
+        raise BadInput(f"--host/--port: cannot listen on {host}:{port} ({e.strerror or e}). Choose another "
+                       "--port, or stop the process that holds it.") from None
 
 
 def main(argv: list[str] | None = None) -> None:

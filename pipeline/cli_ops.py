@@ -13,7 +13,11 @@ from kiln.deploy.config import SERVE_ADMISSION
 from kiln.pipeline.cli import RecipeArg, RunsOpt, SetOpt, app, console
 from kiln.pipeline.errors import BadInput
 
-HostOpt = Annotated[str, typer.Option(help="bind address; loopback unless you mean otherwise")]
+HostOpt = Annotated[str, typer.Option(help="bind address; loopback unless you mean otherwise (any other address "
+                                           "needs an API key, or --insecure-no-api-key)")]
+InsecureOpt = Annotated[bool, typer.Option("--insecure-no-api-key",
+                                           help="serve a non-loopback --host with no API key: anyone who can reach "
+                                                "it can use it")]
 KeyEnvOpt = Annotated[str, typer.Option(help="env var holding the API key clients must send (unset: no key)")]
 TrackingOpt = Annotated[str | None, typer.Option(help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or ./mlflow.db)")]
 deploy_app = typer.Typer(no_args_is_help=True, help="Canary rollouts: walk one locally, or render Argo Rollouts manifests.")
@@ -22,6 +26,20 @@ app.add_typer(deploy_app, name="deploy")
 
 def _key(env_name: str) -> str | None:
     return os.environ.get(env_name) or None
+
+
+def check_exposure(host: str, key: str | None, key_env: str, insecure: bool) -> None:
+    """Refuse to open an unauthenticated server beyond this machine unless asked to in so many words."""
+    import ipaddress
+
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost: may resolve anywhere
+        loopback = False
+    if not loopback and not key and not insecure:
+        raise BadInput(f"--host {host}: not a loopback address, and ${key_env} holds no API key, so anyone who "
+                       f"can reach {host} could use this server. Export {key_env}=<key> (clients send "
+                       "'Authorization: Bearer <key>'), or pass --insecure-no-api-key to serve it open.")
 
 
 def run_dir(run: str, runs: Path) -> Path:
@@ -33,11 +51,14 @@ def run_dir(run: str, runs: Path) -> Path:
 
 def engine_dir(target: str, role: str, runs: Path) -> Path:
     """An engine folder, or a run's engine for `role`."""
+    from kiln.engine.base import REBUILD
     from kiln.pipeline.files import read_json
 
     p = Path(target)
     if (p / "kiln-engine.json").exists():
         return p
+    if p.is_dir() and not (p / "state.json").exists():
+        raise BadInput(f"{target}: not an engine folder (no kiln-engine.json) nor a run (no state.json). {REBUILD}")
     stage = run_dir(target, runs) / "stages" / f"engine-{role}.json"
     if not stage.exists():
         raise BadInput(f"{target}: not an engine folder (no kiln-engine.json) and the run has no {role} engine.")
@@ -66,16 +87,21 @@ def serve(target: Annotated[str, typer.Argument(metavar="ENGINE_DIR|RUN")],
           request_log: Annotated[str, typer.Option(help="one JSON line per request (queue time, TTFT, TPOT, tokens "
                                                    "in/out): 'stderr', 'stdout', a file (appended) or 'off'")]
           = "stderr",
+          insecure_no_api_key: InsecureOpt = False,
           runs: RunsOpt = Path("runs")) -> None:
     """Serve an engine behind an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /health, /metrics).
 
     A full queue answers 429 at once; SIGTERM drains (in-flight requests finish) and exits 0.
-    Prints the cold start (boot, engine load, warm-up) when ready.
+    Prints the cold start (boot, engine load, warm-up) when ready. An engine that fails to load,
+    or a port in use, exits 2 with the fix.
     """
     from kiln.deploy.admission import log_requests_to
+    from kiln.engine.loader import check_hardware, read_manifest
     from kiln.engine.server import serve as serve_engine
 
+    check_exposure(host, _key(api_key_env), api_key_env, insecure_no_api_key)
     d = engine_dir(target, role, runs)
+    check_hardware(read_manifest(d), d)  # the cheap checks before binding; the load itself follows
     admission = SERVE_ADMISSION.model_validate({
         **SERVE_ADMISSION.model_dump(), "max_concurrency": max_running, "max_queue": max_queue,
         "rate_limit_rps": rate_limit or None, "rate_limit_burst": rate_burst, "drain_timeout_s": drain_timeout,
@@ -140,13 +166,18 @@ def route(stable: Annotated[str, typer.Option(help="stable backend URL")],
           canary: Annotated[str | None, typer.Option(help="canary backend URL")] = None,
           weight: Annotated[float, typer.Option(help="percent of traffic to the canary")] = 0.0,
           host: HostOpt = "127.0.0.1", port: int = 8080, api_key_env: KeyEnvOpt = "KILN_API_KEY",
-          upstream_api_key_env: KeyEnvOpt = "KILN_UPSTREAM_API_KEY") -> None:
+          upstream_api_key_env: KeyEnvOpt = "KILN_UPSTREAM_API_KEY", insecure_no_api_key: InsecureOpt = False) -> None:
     """One OpenAI-compatible entry point splitting traffic between a stable and a canary backend."""
     from kiln.deploy.config import RouterConfig
     from kiln.deploy.router_process import serve_router
 
+    check_exposure(host, _key(api_key_env), api_key_env, insecure_no_api_key)
     cfg = RouterConfig(host=host, port=port, stable_url=stable, canary_url=canary, weight=weight)
-    serve_router(cfg, api_key=_key(api_key_env), upstream_api_key=_key(upstream_api_key_env))
+    try:
+        serve_router(cfg, api_key=_key(api_key_env), upstream_api_key=_key(upstream_api_key_env))
+    except OSError as e:  # the port in use
+        raise BadInput(f"--host/--port: cannot listen on {host}:{port} ({e.strerror or e}). Choose another "
+                       "--port, or stop the process that holds it.") from None
 
 
 def _run_recipe(d: Path):

@@ -186,16 +186,12 @@ def test_health_is_503_until_loaded_and_warmed_up(torch_engine):
         srv.stop()
 
 
-def test_too_long_prompt_is_a_400_or_an_error_event_when_streaming(server, client, torch_engine):
+def test_too_long_prompt_is_a_400_streamed_or_not(server, client, torch_engine):
     too_long = [5] * (torch_engine.max_positions + 1)
-    with pytest.raises(openai.BadRequestError, match="positions"):
+    with pytest.raises(openai.BadRequestError, match=f"context is {torch_engine.max_positions} tokens"):
         client.completions.create(model="tiny", prompt=too_long, max_tokens=2)
-    body = json.dumps({"model": "tiny", "prompt": too_long, "max_tokens": 2, "stream": True}).encode()
-    req = urllib.request.Request(f"{server.url}/v1/completions", data=body,
-                                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        events = [e[len("data: "):] for e in r.read().decode().split("\n\n") if e.startswith("data: ")]
-    assert "positions" in json.loads(events[0])["error"]["message"] and events[-1] == "[DONE]"
+    with pytest.raises(openai.BadRequestError, match=f"has {len(too_long)} tokens"):  # before the stream starts
+        client.completions.create(model="tiny", prompt=too_long, max_tokens=2, stream=True)
 
 
 def test_streamed_logprobs_carry_token_ids(client, torch_engine):
@@ -236,7 +232,8 @@ def test_serve_as_a_subprocess(tiny_model_dir, tmp_path):
                 pass
             time.sleep(0.5)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
-        assert client.completions.create(model="x", prompt="Hello", max_tokens=3).usage.completion_tokens <= 3
+        served = client.models.list().data[0].id
+        assert client.completions.create(model=served, prompt="Hello", max_tokens=3).usage.completion_tokens <= 3
     finally:
         proc.terminate()
         proc.wait(timeout=60)
