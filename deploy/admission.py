@@ -44,9 +44,9 @@ log = logging.getLogger("kiln.requests")
 
 def tenant_of(request: web.Request) -> str:
     """A stable tenant id: a short hash of the bearer key, else the peer address."""
-    auth = request.headers.get("Authorization", "")
-    if auth.startswith("Bearer ") and len(auth) > 7:
-        return "key:" + hashlib.sha256(auth[7:].encode()).hexdigest()[:12]
+    scheme, _, key = request.headers.get("Authorization", "").strip().partition(" ")
+    if scheme.lower() == "bearer" and key.strip():  # the scheme is case-insensitive (RFC 7235)
+        return "key:" + hashlib.sha256(key.strip().encode()).hexdigest()[:12]
     return f"ip:{request.remote or 'unknown'}"
 
 

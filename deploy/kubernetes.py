@@ -74,7 +74,8 @@ def rollout(name: str, deploy: DeployConfig, has_full_gate: bool, warnings: list
     drain = int(deploy.router.admission.drain_timeout_s)
     container: dict[str, Any] = {
         "name": "kiln-serve", "image": k.image, "command": ["kiln"],
-        "args": ["serve", k.model_path, "--host", "0.0.0.0", "--port", str(k.port)],
+        # Open inside the cluster, said explicitly: kiln serve refuses a non-loopback host without a key.
+        "args": ["serve", k.model_path, "--host", "0.0.0.0", "--port", str(k.port), "--insecure-no-api-key"],
         "ports": [{"name": "http", "containerPort": k.port}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "failureThreshold": 2},
         "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 90},

@@ -55,7 +55,9 @@ class SteadyLoad:
     async def _client(self, session: aiohttp.ClientSession, counter: itertools.count) -> None:
         while not self._stop.is_set():
             i = next(counter)
-            body = {"model": "kiln", "prompt": f"request {i} of session {i % self.sessions}", "stream": True,
+            # No "model": kiln serve answers an unknown name with 404, and the arms behind a router serve
+            # different names; without one, each serves its own (as vLLM does).
+            body = {"prompt": f"request {i} of session {i % self.sessions}", "stream": True,
                     "max_tokens": self.max_tokens, "temperature": 0}
             self.stats.sent += 1
             start = time.perf_counter()
