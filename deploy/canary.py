@@ -34,8 +34,8 @@ from kiln.evaluate.stats import Verdict, jsonable
 from kiln.pipeline.errors import ExitCode
 from kiln.pipeline.files import atomic_write_json
 from kiln.pipeline.gate.policy import GateOutcome, GateSection
+from kiln.pipeline.model_registry import CHALLENGER
 
-CHALLENGER, CHAMPION = "challenger", "champion"
 
 
 @dataclass
@@ -168,9 +168,11 @@ class Controller:
         """Move 'champion' to the candidate on promotion; tag the version with the outcome either way."""
         if not (self.tracker and self.model and self.version):
             return
+        from kiln.pipeline.model_registry import promote
+
         client = self.tracker.client
-        if status == "promoted":
-            client.set_registered_model_alias(self.model, CHAMPION, self.version)
+        if status == "promoted":  # remembers the champion it replaces, so `kiln rollback` can restore it
+            promote(client, self.model, self.version)
         client.set_model_version_tag(self.model, self.version, "kiln.deploy", status)
 
     def _start_run(self) -> str | None:

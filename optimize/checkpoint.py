@@ -52,6 +52,26 @@ def read_header(path: Path) -> dict[str, Any]:
         return json.loads(f.read(length))
 
 
+def canonicalize_safetensors(checkpoint: Path) -> None:
+    """Rewrite each safetensors header in one canonical form (sorted keys, no spaces), tensor bytes
+    untouched: the same weights then give the same file. torchao's serializer emits its metadata
+    keys in a different order from one save to the next, which changed the artifact's sha256 on
+    every re-quantization and so every content key downstream of it. A hardlinked file (the
+    pass-through's) holds the source's own bytes, stable already: it is left alone, still shared."""
+    from kiln.pipeline.files import atomic_copy_with
+
+    for path in safetensors_files(checkpoint):
+        if path.stat().st_nlink > 1:
+            continue
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            raw = f.read(length)
+        canonical = json.dumps(json.loads(raw), sort_keys=True, separators=(",", ":")).encode()
+        canonical += b" " * (-len(canonical) % 8)  # the spec's padding: tensor data stays 8-byte aligned
+        if canonical != raw:
+            atomic_copy_with(path, struct.pack("<Q", len(canonical)) + canonical, skip=8 + length)
+
+
 def tensors(checkpoint: Path) -> dict[str, dict[str, Any]]:
     """Every tensor in the checkpoint: name -> {dtype, shape, nbytes}."""
     out: dict[str, dict[str, Any]] = {}

@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kiln.pipeline.errors import BadInput, ExitCode, KilnError
+from kiln.pipeline.secrets import guard_streams
 
 app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
                   help="kiln: take an LLM checkpoint to production safely — optimize, evaluate, track, gate, deploy.")
@@ -33,6 +34,9 @@ def _env() -> None:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    # MLflow prints "View run … at <tracking URI>" for every run it ends: dozens of lines per
+    # kiln run, with any credentials in the URI. kiln's report links the parent run once.
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' weight-loading bars too
     if not sys.stderr.isatty():  # a log file or CI: each bar would be hundreds of redraws in one line
@@ -139,6 +143,7 @@ def prepare_demo() -> None:
 
 
 def main() -> None:
+    guard_streams()  # before anything can print a credential
     _env()
     try:
         code = app(standalone_mode=False)

@@ -8,25 +8,28 @@ built under a `.partial` name and renamed into place only when complete.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 _CHUNK = 1 << 20
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+@contextlib.contextmanager
+def _replacing(path: Path) -> Iterator[Any]:
+    """A file object whose bytes become `path` (through a temporary sibling) if the block completes."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -36,8 +39,24 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    with _replacing(path) as f:
+        f.write(data)
+
+
+def atomic_copy_with(path: Path, head: bytes, skip: int) -> None:
+    """Replace `path` atomically by `head` followed by its own bytes after the first `skip`."""
+    with open(path, "rb") as src, _replacing(path) as out:
+        out.write(head)
+        src.seek(skip)
+        shutil.copyfileobj(src, out, _CHUNK)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
+    """Every text file kiln writes comes through here, so no credential ever lands in one."""
+    from kiln.pipeline.secrets import scrub
+
+    atomic_write_bytes(path, scrub(text).encode())
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
@@ -67,6 +86,26 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     if final.exists():
         shutil.rmtree(final)
     os.replace(scratch, final)
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
+    """An exclusive advisory lock (flock) on `path`, held for the block: two kiln processes on one
+    cache take turns. The kernel drops it when the holder dies, so a killed run never leaves a
+    stale lock. `on_wait` is called once if another process holds it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait:
+                on_wait()
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def sha256_file(path: Path) -> str:

@@ -29,7 +29,6 @@ from kiln.evaluate.roofline import CeilingRow
 from kiln.pipeline.errors import BadInput
 from kiln.pipeline.metrics import LOAD_PREFIX, METRICS
 
-ARTIFACTS = ("records", "plots")
 PLOTS = ("latency_vs_rate.png", "latency_throughput.png", "ceiling_vs_measured.png")
 CEILING_BATCHES = (1, 2, 4, 8, 16)
 

@@ -8,7 +8,7 @@ registry version with each step's content key and MLflow run. Markdown for termi
 requests and the GitHub job summary (plots named by their path under the run dir); a
 self-contained HTML page of the same content (plots embedded); both logged to the parent MLflow
 run. The candidate becomes a registered model version with alias `challenger`, tagged with the
-verdict, each check and the lineage.
+verdict, each check and the lineage (`kiln.pipeline.model_registry`).
 """
 
 from __future__ import annotations
@@ -166,24 +166,6 @@ figure{{margin:1em 0}}figcaption{{color:#555;font-size:90%}}</style></head><body
 </body></html>"""
 
 
-def register(ctx: Any, outcome: GateOutcome, artifact_path: Path, artifact_sha: str) -> dict[str, Any]:
-    """Register the candidate as a model version with alias `challenger`."""
-    client = ctx.tracker.client
-    name = ctx.recipe.tracking.registered_model or ctx.recipe.name
-    from mlflow.exceptions import MlflowException
-
-    try:
-        client.create_registered_model(name)
-    except MlflowException:
-        pass  # already exists
-    tags = {"kiln.verdict": outcome.verdict.value, "kiln.recipe_hash": ctx.recipe.digest(),
-            "kiln.artifact_sha256": artifact_sha, "kiln.run_dir": str(ctx.run_dir.resolve()),
-            **{f"kiln.check.{r.name}": r.verdict.value for r in outcome.results}}
-    mv = client.create_model_version(name, source=str(Path(artifact_path).resolve()), run_id=ctx.parent_run, tags=tags)
-    client.set_registered_model_alias(name, "challenger", mv.version)
-    return {"name": name, "version": mv.version, "alias": "challenger"}
-
-
 def lineage(ctx: Any, outcome: GateOutcome, version: dict[str, Any]) -> list[dict[str, str]]:
     """recipe -> optimize artifact -> engine -> quality -> benchmark -> verdict -> registry version,
     each step with its content key and its MLflow run, in the order the run made them."""
@@ -221,8 +203,12 @@ def comparisons(evidence: dict[str, Evidence], confidence: float) -> list[Any]:
 def publish(ctx: Any, outcome: GateOutcome, evidence: dict[str, Evidence], artifact: Any) -> Path:
     from kiln.pipeline.report_plots import gather
 
-    version = register(ctx, outcome, artifact.path, artifact.manifest.get("sha256", ""))
-    links = {"registered model": f"{version['name']} v{version['version']} (alias {version['alias']})"}
+    from kiln.pipeline import model_registry
+
+    registered = model_registry.register(ctx, artifact)
+    version = registered.to_dict()
+    links = {"registered model": f"{version['name']} v{version['version']} (alias {version['alias']})"
+                                 + (", the same artifact and recipe as before" if registered.reused else "")}
     if url := ctx.tracker.run_url(ctx.parent_run):
         links["MLflow run"] = url
     load = ctx.outcomes.get("load:pair")
@@ -245,4 +231,5 @@ def publish(ctx: Any, outcome: GateOutcome, evidence: dict[str, Evidence], artif
     if sections.plots:
         ctx.tracker.log_artifacts(ctx.parent_run, ctx.run_dir / "plots", "plots")
     ctx.tracker.log(ctx.parent_run, tags={"kiln.registered_version": f"{version['name']}/{version['version']}"})
+    model_registry.complete(ctx, registered, outcome)  # last: only a finished run's version reads as finished
     return ctx.run_dir / "report.md"

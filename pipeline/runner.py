@@ -20,17 +20,30 @@ from kiln.pipeline.gate.policy import GateOutcome
 from kiln.pipeline.model_source import cache_root, resolve_model
 from kiln.pipeline.recipe import Recipe
 from kiln.pipeline.stages import RunContext
+from kiln.pipeline.secrets import ScrubFilter
 from kiln.pipeline.tracking import Tracker, flatten, redact_uri
 from kiln.pipeline.versions import environment, git_commit
 
 
 def new_run_dir(root: Path, recipe: Recipe) -> Path:
-    return Path(root) / f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}-{recipe.digest()[:6]}"
+    """A new run directory, created here: runs started in the same second (two CI jobs, two
+    terminals) get `-2`, `-3`… rather than each other's folder."""
+    base = Path(root) / f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}-{recipe.digest()[:6]}"
+    Path(root).mkdir(parents=True, exist_ok=True)
+    for n in range(1, 1000):
+        run_dir = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            run_dir.mkdir()
+            return run_dir
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"no free run directory name under {root} for {base.name}")
 
 
 def _log_to_file(run_dir: Path) -> logging.Handler:
     handler = logging.FileHandler(run_dir / "kiln.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(ScrubFilter())
     logger = logging.getLogger("kiln")
     logger.setLevel(logging.INFO)
     logger.addHandler(handler)
@@ -38,12 +51,12 @@ def _log_to_file(run_dir: Path) -> logging.Handler:
 
 
 def start_run(recipe: Recipe, recipe_path: Path, runs_root: Path, console: Any, fresh: set[str]) -> RunContext:
-    run_dir = new_run_dir(runs_root, recipe)
-    (run_dir / "stages").mkdir(parents=True)
-    tracker = Tracker(recipe.tracking.uri, recipe.tracking.experiment)
+    tracker = Tracker(recipe.tracking.uri, recipe.tracking.experiment)  # an unreachable store fails before any work
     tracker.mark_stale({"kiln.recipe": recipe.name})  # parents and stages of a killed earlier attempt
+    run_dir = new_run_dir(runs_root, recipe)
+    (run_dir / "stages").mkdir()
     tags = {"kiln.kind": "pipeline", "kiln.recipe": recipe.name, "kiln.recipe_hash": recipe.digest(),
-            "kiln.run_dir": str(run_dir.resolve()), "kiln.pid": str(os.getpid()),
+            "kiln.run_dir": str(run_dir.resolve()),
             "mlflow.source.git.commit": git_commit() or "unknown"}
     parent = tracker.start(run_dir.name, tags)
     resolved = recipe.model_dump(mode="json")

@@ -14,7 +14,7 @@ from kiln.pipeline.files import atomic_write_json, dir_size, hash_of
 from kiln.pipeline.gate.base import Evidence
 from kiln.pipeline.gate.policy import GateOutcome, judge
 from kiln.pipeline.model_source import ResolvedModel
-from kiln.pipeline.stages import RunContext, StageOutcome, peak_rss_bytes, run_stage
+from kiln.pipeline.stages import RunContext, StageOutcome, peak_rss_bytes, run_stage, run_tags
 from kiln.pipeline.versions import library_versions
 
 
@@ -42,8 +42,10 @@ def quantize(ctx: RunContext, role: str, cfg: Any, model: ResolvedModel) -> Mode
                     "source_sha256": model.sha256, "calibration_sha256": inputs["calibration"],
                     "libraries": library_versions(), "wall_s": _t.perf_counter() - start,
                     "peak_rss_bytes": peak_rss_bytes(), "size_bytes": dir_size(out / "model"), **fields}
+        from kiln.optimize.checkpoint import canonicalize_safetensors
         from kiln.pipeline.files import sha256_tree
 
+        canonicalize_safetensors(out / "model")  # same weights, same bytes: the hash chain holds
         manifest["sha256"] = sha256_tree(out / "model")
         atomic_write_json(out / "model" / "kiln-artifact.json", manifest)
         metrics = {"quantize_s": manifest["wall_s"], "size_bytes": manifest["size_bytes"],
@@ -101,8 +103,7 @@ def tune_engine(ctx: RunContext, art: ModelArtifact) -> StageOutcome:
         return ctx.outcomes["tune:candidate"]
     cfg, sha = ctx.recipe.engine, art.manifest["sha256"]
     outcome = run_stage(ctx, "tune", "candidate", tune_inputs(cfg, sha),
-                        lambda out: tune(cfg, art.path, sha, ctx.cache, out, log=lambda s: ctx.console.print(s, markup=False)),
-                        artifacts=("trials.md", "pareto.png"))
+                        lambda out: tune(cfg, art.path, sha, ctx.cache, out, log=lambda s: ctx.console.print(s, markup=False)))
     log_trials(ctx.tracker, outcome.mlflow_run, outcome.result, outcome.reused)
     return outcome
 
@@ -174,7 +175,7 @@ def _perplexity(ctx: RunContext, role: str, loaded: LazyEngines, engine_dir: Pat
         return {"metrics": res.metrics, "samples": {"file": "perplexity.jsonl", "columns": ["nll", "tokens"]}}
 
     run_stage(ctx, "quality", role, {"engine": engine_dir.name, **text_inputs, "eval": "perplexity"},
-              compute, artifacts=("perplexity.jsonl",))
+              compute)
 
 
 def _lmeval(ctx: RunContext, role: str, loaded: LazyEngines, engine_dir: Path, cfg: Any) -> None:
@@ -194,7 +195,7 @@ def _lmeval(ctx: RunContext, role: str, loaded: LazyEngines, engine_dir: Path, c
         return {"metrics": {k: v for r in results for k, v in r.metrics.items()}, "samples": samples}
 
     run_stage(ctx, "lmeval", role, {"engine": engine_dir.name, "tasks": fingerprints, "limit": cfg.limit},
-              compute, artifacts=("lmeval.json",))
+              compute)
 
 
 def _agreement(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], docs, text_inputs) -> None:
@@ -208,7 +209,7 @@ def _agreement(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], d
 
     run_stage(ctx, "agreement", "candidate",
               {"baseline": engines["baseline"].name, "candidate": engines["candidate"].name, **text_inputs},
-              compute, artifacts=("agreement.jsonl",))
+              compute)
 
 
 def _benchmark(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path]) -> None:
@@ -230,19 +231,19 @@ def _benchmark(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path]) -
     run_stage(ctx, "benchmark", "pair",
               {"engines": {r: p.name for r, p in engines.items()}, "config": b.model_dump(mode="json"),
                "hardware": hardware_fingerprint(), "prompts": hash_of(prompts), "pairing": "per-prompt"},
-              compute, artifacts=("repeats.json",))
+              compute)
 
 
 def _load(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path]) -> None:
     """Both arms served over HTTP under the recipe's load shape (see kiln.pipeline.load_stage)."""
     from kiln.engine.cache import hardware_fingerprint
-    from kiln.pipeline.load_stage import ARTIFACTS, measure
+    from kiln.pipeline.load_stage import measure
 
     cfg = ctx.recipe.evaluate.load
     run_stage(ctx, "load", "pair",
               {"engines": {r: p.name for r, p in engines.items()}, "config": cfg.model_dump(mode="json"),
                "hardware": hardware_fingerprint()},
-              lambda out: measure({role: loaded[role] for role in engines}, engines, cfg, out), artifacts=ARTIFACTS)
+              lambda out: measure({role: loaded[role] for role in engines}, engines, cfg, out))
 
 
 def _prompts(spec: str, n: int, tokenizer: Any) -> list[list[int]]:
@@ -264,9 +265,8 @@ def _prompts(spec: str, n: int, tokenizer: Any) -> list[list[int]]:
 def gate(ctx: RunContext) -> tuple[GateOutcome, dict[str, Evidence]]:
     evidence = evidence_from_run(ctx.run_dir)
     outcome = judge(ctx.recipe.gate, evidence["candidate"], evidence["baseline"])
-    run_id = ctx.tracker.start("gate", {"kiln.stage": "gate", "kiln.role": "candidate",
-                                        "kiln.recipe_hash": ctx.recipe.digest(), "kiln.verdict": outcome.verdict.value},
-                               parent=ctx.parent_run)
+    run_id = ctx.tracker.start("gate", {"kiln.stage": "gate", "kiln.role": "candidate", **run_tags(ctx),
+                                        "kiln.verdict": outcome.verdict.value}, parent=ctx.parent_run)
     atomic_write_json(ctx.run_dir / "verdict.json", outcome.to_dict())
     ctx.tracker.log(run_id, tags={f"kiln.check.{r.name}": r.verdict.value for r in outcome.results},
                     metrics={f"{r.name}.observed": r.observed for r in outcome.results if r.observed is not None})

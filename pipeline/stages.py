@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import resource
 import time
 from collections.abc import Callable
@@ -21,7 +20,7 @@ from typing import Any
 
 from rich.markup import escape
 
-from kiln.pipeline.files import atomic_dir, atomic_write_json, hash_of, read_json
+from kiln.pipeline.files import atomic_dir, atomic_write_json, file_lock, hash_of, read_json
 from kiln.pipeline.tracking import STAGE_KEY, Tracker, flatten
 from kiln.pipeline.versions import environment
 
@@ -59,6 +58,12 @@ class StageOutcome:
     mlflow_run: str
 
 
+def run_tags(ctx: RunContext) -> dict[str, str]:
+    """Tags on every MLflow run of one pipeline run: what ties it to its recipe, and what
+    `Tracker.mark_stale` finds a killed run's leftovers by (with the host and pid every run has)."""
+    return {"kiln.recipe": ctx.recipe.name, "kiln.recipe_hash": ctx.recipe.digest()}
+
+
 def peak_rss_bytes() -> int:
     """Peak resident memory of this process so far (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -70,41 +75,52 @@ def run_stage(ctx: RunContext, stage: str, role: str, inputs: dict[str, Any],
     """Return the stage's result, computing it only if no finished copy exists.
 
     `compute(out_dir)` writes files into out_dir and returns the result dict, whose "metrics"
-    (flat name -> number) are logged to MLflow. `artifacts` names files in out_dir to log.
-    `portable` stages (results only, no large local outputs such as checkpoints) may also be
-    reused from another machine's run found in MLflow by its stage key.
+    (flat name -> number) are logged to MLflow. `portable` stages (results only, no large local
+    outputs such as checkpoints) log their whole folder and may be reused from another machine's
+    run found in MLflow by its stage key; the others log their result, manifest and `artifacts`.
     """
     key = hash_of({"stage": stage, "format": STAGE_FORMAT, "inputs": inputs})
     path = ctx.cache / "stages" / stage / key
     label = f"{stage}[{role}]"
-    tags = {"kiln.stage": stage, "kiln.role": role, STAGE_KEY: key, "kiln.recipe_hash": ctx.recipe.digest(),
-            "kiln.recipe": ctx.recipe.name, "kiln.pid": str(os.getpid())}
-    source_run = None
-    if stage in ctx.fresh or "all" in ctx.fresh:
-        reused = False
-    elif (path / RESULT).exists():
-        reused = True
-    elif portable and (source_run := ctx.tracker.find_stage(key)):
-        with atomic_dir(path) as tmp:
-            ctx.tracker.download(source_run, "stage", tmp)
-        reused = True
-    else:
-        reused = False
-    run_id = ctx.tracker.start(label, tags, parent=ctx.parent_run)
-    try:
-        if reused:
-            ctx.console.print(f"[dim]✓ {escape(label)}: unchanged inputs, reusing {key[:12]}[/dim]")
+    tags = {"kiln.stage": stage, "kiln.role": role, STAGE_KEY: key, **run_tags(ctx)}
+    # One process at a time per stage key: a second run on the same cache waits, then reuses what
+    # the first computed, instead of computing it again and replacing files under a reader.
+    def waiting() -> None:
+        ctx.console.print(f"[dim]… {escape(label)}: another kiln run is computing it; waiting[/dim]")
+
+    with file_lock(ctx.cache / "locks" / stage / f"{key}.lock", on_wait=waiting):
+        source_run = None
+        if stage in ctx.fresh or "all" in ctx.fresh:
+            reused = False
+        elif (path / RESULT).exists():
+            reused = True
+        elif portable and (source_run := ctx.tracker.find_stage(key)):
+            with atomic_dir(path) as tmp:
+                ctx.tracker.download(source_run, "stage", tmp)
+            reused = True
         else:
-            _compute(ctx, label, key, inputs, compute, path)
+            reused = False
+        run_id = ctx.tracker.start(label, tags, parent=ctx.parent_run)
+        try:
+            if reused:
+                where = f" from the tracking server (run {source_run})" if source_run else ""
+                ctx.console.print(f"[dim]✓ {escape(label)}: unchanged inputs, reusing {key[:12]}{where}[/dim]")
+            else:
+                _compute(ctx, label, key, inputs, compute, path)
+        except BaseException:
+            ctx.tracker.end(run_id, "FAILED")
+            raise
+    try:
         result = read_json(path / RESULT)
         manifest = read_json(path / MANIFEST)
         ctx.tracker.log(run_id, metrics=result.get("metrics", {}), params=flatten(inputs),
                         tags={"kiln.reused": str(reused).lower(), **({"kiln.reused_from": source_run} if source_run else {})})
-        ctx.tracker.log_artifacts(run_id, path / RESULT, "stage")
-        ctx.tracker.log_artifacts(run_id, path / MANIFEST, "stage")
-        for name in artifacts:
-            if (path / name).exists():
-                ctx.tracker.log_artifacts(run_id, path / name, "stage")
+        if portable:  # all of it: another machine reuses the stage from these files alone
+            ctx.tracker.log_artifacts(run_id, path, "stage")
+        else:
+            for name in (RESULT, MANIFEST, *artifacts):
+                if (path / name).exists():
+                    ctx.tracker.log_artifacts(run_id, path / name, "stage")
         ctx.tracker.log(run_id, metrics={"wall_s": manifest.get("wall_s", 0.0)})
         ctx.tracker.end(run_id)
     except BaseException:

@@ -8,16 +8,20 @@ baseline's results instead of recomputing them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kiln.pipeline import secrets
 from kiln.pipeline.errors import BadInput
 
 STAGE_KEY = "kiln.stage_key"
+PROBE_TIMEOUT_S = 5.0
 
 
 def default_uri() -> str:
@@ -47,21 +51,81 @@ def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def process_tags() -> dict[str, str]:
+    """Which process on which machine owns a run: a RUNNING run is stale only when its own host
+    says that pid is gone (another machine's pid means nothing here)."""
+    return {"kiln.host": socket.gethostname(), "kiln.pid": str(os.getpid())}
+
+
+def probe(uri: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """Fail in seconds, not minutes, when an HTTP tracking server cannot be reached: MLflow's own
+    client retries a refused connection for over four minutes before it says so."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    import requests
+
+    shown = redact_uri(uri)
+    fix = ("Check that the server is running and the address is right (recipe field tracking.uri, "
+           "or $MLFLOW_TRACKING_URI), or leave both unset to use the local sqlite store.")
+    try:
+        response = requests.get(f"{uri.rstrip('/')}/health", timeout=(timeout_s, timeout_s))
+    except requests.RequestException as e:
+        raise BadInput(f"tracking.uri: cannot reach the MLflow tracking server at {shown} ({_reason(e)}). {fix}") from None
+    if response.status_code in (401, 403):
+        raise BadInput(f"tracking.uri: the MLflow tracking server at {shown} refused the credentials "
+                       f"(HTTP {response.status_code}). Set MLFLOW_TRACKING_USERNAME and "
+                       "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) for it.")
+
+
+def _reason(e: Exception) -> str:
+    """The root cause of a requests failure in a few words (no URL: it may carry credentials)."""
+    text = str(e)
+    for known in ("Connection refused", "timed out", "Name or service not known", "No route to host",
+                  "Temporary failure in name resolution", "certificate verify failed"):
+        if known in text:
+            return known.lower()
+    return type(e).__name__
+
+
+def open_client(uri: str | None = None) -> Any:
+    """An MlflowClient on `uri` (default: $MLFLOW_TRACKING_URI or ./mlflow.db) whose store has
+    been reached once: an HTTP server answered, or a sqlite file was created and migrated under a
+    lock (two runs opening a fresh store at once would both run its migrations)."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    from mlflow.tracking import MlflowClient
+
+    from kiln.pipeline.files import file_lock
+
+    uri = uri or default_uri()
+    secrets.remember_uri(uri)
+    probe(uri)
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    db = uri.removeprefix("sqlite:///") if uri.startswith("sqlite:///") else None
+    try:
+        with file_lock(Path(db + ".kiln-lock")) if db else contextlib.nullcontext():
+            client.search_experiments(max_results=1)  # creates and migrates a new store
+    except Exception as e:  # noqa: BLE001 - any backend failure here means a bad URI
+        raise BadInput(f"tracking.uri: cannot open MLflow store {redact_uri(uri)!r}: {e}") from None
+    return client
+
+
 class Tracker:
     def __init__(self, uri: str | None, experiment: str):
-        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-        from mlflow.tracking import MlflowClient
+        from mlflow.exceptions import MlflowException
 
         self.uri = uri or default_uri()
-        self.client = MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)
+        self.client = open_client(self.uri)
         try:
             exp = self.client.get_experiment_by_name(experiment)
             self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
-        except Exception as e:  # noqa: BLE001 - any backend failure here means a bad URI
-            raise BadInput(f"tracking.uri: cannot open MLflow store {self.uri!r}: {e}") from None
+        except MlflowException:  # created by a concurrent run between our get and create
+            exp = self.client.get_experiment_by_name(experiment)
+            if exp is None:
+                raise
+            self.experiment_id = exp.experiment_id
 
     def start(self, name: str, tags: Mapping[str, str], parent: str | None = None) -> str:
-        tags = dict(tags)
+        tags = {**process_tags(), **tags}  # every run says who owns it, for mark_stale
         if parent:
             tags["mlflow.parentRunId"] = parent
         return self.client.create_run(self.experiment_id, run_name=name, tags=tags).info.run_id
@@ -73,8 +137,8 @@ class Tracker:
 
         now = get_current_time_millis()
         ms = [Metric(k, float(v), now, 0) for k, v in metrics.items() if _is_number(v)]
-        ps = [Param(k, str(v)[:6000]) for k, v in params.items()]
-        ts = [RunTag(k, str(v)) for k, v in tags.items()]
+        ps = [Param(k, secrets.scrub(str(v))[:6000]) for k, v in params.items()]
+        ts = [RunTag(k, secrets.scrub(str(v))) for k, v in tags.items()]
         for i in range(0, max(len(ms), len(ps), len(ts)), 100):  # MLflow caps params per batch at 100
             self.client.log_batch(run_id, metrics=ms[i:i + 100], params=ps[i:i + 100], tags=ts[i:i + 100])
 
@@ -103,12 +167,13 @@ class Tracker:
                 (shutil.copytree if p.is_dir() else shutil.copy2)(p, target)
 
     def mark_stale(self, tags: Mapping[str, str]) -> list[str]:
-        """End runs left RUNNING by a killed process (their pid is gone) as KILLED."""
+        """End runs left RUNNING by a killed process (their pid is gone from their host) as KILLED."""
         filt = " and ".join(f"tags.`{k}` = '{v}'" for k, v in tags.items())
         stale = []
+        host = socket.gethostname()
         for r in self.client.search_runs([self.experiment_id], f"{filt} and attributes.status = 'RUNNING'"):
             pid = r.data.tags.get("kiln.pid")
-            if pid and pid.isdigit() and not _alive(int(pid)):
+            if r.data.tags.get("kiln.host", host) == host and pid and pid.isdigit() and not _alive(int(pid)):
                 self.end(r.info.run_id, "KILLED")
                 stale.append(r.info.run_id)
         return stale
