@@ -221,27 +221,17 @@ def deploy_render(recipe: RecipeArg, out: Annotated[Path, typer.Option(help="YAM
 
 
 def _client(tracking_uri: str | None):
-    from mlflow.tracking import MlflowClient
+    from kiln.pipeline.tracking import open_client
 
-    from kiln.pipeline.tracking import default_uri
-
-    uri = tracking_uri or default_uri()
-    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+    return open_client(tracking_uri)
 
 
 @app.command()
 def promote(name: str, version: str, tracking_uri: TrackingOpt = None) -> None:
     """Move the `champion` alias to VERSION (remembering the one it replaces, for rollback)."""
-    client = _client(tracking_uri)
-    try:
-        previous = client.get_model_version_by_alias(name, "champion").version
-    except Exception:  # noqa: BLE001 - no champion yet
-        previous = None
-    client.get_model_version(name, version)  # fails clearly on a wrong name/version
-    if previous:
-        client.set_model_version_tag(name, version, "kiln.previous_champion", previous)
-    client.set_registered_model_alias(name, "champion", version)
-    client.set_model_version_tag(name, version, "kiln.deploy", "promoted")
+    from kiln.pipeline import model_registry
+
+    previous = model_registry.promote(_client(tracking_uri), name, version)
     console.print(f"{name}: champion -> v{version}" + (f" (was v{previous})" if previous else ""))
 
 
@@ -249,14 +239,10 @@ def promote(name: str, version: str, tracking_uri: TrackingOpt = None) -> None:
 def rollback(name: str, to: Annotated[str | None, typer.Option(help="version to restore")] = None,
              tracking_uri: TrackingOpt = None) -> None:
     """Move `champion` back to the version it replaced (or --to VERSION)."""
-    client = _client(tracking_uri)
-    current = client.get_model_version_by_alias(name, "champion")
-    target = to or current.tags.get("kiln.previous_champion")
-    if not target:
-        raise BadInput(f"{name} v{current.version} has no recorded previous champion; pass --to VERSION.")
-    client.set_registered_model_alias(name, "champion", target)
-    client.set_model_version_tag(name, current.version, "kiln.deploy", "rolled_back")
-    console.print(f"{name}: champion -> v{target} (rolled back from v{current.version})")
+    from kiln.pipeline import model_registry
+
+    current, target = model_registry.rollback(_client(tracking_uri), name, to)
+    console.print(f"{name}: champion -> v{target} (rolled back from v{current})")
 
 
 @app.command()
