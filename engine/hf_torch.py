@@ -91,7 +91,9 @@ def _nucleus(probs, top_p: float):
     import torch
 
     ranked, order = torch.sort(probs, descending=True)
-    ranked[ranked.cumsum(-1) - ranked >= top_p] = 0  # the mass before this token already reaches top_p
+    drop = ranked.cumsum(-1) - ranked >= top_p  # the mass before this token already reaches top_p
+    drop[..., 0] = False  # the most likely token stays, even when a tiny top_p rounds to 0 in float32
+    ranked[drop] = 0
     return torch.zeros_like(probs).scatter(-1, order, ranked)
 
 

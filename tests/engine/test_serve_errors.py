@@ -106,9 +106,10 @@ def test_top_p_is_nucleus_sampling(server, torch_engine):
     ids = torch_engine.tokenizer("The quick brown fox").input_ids
     greedy = [e.token_id for e in torch_engine.generate([GenerationRequest(ids, 12, ignore_eos=True)])]
     body = {"prompt": ids, "max_tokens": 12, "temperature": 1.0, "ignore_eos": True, "seed": 3}
-    status, _, raw = _request(server.url, C, {**body, "top_p": 1e-9})
-    assert status == 200
-    assert json.loads(raw)["choices"][0]["text"] == torch_engine.tokenizer.decode(greedy, skip_special_tokens=True)
+    for top_p in (1e-9, 1e-300):  # 1e-300 is 0 in float32: the top token must still stay
+        status, _, raw = _request(server.url, C, {**body, "top_p": top_p})
+        assert status == 200, raw[:300]
+        assert json.loads(raw)["choices"][0]["text"] == torch_engine.tokenizer.decode(greedy, skip_special_tokens=True)
     sampled = json.loads(_request(server.url, C, body)[2])["choices"][0]["text"]
     assert sampled != json.loads(raw)["choices"][0]["text"]  # without top_p the random model's text is random
 
@@ -199,26 +200,42 @@ def test_the_scheduler_fails_only_the_request_that_breaks_the_step(tiny_model_di
 _scalars = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True) | st.text(max_size=8)
 _values = st.recursive(_scalars, lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=5), kids,
                                                                                         max_size=3), max_leaves=8)
-_fields = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-           "stop", "stream", "stream_options", "logprobs", "echo", "n", "ignore_eos", "presence_penalty", "logit_bias",
-           "stop_token_ids", "return_tokens_as_token_ids", "top_logprobs"]
-_small = {"max_tokens": st.integers(-2, 4), "max_completion_tokens": st.integers(-2, 4),
-          "prompt": st.text(max_size=12) | st.lists(st.integers(-5, 60_000), max_size=4),
-          "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "wizard", 5]),
-                                                      "content": _values}), max_size=2)}
-_bodies = st.fixed_dictionaries({}, optional={f: _small.get(f, st.nothing()) | _values for f in _fields})
+_ids = st.lists(st.integers(-5, 60_000), max_size=4)  # the tiny model's vocabulary is 49152
+_near = {  # values near the valid ones, where the edge cases are; any field may also get any value
+    "model": st.sampled_from(["tiny", "other"]),
+    "prompt": st.text(max_size=12) | _ids | st.lists(_ids, max_size=2) | st.lists(st.text(max_size=5), max_size=2),
+    "messages": st.lists(st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system", "assistant", "tool", "wizard"]),
+         "content": st.text(max_size=8) | st.lists(st.fixed_dictionaries({"type": st.just("text"),
+                                                                          "text": st.text(max_size=5)}), max_size=2)}),
+        max_size=3),
+    "max_tokens": st.integers(-2, 4), "max_completion_tokens": st.integers(-2, 4),
+    "temperature": st.floats(-1, 3) | st.just(1e-40), "top_p": st.floats(-0.5, 1.5), "seed": st.integers(-5, 2**64),
+    "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=3), "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}), "logprobs": st.integers(-1, 21),
+    "echo": st.booleans(), "n": st.integers(0, 2), "ignore_eos": st.booleans(),
+    "presence_penalty": st.sampled_from([0, 0.0, 1]), "logit_bias": st.sampled_from([{}, {"5": 1}]),
+    "stop_token_ids": _ids, "return_tokens_as_token_ids": st.booleans(), "top_logprobs": st.integers(0, 2),
+}
+_overrides = st.lists(st.sampled_from(sorted(_near)), max_size=3, unique=True).flatmap(
+    lambda names: st.fixed_dictionaries({n: _near[n] | _values for n in names}))
+_BASES = {C: {"model": "tiny", "prompt": "Hello", "max_tokens": 2},
+          CHAT: {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}
 
 
 @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(body=_bodies, chat=st.booleans())
-def test_fuzzed_bodies_never_get_a_5xx(server, body, chat):
-    body.setdefault("max_tokens", 2)  # keep any that are valid quick
-    for name in ("max_tokens", "max_completion_tokens"):
+@given(path=st.sampled_from([C, CHAT]), overrides=_overrides)
+def test_fuzzed_bodies_never_get_a_5xx(server, path, overrides):
+    """A valid body with up to three fields changed to near-valid or arbitrary values."""
+    body = {**_BASES[path], **overrides}
+    for name in ("max_tokens", "max_completion_tokens"):  # keep the valid ones quick
         if isinstance(body.get(name), int) and 4 < body[name] < 10**6:
             body[name] = 4
-    status, kind, raw = _request(server.url, CHAT if chat else C, json.dumps(body, allow_nan=True).encode())
+    status, kind, raw = _request(server.url, path, json.dumps(body, allow_nan=True).encode())
     assert status < 500, raw[:500]
-    assert kind.startswith("application/json") or kind.startswith("text/event-stream")
+    assert kind.startswith(("application/json", "text/event-stream"))
+    if kind.startswith("text/event-stream"):  # a stream that started must end cleanly, no error event
+        assert raw.rstrip().endswith(b"data: [DONE]") and b'"error"' not in raw, raw[-500:]
 
 
 # ----- the command line ---------------------------------------------------------------------------
