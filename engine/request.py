@@ -57,7 +57,7 @@ def read_body(raw: bytes) -> dict[str, Any]:
     except RecursionError:
         raise RequestError("Request body nests too deeply to be a completion request.") from None
     except ValueError as e:  # JSONDecodeError, a 5000-digit number, NaN
-        raise RequestError(f"Request body is not valid JSON: {_show(str(e))}") from None
+        raise RequestError(f"Request body is not valid JSON: {str(e)[:200]}.") from None
     if not isinstance(body, dict):
         raise RequestError("Request body must be a JSON object.")
     return body
