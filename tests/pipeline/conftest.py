@@ -40,6 +40,14 @@ def write_recipe(path: Path, model_dir: Path, **changes) -> Path:
     return path
 
 
+def fresh_cache(path: Path) -> Path:
+    """An empty kiln cache (no stage, no engine, no hash) as a new machine has, but for the demo data,
+    linked from the shared test cache: a new machine runs `kiln prepare-demo` once, not per test."""
+    path.mkdir(parents=True)
+    (path / "data").symlink_to(Path(os.environ["KILN_CACHE"]) / "data", target_is_directory=True)
+    return path
+
+
 def kiln(*args, cwd: Path, env: dict | None = None, check: bool = False, **kw) -> subprocess.CompletedProcess:
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, "-m", "kiln.pipeline", *args], cwd=cwd, env=full_env,

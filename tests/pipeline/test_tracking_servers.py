@@ -17,7 +17,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from kiln.pipeline.files import sha256_tree
-from tests.pipeline.conftest import kiln, write_recipe
+from tests.pipeline.conftest import fresh_cache, kiln, write_recipe
 from tests.tracking_servers import S3_SECRET, tracking_setup
 
 PORTABLE = {"quality-baseline", "quality-candidate", "agreement-candidate", "lmeval-baseline", "lmeval-candidate",
@@ -109,7 +109,7 @@ def test_tracking_setup_end_to_end(kind, tmp_path, tiny_model_dir):
             assert _download_tree_hash(client, setup.uri, "tiny", mv.version, tmp_path / "download") == mv.tags["kiln.artifact_sha256"]
 
             # Machine B: another folder, an empty cache, the same server.
-            proc_b, run_b, stages_b = _run(recipe, tmp_path / "b", tmp_path / "cache-b", uri, setup.env)
+            proc_b, run_b, stages_b = _run(recipe, tmp_path / "b", fresh_cache(tmp_path / "cache-b"), uri, setup.env)
             assert proc_b.returncode == proc_a.returncode
             assert json.loads((run_b / "verdict.json").read_text())["verdict"] == verdict_a["verdict"]
             assert PORTABLE <= set(stages_b)
