@@ -124,13 +124,13 @@ def show(run_name: Annotated[str, typer.Argument(metavar="RUN")], runs: RunsOpt 
 def ui(port: int = 5000, host: Annotated[str, typer.Option(help="bind address (loopback by default)")] = "127.0.0.1",
        tracking_uri: Annotated[str | None, typer.Option(help="default: $MLFLOW_TRACKING_URI or ./mlflow.db")] = None) -> None:
     """Start the MLflow UI on the same store."""
-    from kiln.pipeline.tracking import default_uri
+    from kiln.pipeline.tracking import default_uri, redact_uri
 
     uri = tracking_uri or default_uri()
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--host", host,
            "--port", str(port), "--workers", "1"]
-    console.print(f"MLflow UI on http://{host}:{port} (store {uri}); Ctrl-C to stop")
+    console.print(f"MLflow UI on http://{host}:{port} (store {redact_uri(uri)}); Ctrl-C to stop")
     os.execvpe(cmd[0], cmd, env)
 
 

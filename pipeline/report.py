@@ -201,9 +201,8 @@ def comparisons(evidence: dict[str, Evidence], confidence: float) -> list[Any]:
 
 
 def publish(ctx: Any, outcome: GateOutcome, evidence: dict[str, Evidence], artifact: Any) -> Path:
-    from kiln.pipeline.report_plots import gather
-
     from kiln.pipeline import model_registry
+    from kiln.pipeline.report_plots import gather
 
     registered = model_registry.register(ctx, artifact)
     version = registered.to_dict()

@@ -19,8 +19,8 @@ from kiln.pipeline.files import atomic_write_json, atomic_write_text, read_json
 from kiln.pipeline.gate.policy import GateOutcome
 from kiln.pipeline.model_source import cache_root, resolve_model
 from kiln.pipeline.recipe import Recipe
-from kiln.pipeline.stages import RunContext
 from kiln.pipeline.secrets import ScrubFilter
+from kiln.pipeline.stages import RunContext
 from kiln.pipeline.tracking import Tracker, flatten, redact_uri
 from kiln.pipeline.versions import environment, git_commit
 

@@ -82,38 +82,25 @@ def run_stage(ctx: RunContext, stage: str, role: str, inputs: dict[str, Any],
     key = hash_of({"stage": stage, "format": STAGE_FORMAT, "inputs": inputs})
     path = ctx.cache / "stages" / stage / key
     label = f"{stage}[{role}]"
-    tags = {"kiln.stage": stage, "kiln.role": role, STAGE_KEY: key, **run_tags(ctx)}
-    # One process at a time per stage key: a second run on the same cache waits, then reuses what
-    # the first computed, instead of computing it again and replacing files under a reader.
+
     def waiting() -> None:
         ctx.console.print(f"[dim]… {escape(label)}: another kiln run is computing it; waiting[/dim]")
 
-    with file_lock(ctx.cache / "locks" / stage / f"{key}.lock", on_wait=waiting):
-        source_run = None
-        if stage in ctx.fresh or "all" in ctx.fresh:
-            reused = False
-        elif (path / RESULT).exists():
-            reused = True
-        elif portable and (source_run := ctx.tracker.find_stage(key)):
-            with atomic_dir(path) as tmp:
-                ctx.tracker.download(source_run, "stage", tmp)
-            reused = True
-        else:
-            reused = False
-        run_id = ctx.tracker.start(label, tags, parent=ctx.parent_run)
-        try:
+    run_id = ctx.tracker.start(label, {"kiln.stage": stage, "kiln.role": role, STAGE_KEY: key, **run_tags(ctx)},
+                               parent=ctx.parent_run)
+    try:
+        # One process at a time per stage key: a second run on the same cache waits, then reuses
+        # what the first computed, instead of computing it again and replacing files under a reader.
+        with file_lock(ctx.cache / "locks" / stage / f"{key}.lock", on_wait=waiting):
+            reused, source_run = _reuse(ctx, stage, key, path, portable)
             if reused:
                 where = f" from the tracking server (run {source_run})" if source_run else ""
                 ctx.console.print(f"[dim]✓ {escape(label)}: unchanged inputs, reusing {key[:12]}{where}[/dim]")
             else:
                 _compute(ctx, label, key, inputs, compute, path)
-        except BaseException:
-            ctx.tracker.end(run_id, "FAILED")
-            raise
-    try:
         result = read_json(path / RESULT)
-        manifest = read_json(path / MANIFEST)
-        ctx.tracker.log(run_id, metrics=result.get("metrics", {}), params=flatten(inputs),
+        ctx.tracker.log(run_id, metrics={**result.get("metrics", {}), "wall_s": read_json(path / MANIFEST).get("wall_s", 0.0)},
+                        params=flatten(inputs),
                         tags={"kiln.reused": str(reused).lower(), **({"kiln.reused_from": source_run} if source_run else {})})
         if portable:  # all of it: another machine reuses the stage from these files alone
             ctx.tracker.log_artifacts(run_id, path, "stage")
@@ -121,7 +108,6 @@ def run_stage(ctx: RunContext, stage: str, role: str, inputs: dict[str, Any],
             for name in (RESULT, MANIFEST, *artifacts):
                 if (path / name).exists():
                     ctx.tracker.log_artifacts(run_id, path / name, "stage")
-        ctx.tracker.log(run_id, metrics={"wall_s": manifest.get("wall_s", 0.0)})
         ctx.tracker.end(run_id)
     except BaseException:
         ctx.tracker.end(run_id, "FAILED")
@@ -132,6 +118,20 @@ def run_stage(ctx: RunContext, stage: str, role: str, inputs: dict[str, Any],
                       {"stage": stage, "role": role, "key": key, "path": str(path), "reused": reused,
                        "mlflow_run": run_id, "metrics": result.get("metrics", {})})
     return outcome
+
+
+def _reuse(ctx: RunContext, stage: str, key: str, path: Path, portable: bool) -> tuple[bool, str | None]:
+    """Whether a finished copy of the stage exists (here, or for a portable stage on the tracking
+    server, fetched into the cache now), and the MLflow run it came from if fetched."""
+    if stage in ctx.fresh or "all" in ctx.fresh:
+        return False, None
+    if (path / RESULT).exists():
+        return True, None
+    if portable and (source_run := ctx.tracker.find_stage(key)):
+        with atomic_dir(path) as tmp:
+            ctx.tracker.download(source_run, "stage", tmp)
+        return True, source_run
+    return False, None
 
 
 def _compute(ctx: RunContext, label: str, key: str, inputs: dict[str, Any],

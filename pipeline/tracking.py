@@ -4,6 +4,11 @@ Uses `MlflowClient` with explicit run ids (no global active-run state), so a res
 re-attach to its parent and stages can be logged in any order. Stage results are also found again
 by tag (`kiln.stage_key`), so a fresh machine pointed at the same tracking server reuses the
 baseline's results instead of recomputing them.
+
+Opening a store probes it first (an unreachable server is exit 2 in seconds, not MLflow's minutes
+of retries), creates a new sqlite store under a lock (two runs at once would both migrate it), and
+remembers any credential in the URI so that nothing kiln writes or prints shows it
+(`kiln.pipeline.secrets`).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import os
 import shutil
 import socket
 import tempfile
+import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,6 +28,7 @@ from kiln.pipeline.errors import BadInput
 
 STAGE_KEY = "kiln.stage_key"
 PROBE_TIMEOUT_S = 5.0
+DB_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}
 
 
 def default_uri() -> str:
@@ -58,27 +65,30 @@ def process_tags() -> dict[str, str]:
 
 
 def probe(uri: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
-    """Fail in seconds, not minutes, when an HTTP tracking server cannot be reached: MLflow's own
-    client retries a refused connection for over four minutes before it says so."""
-    if not uri.startswith(("http://", "https://")):
-        return
-    import requests
-
-    shown = redact_uri(uri)
+    """Fail in seconds, not minutes, when a tracking server or database cannot be reached:
+    MLflow's own client retries a refused connection for over four minutes (HTTP) or about two
+    (a database URI) before it says so. Only reachability is checked here; what the server then
+    answers (credentials, permissions) MLflow reports itself."""
+    parsed = urllib.parse.urlsplit(uri)
+    scheme = parsed.scheme.split("+", 1)[0]
+    if scheme not in ("http", "https") and scheme not in DB_PORTS:
+        return  # a local file store, sqlite, databricks profiles…
     fix = ("Check that the server is running and the address is right (recipe field tracking.uri, "
            "or $MLFLOW_TRACKING_URI), or leave both unset to use the local sqlite store.")
     try:
-        response = requests.get(f"{uri.rstrip('/')}/health", timeout=(timeout_s, timeout_s))
-    except requests.RequestException as e:
-        raise BadInput(f"tracking.uri: cannot reach the MLflow tracking server at {shown} ({_reason(e)}). {fix}") from None
-    if response.status_code in (401, 403):
-        raise BadInput(f"tracking.uri: the MLflow tracking server at {shown} refused the credentials "
-                       f"(HTTP {response.status_code}). Set MLFLOW_TRACKING_USERNAME and "
-                       "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) for it.")
+        if scheme in DB_PORTS:
+            socket.create_connection((parsed.hostname or "localhost", parsed.port or DB_PORTS[scheme]), timeout_s).close()
+        else:
+            import requests
+
+            requests.get(f"{uri.rstrip('/')}/health", timeout=(timeout_s, timeout_s))
+    except (OSError, ValueError) as e:  # requests' errors are OSErrors too
+        what = "database" if scheme in DB_PORTS else "MLflow tracking server"
+        raise BadInput(f"tracking.uri: cannot reach the {what} at {redact_uri(uri)} ({_reason(e)}). {fix}") from None
 
 
 def _reason(e: Exception) -> str:
-    """The root cause of a requests failure in a few words (no URL: it may carry credentials)."""
+    """The root cause of a connection failure in a few words (no URL: it may carry credentials)."""
     text = str(e)
     for known in ("Connection refused", "timed out", "Name or service not known", "No route to host",
                   "Temporary failure in name resolution", "certificate verify failed"):

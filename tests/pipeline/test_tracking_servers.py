@@ -161,10 +161,11 @@ def test_unreachable_tracking_server_fails_fast_with_exit_2(tmp_path, tiny_model
     refused.close()
     silent, silent_port = _silent_listener()
     try:
-        for port, why in ((closed_port, "connection refused"), (silent_port, "timed out")):
+        for uri, why in ((f"http://u:{URI_SECRET}@127.0.0.1:{closed_port}", "connection refused"),
+                         (f"http://u:{URI_SECRET}@127.0.0.1:{silent_port}", "timed out"),
+                         (f"postgresql://u:{URI_SECRET}@127.0.0.1:{closed_port}/mlflow", "connection refused")):
             start = time.monotonic()
-            proc = kiln("run", str(recipe), cwd=tmp_path,
-                        env={"MLFLOW_TRACKING_URI": f"http://u:{URI_SECRET}@127.0.0.1:{port}"}, timeout=60)
+            proc = kiln("run", str(recipe), cwd=tmp_path, env={"MLFLOW_TRACKING_URI": uri}, timeout=60)
             took = time.monotonic() - start
             assert proc.returncode == 2, proc.stderr[-2000:]
             assert took < 15, took
