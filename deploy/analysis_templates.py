@@ -14,10 +14,17 @@ Three templates: `<name>-guard` (background, failureCondition only, failureLimit
 regression aborts at any step; an empty result counts as no failure), `<name>-step` (per step:
 successCondition, consecutiveSuccessLimit in a row pass, at most count = max_duration / interval
 measurements; when they run out, on_inconclusive=rollback renders failureLimit -1 so Argo fails
-the metric and aborts, hold renders failureLimit = count so Argo ends Inconclusive and pauses),
+the metric and aborts; hold also renders the failureCondition with the guard's failureLimit and
+inconclusiveLimit = count, so an empty result is an Inconclusive measurement that ends nothing,
+more than failureLimit measured violations fail the step, and running out ends the metric
+Inconclusive, which pauses the rollout),
 and `<name>-step-full` for a 100% step (absolute checks only: no stable traffic to compare with).
 Argo judges point values at each measurement, not a sequential test: in-cluster false-rollback
 control rests on failureLimit, consecutive successes and the window.
+
+Metric names are `<kind>-<metric>-<bound>` (e.g. performance-ttft-ms-max-ratio beside
+performance-ttft-ms-max), or the check's own `name`: Argo refuses two metrics of one name.
+`recipe_problems` says which recipe field causes what Argo's rules (argo_rules.py) reject.
 """
 
 from __future__ import annotations
@@ -106,14 +113,55 @@ def _queries(name: str, policy: GateSection, k: KubernetesConfig, warnings: list
             warnings.append(f"check {cfg.label} skipped in the AnalysisTemplates: {mapped}")
             continue
         expr, op, bound = mapped
-        label = cfg.name or (cfg.kind if cfg.metric == cfg.kind else f"{cfg.kind}-{cfg.metric}")
-        metric_name = re.sub(r"[^a-z0-9-]+", "-", label.lower()).strip("-")
-        out.append(Query(metric_name, pq.guarded(expr), op, bound, "_ratio" in _bound_kind(cfg)))
+        out.append(Query(metric_name(cfg), pq.guarded(expr), op, bound, "_ratio" in _bound(cfg)))
     return out
 
 
-def _bound_kind(cfg: CheckConfig) -> str:
-    return next((b for b in ("min_ratio", "max_ratio") if getattr(cfg, b, None) is not None), "absolute")
+def _bound(cfg: CheckConfig) -> str:
+    """The field holding the check's bound: a check has exactly one."""
+    return next((b for b in ("min_ratio", "max_ratio", "min", "max") if getattr(cfg, b, None) is not None), "")
+
+
+def metric_name(cfg: CheckConfig) -> str:
+    """The Argo metric name of a check. A performance check names its bound, so a ratio check and
+    an SLO check on one metric (ttft_ms max_ratio and ttft_ms max) get two names."""
+    label = cfg.name or "-".join(dict.fromkeys([cfg.kind, cfg.metric] + ([_bound(cfg)] if cfg.kind == "performance" else [])))
+    return re.sub(r"[^a-z0-9-]+", "-", label.lower()).strip("-")
+
+
+def step_count(deploy: DeployConfig) -> int:
+    """Measurements a step gate may take: the longest step's max_duration_s over the interval."""
+    return max(1, math.ceil(max(s.max_duration_s for s in deploy.steps) / _seconds(deploy.kubernetes.analysis_interval)))
+
+
+# The recipe field behind each Argo metric field the renderer sets.
+RECIPE_FIELDS = {"consecutiveSuccessLimit": "deploy.kubernetes.consecutive_successes",
+                 "failureLimit": "deploy.kubernetes.failure_limit",
+                 "interval": "deploy.kubernetes.analysis_interval"}
+
+
+def recipe_problems(violations: list, policy: GateSection, deploy: DeployConfig) -> list[str]:
+    """One line per Argo rule broken (argo_rules.Violation), naming the recipe fields that set it
+    and the metrics that break it."""
+    lines: dict[str, list[str]] = {}
+    for v in violations:
+        fields: list[str] = []
+        for f in v.fields:
+            if f == "count":
+                fields.append(f"deploy.steps[].max_duration_s (longest {max(s.max_duration_s for s in deploy.steps):g} s) / "
+                              f"deploy.kubernetes.analysis_interval ({deploy.kubernetes.analysis_interval}) = count "
+                              f"{step_count(deploy)}")
+            elif f == "name":
+                fields += [f"gate.checks[{i}].name" for i, c in enumerate(policy.checks) if metric_name(c) == v.metric]
+            elif f in RECIPE_FIELDS:
+                value = getattr(deploy.kubernetes, RECIPE_FIELDS[f].rsplit(".", 1)[1])
+                fields.append(f"{RECIPE_FIELDS[f]} ({value})")
+        if "failureLimit" in v.fields and deploy.on_inconclusive == "hold":
+            fields.append("deploy.on_inconclusive (hold)")
+        rule = re.sub(r"^metrics\[\d+\]: ", "", v.message)
+        lines.setdefault(f"{', '.join(fields) or 'the renderer (a kiln bug)'}: {rule}", []).append(
+            f"{v.template}/{v.metric}" if v.metric else v.template)
+    return [f"{line} (Argo: {', '.join(dict.fromkeys(where))})" for line, where in lines.items()]
 
 
 def _seconds(duration: str) -> int:
@@ -128,7 +176,7 @@ def analysis_templates(name: str, policy: GateSection, deploy: DeployConfig, war
     if not queries:
         raise KilnError("gate.checks: no check can be expressed as a Prometheus query, so the rollout would "
                         "have no analysis. Add an error_rate check or a ttft_ms / tpot_ms performance check.")
-    count = max(1, math.ceil(max(s.max_duration_s for s in deploy.steps) / _seconds(k.analysis_interval)))
+    count = step_count(deploy)
     args = [*ARGS, {"name": "min-requests"}]
 
     def provider(q: Query) -> dict:
@@ -141,11 +189,13 @@ def analysis_templates(name: str, policy: GateSection, deploy: DeployConfig, war
 
     guard = [{"name": q.name, "interval": k.analysis_interval, "failureCondition": q.fails(),
               "failureLimit": k.failure_limit, "provider": provider(q)} for q in queries]
-    limit = -1 if deploy.on_inconclusive == "rollback" else count
 
     def gate(q: Query) -> dict:
-        return {"name": q.name, "interval": k.analysis_interval, "count": count, "successCondition": q.passes(),
-                "consecutiveSuccessLimit": k.consecutive_successes, "failureLimit": limit, "provider": provider(q)}
+        metric = {"name": q.name, "interval": k.analysis_interval, "count": count, "successCondition": q.passes(),
+                  "consecutiveSuccessLimit": k.consecutive_successes, "failureLimit": -1}
+        if deploy.on_inconclusive == "hold":  # Argo ends a metric Inconclusive only with failureLimit >= 0
+            metric |= {"failureCondition": q.fails(), "failureLimit": k.failure_limit, "inconclusiveLimit": count}
+        return metric | {"provider": provider(q)}
 
     docs = [template("guard", guard), template("step", [gate(q) for q in queries])]
     absolute = [gate(q) for q in queries if not q.ratio]

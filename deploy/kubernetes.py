@@ -22,10 +22,11 @@ from typing import Any
 
 import yaml
 
-from kiln.deploy.analysis_templates import ARGO, METRICS, analysis_templates
+from kiln.deploy.analysis_templates import ARGO, METRICS, analysis_templates, recipe_problems
+from kiln.deploy.argo_rules import validate_rollout
 from kiln.deploy.base import DeployTarget, Observations
 from kiln.deploy.config import DeployConfig
-from kiln.pipeline.errors import KilnError
+from kiln.pipeline.errors import BadInput, KilnError
 from kiln.pipeline.files import atomic_write_text
 from kiln.pipeline.gate.policy import GateSection
 
@@ -146,6 +147,11 @@ def render(name: str, policy: GateSection, deploy: DeployConfig) -> Rendered:
         warnings.append("hpa: needs an external-metrics adapter (e.g. prometheus-adapter) exposing "
                         f"{METRICS['waiting'].replace(':', '_')}")
     docs = [*templates, rollout(name, deploy, has_full, warnings), *services(name, deploy), *autoscaler(name, deploy)]
+    violations = validate_rollout(docs)
+    if violations:  # Argo would put every such AnalysisRun in Error and abort the rollout
+        raise BadInput("deploy: Argo Rollouts would reject the rendered analysis at run time "
+                       "(its AnalysisRun validation); change the recipe fields named:",
+                       recipe_problems(violations, policy, deploy))
     return Rendered(docs, warnings)
 
 

@@ -65,7 +65,7 @@ def test_gate_policy_maps_onto_the_analysis_templates():
     templates = {t["metadata"]["name"]: t for t in kinds["AnalysisTemplate"]}
     guard, step, full = templates["smol-guard"], templates["smol-step"], templates["smol-step-full"]
     assert [m["name"] for m in step["spec"]["metrics"]] == [
-        "performance-ttft-ms", "performance-decode-tok-s", "performance-tpot-ms", "error-rate"]
+        "performance-ttft-ms-max-ratio", "performance-decode-tok-s-min-ratio", "performance-tpot-ms-max", "error-rate"]
     ttft = step["spec"]["metrics"][0]
     query = ttft["provider"]["prometheus"]["query"]
     assert 'kiln:time_to_first_token_seconds_sum{namespace="default",app="smol",' \
@@ -76,7 +76,7 @@ def test_gate_policy_maps_onto_the_analysis_templates():
     assert guard["spec"]["metrics"][1]["failureCondition"] == "len(result) > 0 && result[0] < 0.9"
     assert "successCondition" not in guard["spec"]["metrics"][1]
     # 100% step: no stable traffic left, so only the absolute checks (SLO, error rate).
-    assert [m["name"] for m in full["spec"]["metrics"]] == ["performance-tpot-ms", "error-rate"]
+    assert [m["name"] for m in full["spec"]["metrics"]] == ["performance-tpot-ms-max", "error-rate"]
     assert any("quality:perplexity skipped" in w for w in rendered.warnings)
 
 
@@ -101,8 +101,8 @@ def test_rollout_steps_probes_services_and_autoscaler():
 def test_hold_renders_an_inconclusive_end_and_says_so():
     rendered = render("smol", POLICY, DeployConfig(on_inconclusive="hold"))
     step = next(t for t in rendered.documents if t["metadata"]["name"] == "smol-step")
-    count = step["spec"]["metrics"][0]["count"]
-    assert step["spec"]["metrics"][0]["failureLimit"] == count
+    gate = step["spec"]["metrics"][0]
+    assert gate["inconclusiveLimit"] == gate["count"] and gate["failureLimit"] == 2  # the guard's tolerance
     assert any("pauses the rollout" in w for w in rendered.warnings)
 
 
