@@ -45,11 +45,35 @@ def safetensors_files(checkpoint: Path) -> list[Path]:
     return files
 
 
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
+
+
 def read_header(path: Path) -> dict[str, Any]:
-    """The safetensors JSON header: {name: {dtype, shape, data_offsets}, "__metadata__": {...}}."""
+    """The safetensors JSON header: {name: {dtype, shape, data_offsets}, "__metadata__": {...}}.
+
+    A file that cannot be one (too short, a header longer than the file or than safetensors
+    allows, JSON that does not parse, tensor bytes past its end) is refused naming the file:
+    reading such a header as it claims to be asked for petabytes, and a truncated file passed
+    through unnoticed until a later stage failed to load it."""
+    size = Path(path).stat().st_size
     with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(length))
+        head = f.read(8)
+        (length,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
+        if length is None or length > min(size - 8, MAX_HEADER_BYTES):
+            raise BadInput(f"model.path: {path} is not a valid safetensors file (its header claims "
+                           f"{length} bytes of a {size}-byte file); re-save or re-download it.")
+        try:
+            header = json.loads(f.read(length))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            raise BadInput(f"model.path: {path} has a corrupt safetensors header; re-save or re-download it.") from None
+    if not isinstance(header, dict):
+        raise BadInput(f"model.path: {path} has a corrupt safetensors header; re-save or re-download it.")
+    ends = [info["data_offsets"][1] for name, info in header.items()
+            if name != "__metadata__" and isinstance(info, dict) and len(info.get("data_offsets", ())) == 2]
+    if ends and max(ends) > size - 8 - length:
+        raise BadInput(f"model.path: {path} is truncated: its tensors need {max(ends or [0]) + 8 + length} bytes, "
+                       f"the file has {size}; re-save or re-download it.")
+    return header
 
 
 def canonicalize_safetensors(checkpoint: Path) -> None:

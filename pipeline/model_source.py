@@ -36,5 +36,37 @@ def resolve_model(spec: str, cache: Path) -> ResolvedModel:
         if not any(path.glob("*.safetensors")):
             raise BadInput(f"model.path: {path} has no .safetensors weights. kiln never loads pickled "
                            "weights (.bin/.pt); convert them with save_pretrained(safe_serialization=True).")
-    config = json.loads((path / "config.json").read_text())
+    config = check_checkpoint(path)
     return ResolvedModel(path=path, sha256=cached_tree_hash(path, cache / "hashes.json"), config=config)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
+# Heads kiln can score and generate with; an encoder (BertModel, …) would be loaded with a
+# randomly initialised LM head and evaluated as if it were a model.
+CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")
+
+
+def check_checkpoint(path: Path) -> dict:
+    """What can be told about a checkpoint before any stage runs: its config parses, it is a
+    causal LM, every safetensors file is whole, and it has a tokenizer. Returns the config."""
+    from kiln.optimize.checkpoint import read_header, safetensors_files
+
+    config_file = path / "config.json"
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise BadInput(f"model.path: {config_file} is not valid JSON ({str(e).splitlines()[0][:200]}); "
+                       "re-save the checkpoint with save_pretrained.") from None
+    if not isinstance(config, dict):
+        raise BadInput(f"model.path: {config_file} holds a {type(config).__name__}, not a model config object.")
+    archs = config.get("architectures") or []
+    if archs and not any(str(a).endswith(CAUSAL_HEADS) for a in archs):
+        raise BadInput(f"model.path: {path} is a {', '.join(map(str, archs))}, not a causal language model "
+                       "(…ForCausalLM). kiln evaluates and serves text generation models; it has no "
+                       "embedding or encoder path yet.")
+    for f in safetensors_files(path):
+        read_header(f)  # refuses a truncated or corrupt file, naming it
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise BadInput(f"model.path: {path} has no tokenizer ({', '.join(TOKENIZER_FILES)}); save the "
+                       "tokenizer beside the weights (tokenizer.save_pretrained(path)).")
+    return config

@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 import kiln.engine  # noqa: F401 - registers the engine backends
@@ -21,6 +20,7 @@ from kiln.engine.base import BACKENDS
 from kiln.evaluate.perf.config import PerformanceConfig
 from kiln.evaluate.quality.lmeval import LmEvalConfig
 from kiln.optimize.base import QUANTIZERS
+from kiln.pipeline import yaml_input
 from kiln.pipeline.errors import BadInput
 from kiln.pipeline.files import hash_of
 from kiln.pipeline.gate.policy import GateSection
@@ -102,18 +102,20 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     """
     for item in overrides:
         key, sep, value = item.partition("=")
-        if not sep or not key:
+        if not sep or not key or "" in key.split("."):
             raise BadInput(f"--set {item!r}: expected KEY=VALUE, for example --set optimize.bits=8")
+        parsed = yaml_input.parse(value, f"--set {key}") if value else None
         node: Any = raw
         parts = key.split(".")
         for i, part in enumerate(parts[:-1]):
             node = _child(node, part, ".".join(parts[: i + 1]))
         last = parts[-1]
-        parsed = yaml.safe_load(value) if value else None
         if isinstance(node, list):
             node[_index(node, last, key)] = parsed
-        else:
+        elif isinstance(node, dict):
             node[last] = parsed
+        else:
+            raise BadInput(f"--set {key}: {'.'.join(parts[:-1])} is a {type(node).__name__}, not a section with fields")
     return raw
 
 
@@ -174,10 +176,7 @@ def load_recipe(path: Path | str, overrides: list[str] | None = None) -> Recipe:
     path = Path(path)
     if not path.is_file():
         raise BadInput(f"Recipe file not found: {path}. Pass the path to a YAML recipe (see recipes/).")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise BadInput(f"{path}: not valid YAML: {e}") from None
+    raw = yaml_input.parse(yaml_input.read_text(path), str(path)) or {}
     if not isinstance(raw, dict):
         raise BadInput(f"{path}: a recipe is a YAML mapping (name:, optimize:, ...), not a {type(raw).__name__}")
     raw = apply_overrides(raw, overrides or [])

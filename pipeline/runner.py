@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from kiln.pipeline.errors import BadInput
 from kiln.pipeline.files import atomic_write_json, atomic_write_text, read_json
 from kiln.pipeline.gate.policy import GateOutcome
 from kiln.pipeline.model_source import cache_root, resolve_model
@@ -50,7 +52,20 @@ def _log_to_file(run_dir: Path) -> logging.Handler:
     return handler
 
 
+def _writable(folder: Path, field: str) -> Path:
+    """`folder`, created if need be, once a file could be written in it; else BadInput naming `field`."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise BadInput(f"{field}: cannot write to {folder} ({e.strerror or e}); point it at a writable folder.") from None
+    return folder
+
+
 def start_run(recipe: Recipe, recipe_path: Path, runs_root: Path, console: Any, fresh: set[str]) -> RunContext:
+    _writable(cache_root(), "KILN_CACHE")
+    _writable(Path(runs_root), "--runs")
     tracker = Tracker(recipe.tracking.uri, recipe.tracking.experiment)  # an unreachable store fails before any work
     tracker.mark_stale({"kiln.recipe": recipe.name})  # parents and stages of a killed earlier attempt
     run_dir = new_run_dir(runs_root, recipe)
@@ -80,6 +95,7 @@ def run_pipeline(recipe: Recipe, recipe_path: Path, runs_root: Path, console: An
     ctx = start_run(recipe, recipe_path, runs_root, console, set(fresh))
     try:
         model = resolve_model(recipe.model.path, ctx.cache)
+        stage_impl.check_inputs(ctx)
         arts = stage_impl.optimize_both(ctx, model)
         engines = {role: stage_impl.engine(ctx, role, art) for role, art in arts.items()}
         stage_impl.evaluate(ctx, engines)

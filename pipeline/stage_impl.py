@@ -247,19 +247,43 @@ def _load(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path]) -> Non
 
 
 def _prompts(spec: str, n: int, tokenizer: Any) -> list[list[int]]:
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in read_prompts(spec, n)]
+
+
+def read_prompts(spec: str, n: int) -> list[str]:
+    """The first `n` prompts of a JSONL file (one object with a 'prompt' string per line), or 'demo'."""
+    from kiln.pipeline import yaml_input
+
     if spec == "demo":
         from kiln.pipeline.demo import prepare_demo_data
 
         spec = str(prepare_demo_data().prompts)
-    path = Path(spec)
+    path, field = Path(spec), "evaluate.benchmark.prompts"
     if not path.is_file():
-        raise BadInput(f"evaluate.benchmark.prompts: {path} not found; give a JSONL file with a 'prompt' field or 'demo'.")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    texts = [r["prompt"] for r in rows[:n] if "prompt" in r]
-    if len(texts) < n:
-        raise BadInput(f"evaluate.benchmark.prompts: {path} has {len(texts)} rows with a 'prompt' field; "
-                       f"evaluate.benchmark.num_prompts asks for {n}.")
-    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        raise BadInput(f"{field}: {path} not found; give a JSONL file with a 'prompt' field or 'demo'.")
+    texts = []
+    for number, line in enumerate(yaml_input.read_text(path, "prompts file").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            raise BadInput(f"{field}: {path} line {number} is not JSON; the file is JSONL, one "
+                           '{"prompt": "..."} object per line.') from None
+        if isinstance(row, dict) and isinstance(row.get("prompt"), str):
+            texts.append(row["prompt"])
+        if len(texts) == n:
+            return texts
+    raise BadInput(f"{field}: {path} has {len(texts)} rows with a 'prompt' string; "
+                   f"evaluate.benchmark.num_prompts asks for {n}.")
+
+
+def check_inputs(ctx: RunContext) -> None:
+    """The recipe's input files, read before any stage runs: a bad one is refused in seconds,
+    not after the optimize and engine stages."""
+    ev = ctx.recipe.evaluate
+    _text_path(ev.quality.perplexity.text)
+    read_prompts(ev.benchmark.prompts, ev.benchmark.num_prompts)
 
 
 def gate(ctx: RunContext) -> tuple[GateOutcome, dict[str, Evidence]]:
