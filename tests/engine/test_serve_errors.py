@@ -124,6 +124,9 @@ def test_openai_sdk_gets_a_4xx_not_retried_500s(server):
 
 # ----- one bad request never fails the others ---------------------------------------------------
 
+# Their greedy top-2 logit gaps stay above 0.005 over 100 tokens on the tiny model, far above
+# the float noise between decoding in a batch, alone, or resumed after a failed step.
+GOOD_PROMPTS = ("In the beginning", "A long time ago", "My dear sir")
 POISON = [{"prompt": [1_000_000_000], "max_tokens": 2}, {"prompt": "Hello", "temperature": 1e-40, "max_tokens": 2},
           {"prompt": [5, -3], "max_tokens": 2}, {"prompt": "Hello", "top_p": 7},
           {"prompt": "Hello", "seed": 2**70, "temperature": 1}]
@@ -131,7 +134,7 @@ POISON = [{"prompt": [1_000_000_000], "max_tokens": 2}, {"prompt": "Hello", "tem
 
 @pytest.mark.parametrize("poison", POISON, ids=lambda p: json.dumps(p)[:40])
 def test_a_poison_request_beside_three_decoding_ones(server, torch_engine, poison):
-    prompts = [torch_engine.tokenizer(p).input_ids for p in ("Once upon a time", "It was the best", "Call me")]
+    prompts = [torch_engine.tokenizer(p).input_ids for p in GOOD_PROMPTS]
     expected = [torch_engine.tokenizer.decode([e.token_id for e in torch_engine.generate(
         [GenerationRequest(p, 60, ignore_eos=True)])], skip_special_tokens=True) for p in prompts]
     results: list = [None] * 3
@@ -164,7 +167,7 @@ def test_the_scheduler_fails_only_the_request_that_breaks_the_step(tiny_model_di
 
     engine = TorchEngine(tiny_model_dir, TorchEngineConfig(threads=1))  # this test's scheduler owns it
 
-    prompts = [torch_engine.tokenizer(p).input_ids for p in ("Once upon a time", "It was the best", "Call me")]
+    prompts = [torch_engine.tokenizer(p).input_ids for p in GOOD_PROMPTS]
     expected = [[e.token_id for e in torch_engine.generate([GenerationRequest(p, 100, ignore_eos=True)])]
                 for p in prompts]
 
