@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 import kiln.engine  # noqa: F401 - registers the engine backends
 import kiln.optimize  # noqa: F401 - registers the quantization methods
@@ -32,8 +32,20 @@ class Section(BaseModel):
 
 class ModelSection(Section):
     path: str = Field("demo", description="'demo' (SmolLM2-135M-Instruct, offline) or a local HF checkpoint folder")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    trust_remote_code: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_fields(cls, data: Any) -> Any:
+        """Both were accepted and never read; say where the setting lives instead of ignoring it."""
+        if isinstance(data, dict):
+            if "dtype" in data:
+                raise ValueError("model.dtype is not a recipe field (it was never read): the serving "
+                                 "precision is engine.dtype (torch backend)")
+            if "trust_remote_code" in data:
+                raise ValueError("model.trust_remote_code is not a recipe field (it was never read): kiln's "
+                                 "quantizers never run a checkpoint's own code; the torch engine's "
+                                 "engine.trust_remote_code is the one switch, off by default")
+        return data
 
 
 class PerplexityConfig(Section):

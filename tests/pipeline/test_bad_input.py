@@ -51,6 +51,7 @@ def test_recipe_bytes(tmp_path, case, needle):
     (["optimize.method=!!python/object/apply:os.system [true]"], "--set optimize.method"),
     (["name=a\x00b"], "NUL"), (["name=a\udcffb"], "surrogate"), (["a..b=1"], "KEY=VALUE"), (["=1"], "KEY=VALUE"),
     (["gate.checks.99.margin=1"], "not an index"),
+    (["model.dtype=float16"], "engine.dtype"), (["model.trust_remote_code=true"], "engine.trust_remote_code"),
 ])
 def test_set_values(tmp_path, sets, needle):
     path = tmp_path / "r.yaml"
