@@ -131,6 +131,9 @@ class EngineBackend(abc.ABC):
     """Builds engines of one kind and loads them. Implementations live one per file."""
 
     name: ClassVar[str]
+    # False for backends that compress weights themselves from an unquantized checkpoint (their own
+    # precision option): a recipe pairing one with a quantizing optimize method is refused up front.
+    takes_quantized: ClassVar[bool] = True
 
     def __init__(self, config: EngineConfig):
         self.config = config

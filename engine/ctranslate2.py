@@ -44,6 +44,7 @@ class CTranslate2Config(EngineConfig):
 @BACKENDS.register("ctranslate2", CTranslate2Config)
 class CTranslate2Backend(EngineBackend):
     libraries: ClassVar[tuple[str, ...]] = ("ctranslate2", "torch", "transformers")
+    takes_quantized: ClassVar[bool] = False  # converts and compresses an unquantized checkpoint itself
 
     def build(self, checkpoint: Path, out_dir: Path) -> dict[str, Any]:
         from ctranslate2 import __version__

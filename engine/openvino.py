@@ -50,6 +50,7 @@ class OpenVINOConfig(EngineConfig):
 @BACKENDS.register("openvino", OpenVINOConfig)
 class OpenVINOBackend(EngineBackend):
     libraries: ClassVar[tuple[str, ...]] = ("openvino", "openvino-genai", "nncf", "torch", "transformers")
+    takes_quantized: ClassVar[bool] = False  # converts and compresses an unquantized checkpoint itself
 
     def build(self, checkpoint: Path, out_dir: Path) -> dict[str, Any]:
         import openvino as ov

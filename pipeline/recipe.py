@@ -102,6 +102,15 @@ class Recipe(Section):
     tracking: TrackingSection = TrackingSection()
     deploy: DeployConfig = DeployConfig()
 
+    @model_validator(mode="after")
+    def _engine_takes_the_artifact(self) -> Recipe:
+        if self.optimize.method != "none" and not BACKENDS.get(self.engine.backend).takes_quantized:
+            raise ValueError(
+                f"engine.backend '{self.engine.backend}' converts the unquantized checkpoint and compresses it "
+                f"itself (its own precision option), so it cannot take optimize.method '{self.optimize.method}''s "
+                "quantized artifact: set optimize.method: none, or serve it on the torch backend")
+        return self
+
     def digest(self) -> str:
         """Content hash of the resolved recipe: keys runs and tags MLflow runs."""
         return hash_of(self.model_dump(mode="json"))

@@ -51,6 +51,8 @@ def test_recipe_bytes(tmp_path, case, needle):
     (["optimize.method=!!python/object/apply:os.system [true]"], "--set optimize.method"),
     (["name=a\x00b"], "NUL"), (["name=a\udcffb"], "surrogate"), (["a..b=1"], "KEY=VALUE"), (["=1"], "KEY=VALUE"),
     (["gate.checks.99.margin=1"], "not an index"),
+    (["engine={backend: ctranslate2}"], "cannot take optimize.method 'int8_weight_only'"),
+    (["engine={backend: openvino}"], "cannot take optimize.method"),
     (["model.dtype=float16"], "engine.dtype"), (["model.trust_remote_code=true"], "engine.trust_remote_code"),
 ])
 def test_set_values(tmp_path, sets, needle):
