@@ -2,9 +2,10 @@
 
 The quantizers' up-front checks (does the group size divide every input dimension?) and the
 memory planner (how many bytes do weights, Hessians and the KV cache take?) both need the same
-few numbers, so they are derived here once. Covers the Llama family layout that Llama, Mistral,
-Qwen2/3 and SmolLM share: q/k/v/o attention projections with grouped-query attention and a
-gated MLP (gate/up/down).
+few numbers, so they are derived here once. Covers two layouts: the Llama family's (Llama, Mistral,
+Qwen2/3, SmolLM: q/k/v/o attention projections with grouped-query attention and a gated MLP
+gate/up/down), and GPT-2's (`n_embd`, `n_layer`…: one fused c_attn, an ungated c_fc/c_proj MLP,
+biases and learned position embeddings).
 """
 
 from __future__ import annotations
@@ -41,14 +42,18 @@ class DecoderShapes:
     tied_embeddings: bool
     attention_bias: bool = False
     qk_norm: bool = False  # Qwen3 normalizes q and k per head (two head_dim vectors per layer)
+    layout: str = "llama"  # or "gpt2"
+    positions: int = 0  # learned position embeddings (GPT-2's wpe); 0 for rotary models
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> DecoderShapes:
+        if config.get("model_type") == "gpt2" or "n_embd" in config:
+            return cls._gpt2(config)
         missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
                                "intermediate_size", "vocab_size") if k not in config]
         if missing:
             raise BadInput(f"config.json: missing {', '.join(missing)}; kiln reads decoder shapes from "
-                           "the Llama-family fields (model_type llama, mistral, qwen2, qwen3).")
+                           "the Llama-family fields (model_type llama, mistral, qwen2, qwen3) or GPT-2's.")
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         return cls(
@@ -64,7 +69,27 @@ class DecoderShapes:
             qk_norm=config.get("model_type") == "qwen3",
         )
 
+    @classmethod
+    def _gpt2(cls, config: dict[str, Any]) -> DecoderShapes:
+        missing = [k for k in ("n_layer", "n_embd", "n_head", "vocab_size") if k not in config]
+        if missing:
+            raise BadInput(f"config.json: missing {', '.join(missing)} of a GPT-2 config.")
+        hidden, heads = int(config["n_embd"]), int(config["n_head"])
+        return cls(layers=int(config["n_layer"]), hidden=hidden, heads=heads, kv_heads=heads, head_dim=hidden // heads,
+                   intermediate=int(config.get("n_inner") or 4 * hidden), vocab=int(config["vocab_size"]),
+                   tied_embeddings=bool(config.get("tie_word_embeddings", True)), attention_bias=True,
+                   layout="gpt2", positions=int(config.get("n_positions", 1024)))
+
+    @property
+    def layer_prefix(self) -> str:
+        return "transformer.h" if self.layout == "gpt2" else "model.layers"
+
     def linears(self) -> list[Linear]:
+        if self.layout == "gpt2":  # Conv1D modules, but the same in -> out shapes
+            return [Linear("attn.c_attn", self.hidden, 3 * self.hidden, "n_embd"),
+                    Linear("attn.c_proj", self.hidden, self.hidden, "n_embd"),
+                    Linear("mlp.c_fc", self.hidden, self.intermediate, "n_embd"),
+                    Linear("mlp.c_proj", self.intermediate, self.hidden, "n_inner")]
         q_out, kv_out = self.heads * self.head_dim, self.kv_heads * self.head_dim
         return [
             Linear("self_attn.q_proj", self.hidden, q_out, "hidden_size"),
@@ -78,15 +103,17 @@ class DecoderShapes:
 
     def module_names(self) -> list[str]:
         """Full names of every linear module, as in the checkpoint (`model.layers.3.mlp.up_proj`)."""
-        names = [f"model.layers.{i}.{lin.name}" for i in range(self.layers) for lin in self.linears()]
+        names = [f"{self.layer_prefix}.{i}.{lin.name}" for i in range(self.layers) for lin in self.linears()]
         return [*names, "lm_head"]
 
     @property
     def embedding_params(self) -> int:
-        return self.vocab * self.hidden
+        return (self.vocab + self.positions) * self.hidden
 
     @property
     def layer_params(self) -> int:
+        if self.layout == "gpt2":  # every projection has a bias; two LayerNorms with weight and bias
+            return sum(lin.params + lin.out_features for lin in self.linears()) + 4 * self.hidden
         bias = (self.heads + 2 * self.kv_heads) * self.head_dim if self.attention_bias else 0
         norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
         return sum(lin.params for lin in self.linears()) + bias + norms
@@ -98,7 +125,8 @@ class DecoderShapes:
 
     @property
     def param_count(self) -> int:
-        return self.embedding_params + self.layers * self.layer_params + self.hidden + self.lm_head_params
+        final_norm = 2 * self.hidden if self.layout == "gpt2" else self.hidden
+        return self.embedding_params + self.layers * self.layer_params + final_norm + self.lm_head_params
 
     def kv_bytes_per_token(self, bytes_per_element: float) -> float:
         """Keys and values for one token across all layers: 2 × layers × KV heads × head dim × bytes."""
@@ -119,8 +147,8 @@ def quantized_linears(shapes: DecoderShapes, skip: list[str]) -> list[tuple[str,
 
     lm_head is left out: kiln's methods keep the output projection in high precision.
     """
-    return [(f"model.layers.{i}.{lin.name}", lin) for i in range(shapes.layers) for lin in shapes.linears()
-            if not matches(f"model.layers.{i}.{lin.name}", skip)]
+    return [(f"{shapes.layer_prefix}.{i}.{lin.name}", lin) for i in range(shapes.layers) for lin in shapes.linears()
+            if not matches(f"{shapes.layer_prefix}.{i}.{lin.name}", skip)]
 
 
 def group_size_problem(shapes: DecoderShapes, skip: list[str], group_size: int) -> str | None:

@@ -80,3 +80,17 @@ def test_group_size_rule_names_the_dimension():
         "Use 64 or 32.")
     assert group_size_problem(shapes, [], 64) is None
     assert group_size_problem(shapes, [], -1) is None
+
+
+def test_gpt2_shapes_are_read_from_its_own_fields():
+    """GPT-2's config has n_embd/n_layer/n_head, a fused c_attn, biases and learned positions:
+    the shape reader counts it exactly (GPT-2 small has 124,439,808 parameters)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    assert DecoderShapes.from_config(GPT2Config().to_dict()).param_count == 124_439_808
+    tiny = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=256)
+    shapes = DecoderShapes.from_config(tiny.to_dict())
+    assert shapes.param_count == sum(p.numel() for p in GPT2LMHeadModel(tiny).parameters())
+    assert shapes.module_names()[0] == "transformer.h.0.attn.c_attn"
+    plan = plan_memory(tiny.to_dict(), None, context=512, available_bytes=1 << 34)
+    assert plan.steps[-1].components[1].bytes == 2 * 2 * 2 * 32 * 4 * 512  # KV: layers × heads × head dim
