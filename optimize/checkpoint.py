@@ -108,6 +108,29 @@ def tensors(checkpoint: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
+def skipped_weights(checkpoint: Path, expected: list[str], quantized: list[str]) -> dict[str, list[str]]:
+    """What a quantizer left at source precision, read from the tensors it saved.
+
+    `expected` are the module names the shape reader predicts (it knows the Llama and GPT-2
+    layouts); only those the checkpoint really has are reported, then every other weight matrix
+    it holds (a router, a fused projection it did not predict, each routed expert). Routed experts
+    are reported apart: transformers builds them as stacked parameters, not Linear modules, so a
+    Linear quantizer leaves them all at source precision (saved per expert, or as 3-D tensors).
+    Embeddings are not weights a linear quantizer touches and are left out.
+    """
+    names = tensors(checkpoint)
+    modules = {n.rsplit(".", 1)[0] for n in names} | {"lm_head"}  # a tied lm_head stores no tensor
+    done = set(quantized)
+    skipped = [m for m in expected if m in modules and m not in done]
+    listed = set(skipped) | done
+    stacked = [n for n, info in names.items() if len(info["shape"]) >= 3]
+    matrices = [n.removesuffix(".weight") for n, info in names.items()
+                if n.endswith(".weight") and len(info["shape"]) == 2 and "embed" not in n and ".wte" not in n
+                and ".wpe" not in n and n.removesuffix(".weight") not in listed]
+    experts = stacked + [m for m in matrices if ".experts." in m]  # saved stacked, or one matrix per expert
+    return {"skipped_modules": skipped + matrices + stacked, "unquantized_experts": experts}
+
+
 def param_count(checkpoint: Path) -> int:
     """Number of parameters of an unquantized checkpoint (tied weights are stored, and counted, once)."""
     total = 0

@@ -9,6 +9,7 @@ On CPU the gain is size (about a third of fp32), not much speed (~1.1× measured
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,8 +24,11 @@ from kiln.optimize.checkpoint import (
     read_config,
     read_header,
     safetensors_files,
+    skipped_weights,
 )
 from kiln.optimize.memory import DTYPE_BYTES, Component, MethodMemory, quantized_weights, runtime, weights
+
+log = logging.getLogger("kiln")
 
 
 class Int8WeightOnlyConfig(QuantizerConfig):
@@ -65,12 +69,19 @@ class Int8WeightOnly(Quantizer):
         copy_side_files(source, out_dir)
         quantized = quantized_modules(out_dir)
         shapes = DecoderShapes.from_config(read_config(source))
+        left = skipped_weights(out_dir, shapes.module_names(), quantized)
+        if left["unquantized_experts"]:
+            log.warning("%s quantizes Linear modules only: %d routed-expert tensors (%s, …) stay at source "
+                        "precision", self.name, len(left["unquantized_experts"]), left["unquantized_experts"][0])
         import torchao
 
         return {
             "format": "torchao", **self.scheme(),
             "quantized_modules": len(quantized),
-            "skipped_modules": [m for m in shapes.module_names() if m not in set(quantized)],
+            "skipped_modules": left["skipped_modules"],
+            **({"unquantized_experts": left["unquantized_experts"],
+                "notice": "routed experts are stacked tensors, not Linear modules: torchao's int8 leaves them "
+                          "at source precision"} if left["unquantized_experts"] else {}),
             **({"untied_lm_head": True} if untied else {}),
             "bits_per_weight": round(bits_per_weight(out_dir, param_count(source)), 3),
             "loads_with": f"transformers AutoModelForCausalLM (needs torchao {torchao.__version__})",

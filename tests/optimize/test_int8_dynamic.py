@@ -90,3 +90,27 @@ def test_empty_skip_list_unties_and_quantizes_a_tied_lm_head(config, tiny_model_
     pairs = [(prompt[:3], prompt[3:])]
     assert engine.score(pairs)[0].logprob == pytest.approx(baseline.score(pairs)[0].logprob, rel=0.05)
     assert len(list(engine.generate([GenerationRequest(prompt, 4, ignore_eos=True)]))) == 4
+
+
+def test_a_moe_checkpoint_reports_the_experts_it_leaves_unquantized(tmp_path):
+    """Mixtral's routed experts are stacked 3-D parameters, not Linear modules: int8 weight-only
+    leaves them at source precision, and the manifest says so from the saved tensors instead of
+    listing Llama module names that do not exist there."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from kiln.optimize.base import QUANTIZERS
+
+    config = MixtralConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=512)
+    torch.manual_seed(0)
+    source = tmp_path / "mixtral"
+    MixtralForCausalLM(config).save_pretrained(source)
+    fields = QUANTIZERS.create(QUANTIZERS.config("int8_weight_only")()).quantize(source, tmp_path / "q", None)
+    skipped = fields["skipped_modules"]
+    assert fields["quantized_modules"] == 8  # q/k/v/o of two layers
+    experts = fields["unquantized_experts"]
+    assert len(experts) == 2 * 4 * 3 and all(".experts." in e for e in experts) and "notice" in fields
+    assert set(experts) <= set(skipped)
+    assert "model.layers.0.block_sparse_moe.gate" in skipped and "lm_head" in skipped  # the router, the kept head
+    assert not [m for m in skipped if m.endswith(("gate_proj", "up_proj")) and ".experts." not in m]
