@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import signal
+import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -203,13 +204,15 @@ def log_requests_to(target: str) -> None:
 
 async def serve_until_drained(app: web.Application, admission: Admission, host: str, port: int,
                               on_ready: Callable[[int], None] | None = None,
-                              handler_cancellation: bool = False) -> None:
+                              handler_cancellation: bool = False, sock: socket.socket | None = None) -> None:
     """Serve `app` until SIGTERM or SIGINT, then drain: refuse new requests, let in-flight streams
     finish (up to drain_timeout_s), stop. Call inside a running loop (uvloop.run).
-    `handler_cancellation`: cancel a handler whose client disconnected (aiohttp's option)."""
+    `handler_cancellation`: cancel a handler whose client disconnected (aiohttp's option).
+    `sock`: a listening socket to serve on instead of binding host:port (one a parent holds, so
+    connections wait in its backlog while a crashed server is replaced)."""
     runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=handler_cancellation)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=4096)
+    site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port, backlog=4096)
     await site.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

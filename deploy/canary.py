@@ -13,6 +13,11 @@ Successful at the last step -> promote: the target makes the canary the stable a
 registry alias `champion` moves to the candidate's version. Rollback leaves `champion` where it
 was and tags the version `kiln.deploy=rolled_back`.
 
+A target that fails mid-walk (the local router died and was restarted with stable only, an
+unreachable router) ends the walk rolled back (exit 4), never with stable torn down. The walk's
+state (step, weight, the target's urls and process ids) is written atomically to `state_path` at
+every change, so a controller that crashed can be cleaned up after (`recover_crashed_walk`).
+
 Every step is a child MLflow run (tags kiln.stage=canary-step, kiln.weight, kiln.verdict) with
 its evidence: per-arm summaries and every check's estimate and confidence sequence.
 """
@@ -20,6 +25,8 @@ its evidence: per-arm summaries and every check's estimate and confidence sequen
 from __future__ import annotations
 
 import json
+import os
+import signal
 import tempfile
 import time
 from collections.abc import Callable
@@ -31,8 +38,8 @@ from kiln.deploy.base import DeployTarget, Observations
 from kiln.deploy.config import CanaryStep, DeployConfig
 from kiln.deploy.live_gate import LiveGate
 from kiln.evaluate.stats import Verdict, jsonable
-from kiln.pipeline.errors import ExitCode
-from kiln.pipeline.files import atomic_write_json
+from kiln.pipeline.errors import ExitCode, KilnError
+from kiln.pipeline.files import atomic_write_json, read_json
 from kiln.pipeline.gate.policy import GateOutcome, GateSection
 from kiln.pipeline.model_registry import CHALLENGER
 
@@ -74,7 +81,7 @@ class Controller:
     def __init__(self, target: DeployTarget, policy: GateSection, deploy: DeployConfig, tracker: Any = None,
                  model: str | None = None, version: str | None = None, parent_run_id: str | None = None,
                  log: Callable[[str], None] = print, sleep: Callable[[float], None] = time.sleep,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, state_path: Path | None = None):
         self.target, self.policy, self.deploy = target, policy, deploy
         self.tracker, self.model, self.parent_run_id = tracker, model, parent_run_id
         self.version = version
@@ -82,6 +89,14 @@ class Controller:
         self.gate = LiveGate(policy, min_per_arm=deploy.min_per_arm, effect_scale=deploy.effect_scale,
                              mirroring=deploy.router.mirror_fraction > 0)
         self.cursor: tuple[int, int] = (0, 0)
+        self.state_path = state_path
+
+    def _save(self, status: str, **extra: Any) -> None:
+        if self.state_path is None:
+            return
+        describe = getattr(self.target, "describe", dict)
+        atomic_write_json(self.state_path, jsonable({"status": status, "controller_pid": os.getpid(),
+                                                     "target": describe(), "time": time.time(), **extra}))
 
     def run(self) -> CanaryResult:
         if self.model and self.tracker and self.version is None:
@@ -94,6 +109,7 @@ class Controller:
         try:
             self.cursor = self.target.observe((0, 0)).cursor  # what came before the walk does not count
             for i, step in enumerate(self.deploy.steps):
+                self._save("walking", step=i, weight=step.weight)
                 record = self._step(i, step, last=i == len(self.deploy.steps) - 1, parent=run_id)
                 result.steps.append(record)
                 if record.action != "advance":
@@ -104,6 +120,9 @@ class Controller:
                 "promote": ("promoted", ExitCode.PASSED),
                 "hold": ("held", ExitCode.GATE_INCONCLUSIVE),
             }.get(last.action, ("rolled_back", _rollback_code(last.verdict)))
+        except KilnError as e:  # the target failed mid-walk: roll back, keep stable serving
+            result.reason = f"the walk stopped at step {len(result.steps) + 1}: {e}"
+            self.log(f"canary: {result.reason}; rolling back")
         finally:
             self._finish(result, run_id)
         return result
@@ -155,8 +174,10 @@ class Controller:
                 self.target.set_traffic(0)
                 self.target.rollback()
         except Exception as e:  # noqa: BLE001 - a failed rollback must still be recorded
+            verb = "promote" if result.status == "promoted" else "roll back"
             result.status, result.exit_code = f"{result.status}_incomplete", ExitCode.INTERNAL_ERROR
-            result.reason += f"; the target failed to {result.status.split('_')[0]}: {type(e).__name__}: {e}"
+            result.reason += f"; the target failed to {verb}: {type(e).__name__}: {e}"
+        self._save(result.status, reason=result.reason)
         self._registry(result.status)
         if self.tracker and run_id:
             self.tracker.log(run_id, metrics={"steps_completed": len(result.steps)},
@@ -217,11 +238,58 @@ def _rollback_code(verdict: str) -> ExitCode:
 
 def run_canary(target: DeployTarget, policy: GateSection, deploy: DeployConfig, tracking_uri: str | None = None,
                experiment: str = "kiln", model: str | None = None, version: str | None = None,
-               parent_run_id: str | None = None, log: Callable[[str], None] = print) -> CanaryResult:
+               parent_run_id: str | None = None, log: Callable[[str], None] = print,
+               state_path: Path | None = None) -> CanaryResult:
     """Walk a canary on `target` (already started) and return the outcome; see Controller."""
     tracker = None
     if tracking_uri is not None or model is not None:
         from kiln.pipeline.tracking import Tracker
 
         tracker = Tracker(tracking_uri, experiment)
-    return Controller(target, policy, deploy, tracker, model, version, parent_run_id, log).run()
+    return Controller(target, policy, deploy, tracker, model, version, parent_run_id, log,
+                      state_path=state_path).run()
+
+
+def _alive_kiln(pid: int | None) -> bool:
+    """A live process that is still ours (a kiln router or arm), not a reused pid."""
+    try:
+        return bool(pid) and b"kiln" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def recover_crashed_walk(state_path: Path, api_key: str | None = None, log: Callable[[str], None] = print,
+                         timeout_s: float = 60) -> bool:
+    """Roll back a walk whose controller died mid-walk: all traffic to stable, then stop the
+    processes it left (canary first, router and stable last, so stable serves until the end).
+    True if there was one. A walk whose controller is still alive is refused."""
+    if not state_path.exists():
+        return False
+    state = read_json(state_path)
+    if state.get("status") != "walking":
+        return False
+    if _alive_kiln(state.get("controller_pid")) and state["controller_pid"] != os.getpid():
+        raise KilnError(f"{state_path}: a canary walk is still running (controller pid {state['controller_pid']})")
+    target, arms = state.get("target", {}), state.get("target", {}).get("arms", {})
+    log(f"canary: the previous walk's controller died at step {state.get('step', 0) + 1} "
+        f"({state.get('weight', 0):g}%); rolling it back")
+    if target.get("router_url") and _alive_kiln(target.get("router_pid")):
+        from kiln.deploy.config import RouterConfig
+        from kiln.deploy.router_process import RouterProcess
+
+        router = RouterProcess(RouterConfig(stable_url=arms["stable"]["url"]), api_key)
+        router.url = target["router_url"]
+        try:
+            router.set_weight(0)
+            router.set_backends(arms["stable"]["url"], None)
+        except KilnError as e:
+            log(f"canary: the old router did not take the rollback ({e}); stopping it")
+    for name in ("canary", "router", "stable"):
+        pid = target.get("router_pid") if name == "router" else arms.get(name, {}).get("pid")
+        if _alive_kiln(pid):
+            os.kill(pid, signal.SIGTERM)  # each drains what it is serving
+            deadline = time.monotonic() + timeout_s
+            while _alive_kiln(pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+    atomic_write_json(state_path, {**state, "status": "rolled_back", "reason": "controller died mid-walk; recovered"})
+    return True

@@ -7,12 +7,18 @@ Each arm is a `kiln serve`-compatible server: one already running (url), one thi
 promote(): the router's stable arm is pointed at the canary's server, the old stable finishes
 what it is serving and is stopped. rollback(): weight 0, the canary finishes and is stopped. In
 both cases no request in flight is cut: the router retires a backend only once it is idle.
+
+If the router dies, a watchdog restarts it at once on the same listening socket (connections wait
+in its backlog meanwhile) with stable only: the walk's observations died with it, so the next
+call from the controller raises RouterRestarted and the controller rolls back. Stable keeps
+serving throughout; only the requests the dead router had accepted fail.
 """
 
 from __future__ import annotations
 
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -109,6 +115,10 @@ def start_arm(spec: BackendSpec, api_key: str | None) -> Arm:
     return arm
 
 
+class RouterRestarted(KilnError):
+    """The router died and was restarted with stable only; the walk cannot go on."""
+
+
 class LocalTarget(DeployTarget):
     name = "local"
 
@@ -119,6 +129,11 @@ class LocalTarget(DeployTarget):
         self.api_key, self.upstream_api_key, self.log_path = api_key, upstream_api_key, log_path
         self.arms: dict[str, Arm] = {}
         self.router: RouterProcess | None = None
+        self.restarts: list[int | None] = []  # exit codes of routers that died and were replaced
+        self._reported = 0
+        self._closing = threading.Event()
+        self._lock = threading.Lock()
+        self._watchdog: threading.Thread | None = None
 
     @property
     def url(self) -> str:
@@ -135,13 +150,47 @@ class LocalTarget(DeployTarget):
         except BaseException:
             self.close()
             raise
+        self._watchdog = threading.Thread(target=self._watch, name="kiln-router-watchdog", daemon=True)
+        self._watchdog.start()
         return self
 
+    def _watch(self) -> None:
+        while not self._closing.wait(0.05):
+            with self._lock:
+                router = self.router
+                if router is None or router.alive() or self._closing.is_set():
+                    continue
+                code = router.proc.returncode if router.proc else None
+                canary = self.arms.get("canary")
+                router.restart(router.config.model_copy(update={
+                    "stable_url": self.arms["stable"].url, "canary_url": canary.url if canary else None, "weight": 0}))
+                self.restarts.append(code)
+
+    def describe(self) -> dict[str, Any]:
+        """What a controller that crashed would need to find and clean up: urls and process ids."""
+        router = self.router
+        return {"router_url": router.url if router else None,
+                "router_pid": router.proc.pid if router and router.proc else None,
+                "arms": {name: {"url": arm.url, "pid": arm.pid} for name, arm in self.arms.items()}}
+
     def set_traffic(self, weight: float) -> None:
-        self._router().set_weight(weight)
+        self._admin(lambda r: r.set_weight(weight))
 
     def observe(self, cursor: tuple[int, int] = (0, 0)) -> Observations:
-        return observations_from(self._router().observations(*cursor))
+        return observations_from(self._admin(lambda r: r.observations(*cursor)))
+
+    def _admin(self, call: Any) -> Any:
+        """An admin call; a router that died before or during it surfaces as RouterRestarted."""
+        try:
+            return call(self._router())
+        except RouterRestarted:
+            raise
+        except KilnError:
+            deadline = time.monotonic() + 10  # the watchdog restarts within a router start-up
+            while len(self.restarts) == self._reported and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self._router()  # raises RouterRestarted if it was restarted
+            raise
 
     def promote(self) -> None:
         router = self._router()
@@ -167,9 +216,16 @@ class LocalTarget(DeployTarget):
     def _router(self) -> RouterProcess:
         if self.router is None:
             raise KilnError("the local target is not running: use it as a context manager")
+        if len(self.restarts) > self._reported:
+            self._reported = len(self.restarts)
+            raise RouterRestarted(f"the router died (exit code {self.restarts[-1]}) and was restarted on the same "
+                                  "port with all traffic on stable; the walk's observations died with it")
         return self.router
 
     def close(self) -> None:
+        self._closing.set()
+        if self._watchdog is not None:
+            self._watchdog.join()
         if self.router is not None:
             self.router.stop()
             self.router = None

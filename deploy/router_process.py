@@ -4,6 +4,10 @@
 stderr, drain on SIGTERM. `RouterProcess(config)` starts it in a child process (the controller and
 any load generator then never share a GIL with it) and talks to its admin endpoints. API keys
 travel through the environment, never the command line, so they do not show in `ps`.
+
+The parent binds the listening socket and hands it to the child: if the router dies, connections
+wait in the socket's backlog (none is refused) until `restart()` serves the same socket again, so
+only the requests the dead router had accepted fail.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -24,8 +29,10 @@ READY = "KILN_ROUTER_READY"
 KEY_ENV, UPSTREAM_KEY_ENV = "KILN_ROUTER_API_KEY", "KILN_ROUTER_UPSTREAM_API_KEY"
 
 
-def serve_router(config: RouterConfig, api_key: str | None = None, upstream_api_key: str | None = None) -> None:
-    """Serve until SIGTERM/SIGINT, then drain. Prints `KILN_ROUTER_READY <port>` on stdout when up."""
+def serve_router(config: RouterConfig, api_key: str | None = None, upstream_api_key: str | None = None,
+                 sock: socket.socket | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, then drain. Prints `KILN_ROUTER_READY <port>` on stdout when up.
+    `sock`: an already listening socket (from RouterProcess) instead of binding config.port."""
     import uvloop
 
     from kiln.deploy.admission import serve_until_drained
@@ -43,7 +50,20 @@ def serve_router(config: RouterConfig, api_key: str | None = None, upstream_api_
         print(f"kiln router on http://{config.host}:{port} (stable {config.stable_url}, canary "
               f"{config.canary_url or '-'} at {config.weight:g}%)", file=sys.stderr, flush=True)
 
-    uvloop.run(serve_until_drained(router.app(), router.admission, config.host, config.port, ready))
+    uvloop.run(serve_until_drained(router.app(), router.admission, config.host, config.port, ready, sock=sock))
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(4096)
+    sock.set_inheritable(True)
+    return sock
 
 
 class RouterProcess:
@@ -54,24 +74,45 @@ class RouterProcess:
         self.config, self.api_key, self.upstream_api_key = config, api_key, upstream_api_key
         self.log_path, self.start_timeout_s = log_path, start_timeout_s
         self.proc: subprocess.Popen[str] | None = None
+        self.sock: socket.socket | None = None
         self.url = ""
 
     def __enter__(self) -> RouterProcess:
-        env = {**os.environ, KEY_ENV: self.api_key or "", UPSTREAM_KEY_ENV: self.upstream_api_key or ""}
-        stderr = open(self.log_path, "a") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - owned by the child
-        cmd = [sys.executable, "-m", "kiln.deploy.router_process", self.config.model_dump_json()]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
-        from kiln.engine.fake import _readline_with_timeout
-
-        line = _readline_with_timeout(self.proc, self.start_timeout_s)
-        if not line.startswith(READY):
-            self.__exit__(None, None, None)
-            raise KilnError(f"router did not start (first output: {line!r}); see {self.log_path or 'its stderr'}")
-        self.url = f"http://{self.config.host}:{int(line.split()[1])}"
+        try:
+            self.sock = listening_socket(self.config.host, self.config.port)
+        except OSError as e:
+            raise KilnError(f"router cannot listen on {self.config.host}:{self.config.port}: {e}") from None
+        self._spawn()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def _spawn(self) -> None:
+        assert self.sock is not None
+        env = {**os.environ, KEY_ENV: self.api_key or "", UPSTREAM_KEY_ENV: self.upstream_api_key or ""}
+        stderr = open(self.log_path, "a") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - owned by the child
+        fd = self.sock.fileno()
+        cmd = [sys.executable, "-m", "kiln.deploy.router_process", self.config.model_dump_json(), str(fd)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, pass_fds=(fd,))
+        from kiln.engine.fake import _readline_with_timeout
+
+        line = _readline_with_timeout(self.proc, self.start_timeout_s)
+        if not line.startswith(READY):
+            self.stop()
+            raise KilnError(f"router did not start (first output: {line!r}); see {self.log_path or 'its stderr'}")
+        self.url = f"http://{self.config.host}:{int(line.split()[1])}"
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def restart(self, config: RouterConfig) -> None:
+        """Serve the same socket again with `config` (after the router died)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.config = config
+        self._spawn()
 
     def stop(self, timeout: float = 30) -> int | None:
         """SIGTERM (the router drains), then SIGKILL if it does not exit in time."""
@@ -82,6 +123,9 @@ class RouterProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
         return self.proc.returncode if self.proc else None
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -113,5 +157,7 @@ class RouterProcess:
 
 if __name__ == "__main__":
     # `python -m kiln.deploy.router_process '<RouterConfig json>'`: what RouterProcess runs.
+    # A second argument is the fd of a listening socket inherited from RouterProcess.
+    inherited = socket.socket(fileno=int(sys.argv[2])) if len(sys.argv) > 2 else None
     serve_router(RouterConfig.model_validate_json(sys.argv[1]), os.environ.get(KEY_ENV) or None,
-                 os.environ.get(UPSTREAM_KEY_ENV) or None)
+                 os.environ.get(UPSTREAM_KEY_ENV) or None, inherited)

@@ -9,11 +9,12 @@ Each is a few lines of composition over the pieces in this package, so the CLI s
 from __future__ import annotations
 
 import signal
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kiln.deploy.canary import CanaryResult, run_canary
+from kiln.deploy.canary import CanaryResult, recover_crashed_walk, run_canary
 from kiln.deploy.config import DeployConfig
 from kiln.deploy.kubernetes import Rendered, render
 from kiln.deploy.local import BackendSpec, LocalTarget
@@ -21,25 +22,32 @@ from kiln.pipeline.gate.policy import GateSection
 
 
 def kiln_serve(engine_dir: str | Path) -> BackendSpec:
-    """An arm served by `kiln serve ENGINE_DIR` on a free port."""
-    return BackendSpec(command=["kiln", "serve", str(engine_dir), "--port", "{port}"])
+    """An arm served by `kiln serve ENGINE_DIR` on a free port, with the interpreter kiln runs under
+    (a `kiln` on PATH may be another install, or none without an activated venv)."""
+    return BackendSpec(command=[sys.executable, "-m", "kiln.pipeline", "serve", str(engine_dir), "--port", "{port}"])
 
 
 def deploy_local(policy: GateSection, deploy: DeployConfig, stable: BackendSpec, candidate: BackendSpec, *,
                  port: int = 8080, api_key: str | None = None, upstream_api_key: str | None = None,
                  tracking_uri: str | None = None, experiment: str = "kiln", model: str | None = None,
                  version: str | None = None, parent_run_id: str | None = None, keep_serving: bool = False,
-                 log: Callable[[str], None] = print, log_path: str | None = None) -> CanaryResult:
+                 log: Callable[[str], None] = print, log_path: str | None = None,
+                 state_path: Path | None = None) -> CanaryResult:
     """Walk a canary on this machine. Clients send traffic to http://127.0.0.1:<port> meanwhile.
 
     keep_serving: after the walk, keep the router and the winning arm up until SIGTERM/SIGINT
     (a real local deployment); otherwise stop everything and return.
+    state_path: the walk's state, written at every change; a walk whose controller died (the
+    state says walking) is rolled back first, then this one starts.
     """
+    if state_path is not None:
+        recover_crashed_walk(state_path, api_key, log)
     with LocalTarget(stable, candidate, deploy.router, port=port, api_key=api_key,
                      upstream_api_key=upstream_api_key, log_path=log_path) as target:
         log(f"kiln deploy: router on {target.url}; canary walk: "
             + ", ".join(f"{s.weight:g}%" for s in deploy.steps))
-        result = run_canary(target, policy, deploy, tracking_uri, experiment, model, version, parent_run_id, log)
+        result = run_canary(target, policy, deploy, tracking_uri, experiment, model, version, parent_run_id, log,
+                            state_path=state_path)
         if keep_serving:
             _wait_for_signal(log, target.url)
     return result

@@ -204,7 +204,8 @@ def deploy_canary(run: Annotated[str, typer.Argument(metavar="RUN")], runs: Runs
                           kiln_serve(engine_dir(str(d), "candidate", runs)), port=port, api_key=_key(api_key_env),
                           tracking_uri=recipe.tracking.uri, experiment=recipe.tracking.experiment,
                           model=registry["name"], version=str(registry["version"]),
-                          parent_run_id=state["mlflow_parent"], keep_serving=keep_serving, log=console.print)
+                          parent_run_id=state["mlflow_parent"], keep_serving=keep_serving, log=console.print,
+                          state_path=d / "deploy-state.json")
     console.print(f"canary {result.status}: {result.reason}")
     raise typer.Exit(result.exit_code)
 
