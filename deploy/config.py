@@ -80,6 +80,9 @@ class KubernetesConfig(Section):
     traffic_routing: Literal["replicas", "nginx"] = Field(
         "replicas", description="replicas: split by pod counts (no mesh needed); nginx: exact weights via ingress")
     ingress_host: str | None = None
+    api_key_secret: str | None = Field(None, description="Secret holding kiln serve's API key under 'api-key'; "
+                                                         "default '<name>-api-key'")
+    pre_stop_s: int = Field(5, ge=0, description="preStop wait before SIGTERM, while endpoints stop sending traffic")
     prometheus_url: str = "http://prometheus.monitoring.svc.cluster.local:9090"
     query_window: str = Field("5m", pattern=r"^[0-9]+[smh]$")
     analysis_interval: str = Field("1m", pattern=r"^[0-9]+[smh]$")

@@ -1,9 +1,10 @@
 """The Kubernetes deploy target: `kiln deploy render` writes Argo Rollouts manifests whose analysis
 comes from the same gate policy the local controller judges (analysis_templates.py).
 
-Rendered, as one YAML stream: the AnalysisTemplates; a Rollout running `kiln serve` (readiness
-and startup probes on /health, which answers 503 while warming up and while draining; a
-termination grace period longer than the drain) with the recipe's steps, each a setWeight then
+Rendered, as one YAML stream: the AnalysisTemplates; a Rollout running `kiln serve` (its API key
+from a Secret, since it listens beyond loopback; readiness and startup probes on /health, which
+answers 503 while warming up and while draining; a preStop wait while endpoints stop sending, then
+SIGTERM and `--drain-timeout`, inside terminationGracePeriodSeconds) with the recipe's steps, each a setWeight then
 the step gate, and the guard as background analysis from the start; Services `<name>-stable` and
 `<name>-canary`, plus `<name>` for clients (split by pod counts) or an nginx Ingress
 (trafficRouting, exact weights); and an autoscaler on the engines' queue depth, the signal that
@@ -34,6 +35,24 @@ ARG_VALUES = [{"name": "canary-hash", "valueFrom": {"podTemplateHashValue": "Lat
               {"name": "stable-hash", "valueFrom": {"podTemplateHashValue": "Stable"}}]
 
 
+API_KEY = "api-key"  # the key in the Secret holding kiln serve's API key(s)
+GRACE_MARGIN_S = 10  # kiln serve exits within its drain timeout (+1 s); the rest is start-up slack
+
+
+def secret_name(name: str, k: Any) -> str:
+    return k.api_key_secret or f"{name}-api-key"
+
+
+def running_replicas(k: Any) -> tuple[int, str]:
+    """Pods that really run at low load, and who decides: the autoscaler's minimum when it owns
+    the count (KEDA minReplicaCount, HPA minReplicas), else the Rollout's replicas."""
+    if k.autoscaler == "keda":
+        return max(1, k.min_replicas), "KEDA minReplicaCount"
+    if k.autoscaler == "hpa":
+        return max(1, k.min_replicas), "HPA minReplicas"
+    return k.replicas, "Rollout replicas"
+
+
 @dataclass
 class Rendered:
     documents: list[dict[str, Any]]
@@ -60,10 +79,11 @@ def rollout(name: str, deploy: DeployConfig, has_full_gate: bool, warnings: list
         steps.append({"analysis": {"templates": [{"templateName": template}],
                                    "args": [*ARG_VALUES, {"name": "min-requests", "value": str(s.min_requests)}]}})
         if k.traffic_routing == "replicas" and s.weight < 100:
-            pods = math.ceil(s.weight / 100 * k.replicas)
-            if abs(pods / k.replicas * 100 - s.weight) > 0.5:
-                warnings.append(f"step {s.weight:g}%: with {k.replicas} replicas and no traffic router the canary "
-                                f"gets {pods}/{k.replicas} pods (~{pods / k.replicas:.0%} of traffic); use "
+            running, owner = running_replicas(k)
+            pods = math.ceil(s.weight / 100 * running)
+            if abs(pods / running * 100 - s.weight) > 0.5:
+                warnings.append(f"step {s.weight:g}%: with {running} replicas ({owner}) and no traffic router the "
+                                f"canary gets {pods}/{running} pods (~{pods / running:.0%} of traffic); use "
                                 "traffic_routing: nginx for exact weights")
     canary: dict[str, Any] = {"canaryService": f"{name}-canary", "stableService": f"{name}-stable",
                               "analysis": {"templates": [{"templateName": f"{name}-guard"}], "startingStep": 0,
@@ -72,12 +92,15 @@ def rollout(name: str, deploy: DeployConfig, has_full_gate: bool, warnings: list
                               "steps": steps}
     if k.traffic_routing == "nginx":
         canary["trafficRouting"] = {"nginx": {"stableIngress": name}}
-    drain = int(deploy.router.admission.drain_timeout_s)
+    drain = math.ceil(deploy.router.admission.drain_timeout_s)
     container: dict[str, Any] = {
         "name": "kiln-serve", "image": k.image, "command": ["kiln"],
-        # Open inside the cluster, said explicitly: kiln serve refuses a non-loopback host without a key.
-        "args": ["serve", k.model_path, "--host", "0.0.0.0", "--port", str(k.port), "--insecure-no-api-key"],
+        "args": ["serve", k.model_path, "--host", "0.0.0.0", "--port", str(k.port), "--drain-timeout", str(drain)],
+        # kiln serve refuses a non-loopback listener without a key: clients send 'Authorization: Bearer <key>'.
+        "env": [{"name": "KILN_API_KEY", "valueFrom": {"secretKeyRef": {"name": secret_name(name, k), "key": API_KEY}}}],
         "ports": [{"name": "http", "containerPort": k.port}],
+        # Endpoints drop a terminating pod asynchronously: keep serving while they catch up, then drain.
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(k.pre_stop_s)]}}},
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "failureThreshold": 2},
         "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 90},
     }
@@ -88,7 +111,9 @@ def rollout(name: str, deploy: DeployConfig, has_full_gate: bool, warnings: list
             "spec": {"replicas": k.replicas, "revisionHistoryLimit": 3, "selector": {"matchLabels": labels},
                      "template": {"metadata": {"labels": labels, "annotations": {
                          "prometheus.io/scrape": "true", "prometheus.io/port": str(k.port), "prometheus.io/path": "/metrics"}},
-                         "spec": {"terminationGracePeriodSeconds": drain + 15, "containers": [container]}},
+                         # preStop, then SIGTERM: serve drains for up to --drain-timeout and exits.
+                         "spec": {"terminationGracePeriodSeconds": k.pre_stop_s + drain + GRACE_MARGIN_S,
+                                  "containers": [container]}},
                      "strategy": {"canary": canary}}}
 
 
@@ -143,6 +168,9 @@ def render(name: str, policy: GateSection, deploy: DeployConfig) -> Rendered:
     warnings: list[str] = []
     templates = analysis_templates(name, policy, deploy, warnings)
     has_full = any(t["metadata"]["name"] == f"{name}-step-full" for t in templates)
+    warnings.append(f"Secret {secret_name(name, deploy.kubernetes)} (key {API_KEY}) must exist before the Rollout: "
+                    f"kubectl -n {deploy.kubernetes.namespace} create secret generic {secret_name(name, deploy.kubernetes)} "
+                    f"--from-literal={API_KEY}=<key> (several comma-separated keys = several tenants)")
     if deploy.kubernetes.autoscaler == "hpa":
         warnings.append("hpa: needs an external-metrics adapter (e.g. prometheus-adapter) exposing "
                         f"{METRICS['waiting'].replace(':', '_')}")

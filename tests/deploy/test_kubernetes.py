@@ -90,12 +90,27 @@ def test_rollout_steps_probes_services_and_autoscaler():
     assert canary["steps"][-1]["analysis"]["templates"] == [{"templateName": "smol-step-full"}]
     assert {"name": "min-requests", "value": "100"} in canary["steps"][1]["analysis"]["args"]
     assert canary["analysis"]["templates"] == [{"templateName": "smol-guard"}]
-    container = kinds["Rollout"][0]["spec"]["template"]["spec"]["containers"][0]
+    pod = kinds["Rollout"][0]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    # deployable as it stands: a key from a Secret on the 0.0.0.0 listener, the drain passed to
+    # kiln serve and inside the grace period after the preStop wait
+    args = container["args"]
+    assert "--insecure-no-api-key" not in args and args[args.index("--host") + 1] == "0.0.0.0"
+    assert container["env"] == [{"name": "KILN_API_KEY", "valueFrom": {"secretKeyRef": {"name": "smol-api-key",
+                                                                                        "key": "api-key"}}}]
+    drain = float(args[args.index("--drain-timeout") + 1])
+    assert drain == config.router.admission.drain_timeout_s
+    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep" and pod["terminationGracePeriodSeconds"] >= float(pre_stop[1]) + drain + 1
+    assert any("smol-api-key" in w and "create secret" in w for w in rendered.warnings)
     assert {s["metadata"]["name"] for s in kinds["Service"]} == {"smol", "smol-stable", "smol-canary"}
     trigger = kinds["ScaledObject"][0]["spec"]["triggers"][0]
     assert trigger["type"] == "prometheus" and "kiln:num_requests_waiting" in trigger["metadata"]["query"]
-    assert any("5%" in w and "1/4 pods" in w for w in rendered.warnings)  # replica split is coarse
+    # KEDA owns the count (minReplicaCount 1): at 1 pod a 5% step is the whole of the traffic
+    assert any("5%" in w and "1/1 pods" in w and "KEDA minReplicaCount" in w for w in rendered.warnings)
+    fixed = render("smol", POLICY, config.model_copy(update={"kubernetes": KubernetesConfig(autoscaler="none")}))
+    assert any("5%" in w and "1/4 pods" in w and "Rollout replicas" in w for w in fixed.warnings)
 
 
 def test_hold_renders_an_inconclusive_end_and_says_so():
