@@ -130,3 +130,31 @@ def test_sigterm_drains_in_flight_streams_then_exits(tmp_path):
         finally:
             proc.stop()
     assert '"event": "drained", "clean": true' in log.read_text()
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_exit_is_bounded_by_the_drain_timeout():
+    """A stream longer than the drain: the router exits about a second after drain_timeout_s
+    (measured 1.68 s with a 1 s drain; it waited aiohttp's 60 s shutdown timeout before)."""
+    from kiln.deploy.admission import CUT_AFTER_DRAIN_S
+
+    drain = 1.0
+    with FakeServer(fake(ttft_ms=10, tpot_ms=200)) as s:  # 100 tokens: a 20 s stream
+        config = RouterConfig(port=0, stable_url=s.url, admission=AdmissionConfig(drain_timeout_s=drain))
+        proc = RouterProcess(config).__enter__()
+        try:
+            async def main() -> float:
+                async with aiohttp.ClientSession() as session:
+                    async with session.post(proc.url + "/v1/completions",
+                                            json={"prompt": "x", "max_tokens": 100, "stream": True}) as r:
+                        await r.content.readline()  # in flight
+                        start = time.monotonic()
+                        proc.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+                        await asyncio.get_running_loop().run_in_executor(None, proc.proc.wait, 60)
+                        return time.monotonic() - start
+
+            seconds = asyncio.run(main())
+        finally:
+            proc.stop()
+    print(f"router exited {seconds:.2f} s after SIGTERM (drain {drain:g} s, cut {CUT_AFTER_DRAIN_S:g} s)")
+    assert drain <= seconds < drain + CUT_AFTER_DRAIN_S + 1.5
