@@ -17,7 +17,7 @@ class Metric:
     higher_is_better: bool
     unit: str
     description: str
-    kind: str  # "quality" (per-sample, paired) | "performance" (repeats) | "size" | "error_rate"
+    kind: str  # "quality" (per-sample, paired) | "performance" (repeats) | "size" | "error_rate" | "machine"
 
 
 METRICS: dict[str, Metric] = {}
@@ -47,6 +47,11 @@ declare("greedy_match", True, "fraction", "greedy continuations identical to the
 declare("decode_tok_s", True, "tok/s", "decode tokens per second per sequence at batch 1", "performance")
 declare("ttft_ms", False, "ms", "time to first token (prefill) of the benchmark prompts", "performance")
 declare("tpot_ms", False, "ms", "time per output token after the first", "performance")
+# How busy the machine was during the decode benchmark (kiln.evaluate.contention): not gated on
+# its own; a speed check measured above its bound is Inconclusive.
+BENCH_PRESSURE = "bench_cpu_pressure"
+declare(BENCH_PRESSURE, False, "fraction", "share of the decode benchmark's wall time a task waited for a CPU "
+        "(Linux PSI): other jobs competing with the measurement", "machine")
 # Footprint.
 declare("size_bytes", False, "bytes", "checkpoint size on disk", "size")
 declare("error_rate", False, "fraction", "failed requests / all requests", "error_rate")

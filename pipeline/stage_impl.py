@@ -13,6 +13,7 @@ from kiln.pipeline.evidence import evidence_from_run
 from kiln.pipeline.files import atomic_write_json, dir_size, hash_of
 from kiln.pipeline.gate.base import Evidence
 from kiln.pipeline.gate.policy import GateOutcome, judge
+from kiln.pipeline.metrics import BENCH_PRESSURE
 from kiln.pipeline.model_source import ResolvedModel
 from kiln.pipeline.stages import RunContext, StageOutcome, peak_rss_bytes, run_stage, run_tags
 from kiln.pipeline.versions import library_versions
@@ -220,17 +221,24 @@ def _benchmark(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path]) -
     prompts = _prompts(b.prompts, b.num_prompts, _tokenizer(engines["baseline"]))
 
     def compute(out: Path) -> dict[str, Any]:
+        from kiln.evaluate import contention
+
+        start = contention.read()
         per_arm = interleaved({role: loaded[role] for role in engines}, prompts, b.max_new_tokens,
                               b.batch_sizes, b.repeats)
+        machine = contention.between(start, contention.read())  # how busy the machine was meanwhile
         atomic_write_json(out / "repeats.json", per_arm)
-        per_role = {role: {"repeats": samples, "metrics": {k: statistics.median(v) for k, v in samples.items()}}
-                    for role, samples in per_arm.items()}
+        per_role = {role: {"repeats": samples, "metrics": {
+            **{k: statistics.median(v) for k, v in samples.items()},
+            **({BENCH_PRESSURE: machine["cpu_pressure"]} if machine["cpu_pressure"] is not None else {})}}
+            for role, samples in per_arm.items()}
         metrics = {f"{role}.{k}": v for role, part in per_role.items() for k, v in part["metrics"].items()}
-        return {"metrics": metrics, "per_role": per_role}
+        return {"metrics": metrics, "per_role": per_role, "machine": machine}
 
     run_stage(ctx, "benchmark", "pair",
               {"engines": {r: p.name for r, p in engines.items()}, "config": b.model_dump(mode="json"),
-               "hardware": hardware_fingerprint(), "prompts": hash_of(prompts), "pairing": "per-prompt"},
+               "hardware": hardware_fingerprint(), "prompts": hash_of(prompts), "pairing": "per-prompt",
+               "records": "contention"},
               compute)
 
 

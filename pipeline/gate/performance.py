@@ -15,7 +15,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from kiln.pipeline.gate.base import CHECKS, Check, CheckConfig, CheckResult, Evidence, Verdict
-from kiln.pipeline.metrics import metric
+from kiln.pipeline.metrics import BENCH_PRESSURE, LOAD_PREFIX, metric
 
 
 class PerformanceCheckConfig(CheckConfig):
@@ -24,6 +24,10 @@ class PerformanceCheckConfig(CheckConfig):
     max_ratio: float | None = Field(None, gt=0, description="candidate / baseline must be at most this")
     min: float | None = Field(None, description="absolute lower bound on the candidate (an SLO)")
     max: float | None = Field(None, description="absolute upper bound on the candidate (an SLO)")
+    max_cpu_pressure: float | None = Field(
+        0.25, ge=0, le=1, description="decode-benchmark checks: Inconclusive when the machine's CPU pressure "
+        "(share of time a task waited for a CPU) exceeded this while measuring; null: never. Measured here: "
+        "quiet 0.5-5%, one competing busy process on 2 cores 49%, two 99%")
 
     @model_validator(mode="after")
     def _one_bound(self) -> PerformanceCheckConfig:
@@ -63,6 +67,12 @@ class PerformanceCheck(Check):
         if n < 2:
             return self.result(Verdict.INCONCLUSIVE, observed=observed, baseline=base_value,
                                threshold=self._threshold(), reason=f"{n} repeat(s): an interval needs at least 2")
+        pressure = candidate.metrics.get(BENCH_PRESSURE) if not c.metric.startswith(LOAD_PREFIX) else None
+        if c.max_cpu_pressure is not None and pressure is not None and pressure > c.max_cpu_pressure:
+            return self.result(Verdict.INCONCLUSIVE, observed=observed, baseline=base_value, threshold=self._threshold(),
+                               reason=f"measured on a busy machine: tasks waited for a CPU {pressure:.0%} of the time "
+                                      f"(max_cpu_pressure {c.max_cpu_pressure:.0%}); other jobs slow the two arms "
+                                      "unequally. Re-measure on a quieter machine: kiln run --fresh benchmark")
         if relative:
             log_ratio = np.log(cand[:n] / base[:n])
             mean, lo, hi = (math.exp(v) for v in t_interval(log_ratio, self.confidence))

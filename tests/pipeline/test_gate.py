@@ -115,3 +115,28 @@ def test_agreement_bound():
     c.samples["top1_agreement"] = {str(i): v for i, v in enumerate(np.linspace(0.9, 0.97, 20))}
     assert judge(_policy({"kind": "agreement", "metric": "top1_agreement", "min": 0.85}), c, b).verdict is Verdict.SUCCESSFUL
     assert judge(_policy({"kind": "agreement", "metric": "top1_agreement", "min": 0.99}), c, b).verdict is Verdict.FAILED
+
+
+@pytest.mark.parametrize("pressure, bound, metric, expected", [
+    (0.6, 0.25, "decode_tok_s", Verdict.INCONCLUSIVE),  # a busy machine cannot give a speed verdict
+    (0.6, None, "decode_tok_s", Verdict.SUCCESSFUL),  # the recipe switched the guard off
+    (0.04, 0.25, "decode_tok_s", Verdict.SUCCESSFUL),  # quiet
+    (0.6, 0.25, "load_ttft_p50_ms", Verdict.SUCCESSFUL),  # the decode bench's pressure says nothing of the load stage
+])
+def test_speed_measured_on_a_busy_machine_is_inconclusive(pressure, bound, metric, expected):
+    cand, base = _perf([10, 10.2, 9.9], [15, 15.1, 14.8], metric)
+    for ev in (cand, base):
+        ev.metrics["bench_cpu_pressure"] = pressure
+    check = {"kind": "performance", "metric": metric, "max_cpu_pressure": bound, "min_ratio": 1.2}
+    r = judge(_policy(check), cand, base).results[0]
+    assert r.verdict is expected, r.reason
+    if expected is Verdict.INCONCLUSIVE:
+        assert "60%" in r.reason and "--fresh benchmark" in r.reason
+
+
+def test_contention_between_two_readings():
+    from kiln.evaluate.contention import Reading, between
+
+    got = between(Reading(10.0, 1_000_000, 5, 1000), Reading(12.0, 2_000_000, 15, 1200))
+    assert got["cpu_pressure"] == pytest.approx(0.5) and got["cpu_steal"] == pytest.approx(0.05)
+    assert between(Reading(0, None, None, None), Reading(1, None, None, None))["cpu_pressure"] is None

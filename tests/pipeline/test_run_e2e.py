@@ -32,6 +32,10 @@ def test_run_writes_report_verdict_and_stage_manifests(tiny_run):
     assert {"optimize-baseline", "optimize-candidate", "engine-baseline", "engine-candidate", "quality-baseline",
             "quality-candidate", "agreement-candidate", "lmeval-baseline", "lmeval-candidate",
             "benchmark-pair"} <= stages
+    bench = json.loads((Path(json.loads((run_dir / "stages" / "benchmark-pair.json").read_text())["path"])
+                        / "result.json").read_text())
+    assert 0 <= bench["machine"]["cpu_pressure"] <= 1  # how busy the machine was while measuring
+    assert bench["per_role"]["candidate"]["metrics"]["bench_cpu_pressure"] == bench["machine"]["cpu_pressure"]
     for p in (run_dir / "stages").glob("*.json"):
         stage = json.loads(p.read_text())
         manifest = json.loads((Path(stage["path"]) / "manifest.json").read_text())
