@@ -32,9 +32,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kiln.deploy.config import AdmissionConfig
+from kiln.engine import metric_names as names
 from kiln.pipeline.errors import BadInput
 
 GUARDED = ("/v1/completions", "/v1/chat/completions")
@@ -87,10 +88,12 @@ class Admission:
         self._slots: asyncio.Semaphore | None = None
         self._idle: asyncio.Event | None = None
         self._buckets: dict[str, TokenBucket] = {}
+        self._requests: Counter | None = None
 
     def _refuse(self, request: web.Request, tenant: str, reason: str, status: int, message: str,
                 retry_after: float) -> web.Response:
         self.rejected[reason] += 1
+        self._count(status)
         if self.config.log_requests:
             self._log(request, tenant, status, request[ARRIVAL], {"reason": reason})
         return _reject(status, message, retry_after, "overloaded" if status == 429 else "unavailable")
@@ -142,8 +145,14 @@ class Admission:
             self.running -= 1
             if self.running == 0:
                 self._idle.set()  # type: ignore[union-attr]
+            self._count(status, stats.get("error"))
             if cfg.log_requests:
                 self._log(request, tenant, status, arrival, stats)
+
+    def _count(self, status: int, stream_error: str | None = None) -> None:
+        if self._requests is not None and status != 499:  # 499: the client left, nothing was answered
+            failed = stream_error is not None and not stream_error.startswith("invalid_request_error")
+            self._requests.labels(names.outcome(status, failed)).inc()
 
     def _log(self, request: web.Request, tenant: str, status: int, arrival: float, stats: dict[str, Any]) -> None:
         line = {"ts": round(time.time(), 3), "method": request.method, "path": request.path, "status": status,
@@ -162,8 +171,14 @@ class Admission:
         self.start_drain()
         return await self.wait_idle(self.config.drain_timeout_s)
 
-    def export(self, registry: CollectorRegistry, prefix: str) -> None:
-        """Queue depth, requests running and refusals by reason as gauges read at scrape time."""
+    def export(self, registry: CollectorRegistry, prefix: str, count_requests: bool = False) -> None:
+        """Queue depth, requests running and refusals by reason as gauges read at scrape time;
+        `count_requests`: also every guarded request by outcome (metric_names.REQUESTS)."""
+        if count_requests:
+            self._requests = Counter(names.REQUESTS, "requests finished, by outcome (success, client_error, "
+                                     "server_error, rejected)", [names.OUTCOME], registry=registry)
+            for o in names.OUTCOMES:  # every series exists from the start: a rate of 0 is not 'no data'
+                self._requests.labels(o)
         Gauge(f"{prefix}_queue_depth", "requests waiting for an admission slot", registry=registry).set_function(
             lambda: self.waiting)
         Gauge(f"{prefix}_running", "requests admitted and not finished", registry=registry).set_function(

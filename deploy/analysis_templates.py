@@ -1,10 +1,10 @@
 """Gate policy -> Argo Rollouts AnalysisTemplates: each check becomes a PromQL query and conditions.
 
-Check -> PromQL over the metrics kiln serve exports (vLLM-style names; the pods of an arm are
+Check -> PromQL over the metrics kiln serve exports (kiln.engine.metric_names; the pods of an arm are
 picked by their pod-template hash, passed in by the Rollout as args canary-hash / stable-hash):
 - ttft_ms, tpot_ms, ratio: latency(canary) / latency(stable); SLO: 1000 * latency(canary) (ms);
 - decode_tok_s, ratio: latency_tpot(stable) / latency_tpot(canary); SLO: 1 / latency_tpot(canary);
-- error_rate: rate(finished_reason="error") / rate(all requests), canary pods;
+- error_rate: rate(outcome="server_error") / rate(all requests), canary pods;
 - quality, agreement, size, other metrics: no Prometheus signal: skipped, with a warning.
 latency is sum(rate(_sum)) / sum(rate(_count)) (the mean, exact from a histogram) or
 histogram_quantile(q, ...) (kubernetes.latency_statistic). Every query is empty until the canary
@@ -35,13 +35,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.deploy.config import DeployConfig, KubernetesConfig
+from kiln.engine import metric_names as names
 from kiln.pipeline.errors import KilnError
 from kiln.pipeline.gate.base import CheckConfig
 from kiln.pipeline.gate.policy import GateSection
 
 ARGO = "argoproj.io/v1alpha1"
-METRICS = {"ttft": "kiln:time_to_first_token_seconds", "tpot": "kiln:time_per_output_token_seconds",
-           "requests": "kiln:request_success_total", "waiting": "kiln:num_requests_waiting"}
+METRICS = {"ttft": names.TTFT, "tpot": names.TPOT, "requests": names.total(names.REQUESTS), "waiting": names.WAITING}
 QUANTILES = {"p50": 0.5, "p90": 0.9, "p95": 0.95, "p99": 0.99}
 ARGS = [{"name": "canary-hash"}, {"name": "stable-hash"}]
 
@@ -86,7 +86,7 @@ class PromQL:
         """(expression, operator, bound) for a check, or the reason it cannot be expressed.
         Ratios need traffic on both arms; absolute bounds (SLOs, error rate) only on the canary."""
         if cfg.kind == "error_rate":
-            failed = self.sel("canary", ',finished_reason="error"')
+            failed = self.sel("canary", f',{names.OUTCOME}="{names.SERVER_ERROR}"')
             errors = f"(sum(rate({METRICS['requests']}{failed}[{self.k.query_window}])) or on() vector(0))"
             total = f"sum(rate({METRICS['requests']}{self.sel('canary')}[{self.k.query_window}]))"
             return f"{errors} / {total}", "<=", cfg.max  # type: ignore[attr-defined]

@@ -17,6 +17,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kiln.engine import metric_names as names
+
 # Seconds, from a few ms (fakes, small models) to minutes (long generations).
 BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 60, 120)
 
@@ -80,17 +82,20 @@ class ArmMetrics:
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("kiln_router_requests", "request attempts", ["arm", "outcome"], registry=r)
-        self.retries = Counter("kiln_router_retries", "canary failures served by stable instead", registry=r)
-        self.ttft = Histogram("kiln_router_ttft_seconds", "time to first token", ["arm"], buckets=BUCKETS, registry=r)
-        self.tpot = Histogram("kiln_router_tpot_seconds", "mean time per output token after the first", ["arm"], buckets=BUCKETS, registry=r)
-        self.e2e = Histogram("kiln_router_e2e_seconds", "request latency, end to end", ["arm"], buckets=BUCKETS, registry=r)
-        self.in_flight = Gauge("kiln_router_in_flight", "requests in flight", ["arm"], registry=r)
-        self.weight = Gauge("kiln_router_canary_weight_percent", "canary traffic weight", registry=r)
-        self.mirror = Counter("kiln_router_mirror_comparisons", "mirrored comparisons", ["match"], registry=r)
+        arm = [names.ARM]
+        self.requests = Counter(names.ROUTER_REQUESTS, "request attempts", [names.ARM, names.OUTCOME], registry=r)
+        self.retries = Counter(names.ROUTER_RETRIES, "canary failures served by stable instead", registry=r)
+        self.ttft = Histogram(names.ROUTER_TTFT, "time to first token", arm, buckets=BUCKETS, registry=r)
+        self.tpot = Histogram(names.ROUTER_TPOT, "mean time per output token after the first", arm, buckets=BUCKETS,
+                              registry=r)
+        self.e2e = Histogram(names.ROUTER_E2E, "request latency, end to end", arm, buckets=BUCKETS, registry=r)
+        self.in_flight = Gauge(names.ROUTER_IN_FLIGHT, "requests in flight", arm, registry=r)
+        self.weight = Gauge(names.ROUTER_WEIGHT, "canary traffic weight", registry=r)
+        self.mirror = Counter(names.ROUTER_MIRROR, "mirrored comparisons", ["match"], registry=r)
 
     def record(self, obs: Observation) -> None:
-        outcome = "ok" if obs.error is None else "error" if is_failure(obs.status, obs.error) else "client_error"
+        outcome = (names.SUCCESS if obs.error is None else names.SERVER_ERROR if is_failure(obs.status, obs.error)
+                   else names.CLIENT_ERROR)
         self.requests.labels(obs.arm, outcome).inc()
         if obs.error is None:
             self.e2e.labels(obs.arm).observe(obs.e2e_s)

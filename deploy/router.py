@@ -30,6 +30,7 @@ from kiln.deploy.hashring import WeightedRing
 from kiln.deploy.observations import ArmMetrics, Window
 from kiln.deploy.proxy import UPSTREAM_ERRORS, Backend, Proxy, error_response
 from kiln.deploy.sse import prompt_prefix
+from kiln.engine import metric_names as names
 
 
 class Router(Proxy):
@@ -46,9 +47,12 @@ class Router(Proxy):
         self.admission = Admission(config.admission)
         self._tasks: set[asyncio.Task] = set()
         self._retiring: list[Backend] = []
-        Gauge("kiln_router_queue_depth", "requests waiting for a slot", registry=self.metrics.registry).set_function(
+        Gauge(names.ROUTER_WAITING, "requests waiting for a slot", registry=self.metrics.registry).set_function(
             lambda: self.admission.waiting)
         self.metrics.weight.set(self.ring.weight)
+        for arm in ("stable", "canary"):  # read at scrape time from the arm's current backend
+            self.metrics.in_flight.labels(arm).set_function(
+                lambda a=arm: self.backends[a].in_flight if a in self.backends else 0)
 
     # --- the application -------------------------------------------------------------------
     def app(self) -> web.Application:

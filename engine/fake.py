@@ -40,6 +40,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
+from kiln.engine import metric_names as names
+
 _TOKEN = " tok"
 _READY = "KILN_FAKE_READY"
 _API_KEY_ENV = "KILN_FAKE_API_KEY"
@@ -64,22 +66,18 @@ class FakeEngineConfig(BaseModel):
 
 
 class _Metrics:
-    """Prometheus series; names follow vLLM's (`vllm:` becomes `kiln:`) so dashboards carry over."""
+    """Prometheus series: exactly `kiln serve`'s names (metric_names.py)."""
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.ttft = Histogram(
-            "kiln:time_to_first_token_seconds", "TTFT, arrival to first token", registry=r, buckets=_BUCKETS
-        )
-        self.tpot = Histogram(
-            "kiln:time_per_output_token_seconds", "mean inter-token time", registry=r, buckets=_BUCKETS
-        )
-        self.e2e = Histogram("kiln:e2e_request_latency_seconds", "arrival to last token", registry=r, buckets=_BUCKETS)
-        self.running = Gauge("kiln:num_requests_running", "requests generating", registry=r)
-        self.waiting = Gauge("kiln:num_requests_waiting", "requests queued for a slot", registry=r)
-        self.prompt_tokens = Counter("kiln:prompt_tokens", "prompt tokens processed", registry=r)
-        self.generation_tokens = Counter("kiln:generation_tokens", "tokens generated", registry=r)
-        self.requests = Counter("kiln:request_success", "requests finished", ["finished_reason"], registry=r)
+        self.ttft = Histogram(names.TTFT, "TTFT, arrival to first token", registry=r, buckets=_BUCKETS)
+        self.tpot = Histogram(names.TPOT, "mean inter-token time", registry=r, buckets=_BUCKETS)
+        self.e2e = Histogram(names.E2E, "arrival to last token", registry=r, buckets=_BUCKETS)
+        self.running = Gauge(names.RUNNING, "requests generating", registry=r)
+        self.waiting = Gauge(names.WAITING, "requests queued for a slot", registry=r)
+        self.prompt_tokens = Counter(names.PROMPT_TOKENS, "prompt tokens processed", registry=r)
+        self.generation_tokens = Counter(names.GENERATION_TOKENS, "tokens generated", registry=r)
+        self.requests = Counter(names.REQUESTS, "requests finished, by outcome", [names.OUTCOME], registry=r)
 
 
 class _BadRequest(Exception):
@@ -172,9 +170,10 @@ class _Engine:
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 raise _BadRequest("'max_tokens' must be a positive integer")
         except (json.JSONDecodeError, _BadRequest) as e:
+            self.metrics.requests.labels(names.CLIENT_ERROR).inc()
             return _error(400, str(e), "invalid_request_error")
         if self.cfg.error_rate and self.rng.random() < self.cfg.error_rate:
-            self.metrics.requests.labels("error").inc()
+            self.metrics.requests.labels(names.SERVER_ERROR).inc()
             return _error(500, "injected failure (fake engine error_rate)", "server_error")
         chat = request.path.endswith("/chat/completions")
         stream = _Stream(self, request, body, prompts, n, chat, arrival)
@@ -219,7 +218,7 @@ class _Stream:
                 last = await _sleep_until(first + (self.n - 1) * self.eng.tpot)
                 resp = web.json_response(self._whole())
         except ConnectionResetError:  # the client hung up mid-stream (a cancelled load test): not our error
-            m.requests.labels("abort").inc()
+            m.requests.labels(names.CLIENT_ERROR).inc()  # the client left
             return self.resp  # already started; there is nobody left to answer
         finally:
             m.running.dec()
@@ -229,7 +228,7 @@ class _Stream:
             m.tpot.observe((last - first) / (self.n - 1))
         m.prompt_tokens.inc(self.usage["prompt_tokens"])
         m.generation_tokens.inc(self.usage["completion_tokens"])
-        m.requests.labels("length").inc()
+        m.requests.labels(names.SUCCESS).inc()
         return resp
 
     def _head(self) -> dict:

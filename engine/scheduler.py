@@ -25,6 +25,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kiln.engine import metric_names as names
 from kiln.engine.base import Engine, GenerationRequest, TokenEvent
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -35,17 +36,16 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.ttft = Histogram("kiln_time_to_first_token_seconds", "Time to first token", registry=r,
-                              buckets=_LATENCY_BUCKETS)
-        self.tpot = Histogram("kiln_time_per_output_token_seconds", "Mean time between output tokens "
-                              "of a request (after the first)", registry=r, buckets=_LATENCY_BUCKETS)
-        self.e2e = Histogram("kiln_e2e_request_latency_seconds", "Request latency, submit to last token",
-                             registry=r, buckets=_LATENCY_BUCKETS)
-        self.running = Gauge("kiln_requests_in_flight", "Requests submitted and not finished", registry=r)
-        self.waiting = Gauge("kiln_queue_depth", "Requests waiting for their first token", registry=r)
-        self.prompt_tokens = Counter("kiln_prompt_tokens", "Prompt tokens processed", registry=r)
-        self.generation_tokens = Counter("kiln_generation_tokens", "Tokens generated", registry=r)
-        self.cold_start = Gauge("kiln_cold_start_seconds", "Process start to ready, by phase (boot: interpreter "
+        self.ttft = Histogram(names.TTFT, "Time to first token", registry=r, buckets=_LATENCY_BUCKETS)
+        self.tpot = Histogram(names.TPOT, "Mean time between output tokens of a request (after the first)",
+                              registry=r, buckets=_LATENCY_BUCKETS)
+        self.e2e = Histogram(names.E2E, "Request latency, submit to last token", registry=r,
+                             buckets=_LATENCY_BUCKETS)
+        self.running = Gauge(names.RUNNING, "Requests submitted and not finished", registry=r)
+        self.waiting = Gauge(names.WAITING, "Requests waiting for their first token", registry=r)
+        self.prompt_tokens = Counter(names.PROMPT_TOKENS, "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter(names.GENERATION_TOKENS, "Tokens generated", registry=r)
+        self.cold_start = Gauge(names.COLD_START, "Process start to ready, by phase (boot: interpreter "
                                 "and imports; load; warmup; total)", ["phase"], registry=r)
 
 

@@ -36,6 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kiln.deploy.admission import ARRIVAL, STATS, Admission, serve_until_drained
 from kiln.deploy.config import SERVE_ADMISSION, AdmissionConfig
+from kiln.engine import metric_names as names
 from kiln.engine.base import Engine, GenerationRequest, TokenEvent
 from kiln.engine.protocol import TextStream, logprobs_block, position_logprobs, token_text
 from kiln.engine.request import (RequestError, Sampling, budgets, chat_prompt, check_model, parse_prompts,
@@ -53,7 +54,7 @@ class _State:
         self.load, self.keys, self.model_name, self.owns = load, _bearers(api_key), model_name, owns
         self.admission, self.on_ready = admission, on_ready
         self.metrics = Metrics()
-        admission.export(self.metrics.registry, "kiln_admission")
+        admission.export(self.metrics.registry, names.ADMISSION, count_requests=True)
         self.engine: Engine | None = None
         self.scheduler: Scheduler | None = None
         self.status = "loading"
@@ -141,7 +142,7 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
 async def _guard(request: web.Request, handler):
     """Key and readiness, before admission: a wrong key never gets a rate-limit bucket or a slot."""
     st: _State = request.app[STATE]
-    if request.path != "/health" and st.keys:
+    if request.path not in ("/health", "/metrics") and st.keys:  # scraped without a key, as vLLM's
         sent = _sent_key(request.headers.get("Authorization", ""))
         if not any([hmac.compare_digest(sent, key) for key in st.keys]):  # constant-time, every key compared
             return _error(401, "Missing or wrong API key (send 'Authorization: Bearer <key>').",

@@ -158,3 +158,53 @@ def test_sigterm_exit_is_bounded_by_the_drain_timeout():
             proc.stop()
     print(f"router exited {seconds:.2f} s after SIGTERM (drain {drain:g} s, cut {CUT_AFTER_DRAIN_S:g} s)")
     assert drain <= seconds < drain + CUT_AFTER_DRAIN_S + 1.5
+
+
+def test_every_request_is_counted_by_outcome():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kiln.engine import metric_names as names
+
+    async def main() -> str:
+        admission = Admission(AdmissionConfig(max_concurrency=1, max_queue=0))
+        registry = CollectorRegistry()
+        admission.export(registry, names.ADMISSION, count_requests=True)
+
+        async def answer(request: web.Request) -> web.StreamResponse:
+            kind = request.query.get("kind")
+            if kind == "slow":
+                await asyncio.sleep(0.3)
+            if kind == "bad":
+                return web.json_response({}, status=400)
+            if kind == "boom":
+                return web.json_response({}, status=500)
+            if kind == "midstream":  # a 200 whose stream ended in an error event
+                request[STATS]["error"] = "internal_error: engine died"
+            return web.json_response({})
+
+        app = web.Application(middlewares=[admission.middleware])
+        app.router.add_post("/v1/completions", answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1/completions"
+        try:
+            async with aiohttp.ClientSession() as s:
+                async def one(kind: str) -> int:
+                    async with s.post(url, params={"kind": kind}, json={}) as r:
+                        return r.status
+                assert [await one(k) for k in ("ok", "ok", "bad", "boom", "midstream")] == [200, 200, 400, 500, 200]
+                slow = asyncio.create_task(one("slow"))
+                await asyncio.sleep(0.1)
+                assert await one("ok") == 429  # the one slot is taken, no queue
+                await slow
+        finally:
+            await runner.cleanup()
+        return generate_latest(registry).decode()
+
+    text = asyncio.run(main())
+    counts = {o: next(float(line.split()[-1]) for line in text.splitlines()
+                      if line.startswith(f'{names.total(names.REQUESTS)}{{{names.OUTCOME}="{o}"}}'))
+              for o in names.OUTCOMES}
+    assert counts == {"success": 3.0, "client_error": 1.0, "server_error": 2.0, "rejected": 1.0}

@@ -115,8 +115,8 @@ def test_canary_failing_before_first_token_is_retried_on_stable():
         assert canary and all(o["status"] == 500 and o["retried"] for o in canary)
         assert sum(o["arm"] == "stable" and o["error"] is None for o in obs) == 80
         metrics = urllib.request.urlopen(r.url + "/metrics").read().decode()
-        assert f"kiln_router_retries_total {float(len(canary))}" in metrics
-        assert 'kiln_router_ttft_seconds_bucket{arm="stable"' in metrics
+        assert f"kiln:router_retries_total {float(len(canary))}" in metrics
+        assert 'kiln:router_time_to_first_token_seconds_bucket{arm="stable"' in metrics
 
 
 def test_canary_killed_mid_stream_costs_the_client_nothing():

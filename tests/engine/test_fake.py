@@ -99,6 +99,7 @@ def test_models_health_metrics(server):
         "kiln:num_requests_waiting",
         "kiln:prompt_tokens_total",
         "kiln:generation_tokens_total",
+        'kiln:requests_total{outcome="success"}',
     ):
         assert name in text
 

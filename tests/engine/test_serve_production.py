@@ -70,13 +70,13 @@ def test_full_queue_answers_429_with_retry_after_while_the_engine_is_busy(served
         waiter = threading.Thread(target=lambda: queued.append(_post(srv.url + "/v1/completions",
                                                                      {**long, "max_tokens": 3})))
         waiter.start()
-        _wait_for(lambda: _metric(srv.url, "kiln_admission_queue_depth") == 1)
+        _wait_for(lambda: _metric(srv.url, "kiln:admission_queue_depth") == 1)
         start = time.perf_counter()
         status, headers, body = _post(srv.url + "/v1/completions", long)
         refused_in = time.perf_counter() - start
         rest = _events(running)
         waiter.join(60)
-        rejected = _metric(srv.url, 'kiln_admission_rejected{reason="queue_full"}')
+        rejected = _metric(srv.url, 'kiln:admission_rejected{reason="queue_full"}')
     assert status == 429 and headers["Retry-After"] == "2" and json.loads(body)["error"]["type"] == "overloaded"
     assert refused_in < 1.0  # at once, not after the running stream's ~100 tokens
     assert first.startswith(b"data: ") and rest[-1] == "[DONE]" and len(rest) == 100  # 99 more tokens + [DONE]
@@ -128,7 +128,7 @@ def test_cold_start_is_split_into_boot_load_and_warmup(tiny_model_dir):
     with ServerThread(slow_load) as srv:
         with urllib.request.urlopen(srv.url + "/health", timeout=30) as r:
             health = json.loads(r.read())
-        load_gauge = _metric(srv.url, 'kiln_cold_start_seconds{phase="load"}', key=None)
+        load_gauge = _metric(srv.url, 'kiln:cold_start_seconds{phase="load"}', key=None)
     cold = health["cold_start"]
     assert health["status"] == "ready" and set(cold) == {"boot_s", "load_s", "warmup_s", "total_s"}
     assert cold["load_s"] >= 0.3 and cold["warmup_s"] > 0 and cold["boot_s"] > 0

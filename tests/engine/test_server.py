@@ -132,11 +132,11 @@ def test_metrics_expose_latency_histograms(client, server):
                               extra_body={"ignore_eos": True})
     status, text = _get(f"{server.url}/metrics")
     assert status == 200
-    for name in ("kiln_time_to_first_token_seconds_bucket", "kiln_time_per_output_token_seconds_bucket",
-                 "kiln_e2e_request_latency_seconds_bucket", "kiln_requests_in_flight", "kiln_queue_depth",
-                 "kiln_prompt_tokens_total", "kiln_generation_tokens_total"):
+    for name in ("kiln:time_to_first_token_seconds_bucket", "kiln:time_per_output_token_seconds_bucket",
+                 "kiln:e2e_request_latency_seconds_bucket", "kiln:num_requests_running", "kiln:num_requests_waiting",
+                 "kiln:prompt_tokens_total", "kiln:generation_tokens_total", 'kiln:requests_total{outcome="success"}'):
         assert name in text
-    count = next(line for line in text.splitlines() if line.startswith("kiln_time_to_first_token_seconds_count"))
+    count = next(line for line in text.splitlines() if line.startswith("kiln:time_to_first_token_seconds_count"))
     assert float(count.split()[-1]) >= 1
 
 
@@ -157,7 +157,7 @@ def test_client_disconnect_cancels_the_sequence(server, client, served_engine):
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         text = _get(f"{server.url}/metrics")[1]
-        in_flight = next(line for line in text.splitlines() if line.startswith("kiln_requests_in_flight "))
+        in_flight = next(line for line in text.splitlines() if line.startswith("kiln:num_requests_running "))
         if float(in_flight.split()[-1]) == 0 and not served_engine.has_work():
             break
         time.sleep(0.05)

@@ -1,0 +1,233 @@
+"""The rendered analysis against the real other side: Debian's Prometheus scraping two real
+`kiln serve` arms (tiny model), every query of the AnalysisTemplates and the KEDA trigger
+evaluated through /api/v1/query with the args substituted as Argo does. None may be empty."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kiln.deploy.argo_rules import substitute
+from kiln.deploy.config import CanaryStep, DeployConfig, KubernetesConfig
+from kiln.deploy.kubernetes import render
+from kiln.pipeline.gate.policy import GateSection
+
+KEY = "prom-test-key"
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+POLICY = GateSection.model_validate({"checks": [
+    {"kind": "performance", "metric": "ttft_ms", "max_ratio": 3.0},
+    {"kind": "performance", "metric": "ttft_ms", "max": 60000},
+    {"kind": "performance", "metric": "decode_tok_s", "min_ratio": 0.3},
+    {"kind": "performance", "metric": "tpot_ms", "max": 60000},
+    {"kind": "error_rate", "max": 0.01},
+]})
+ARGS = {"canary-hash": "canary", "stable-hash": "stable", "min-requests": "10"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, key: str | None = None, timeout: float = 5) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _wait(predicate, what: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _complete(url: str, prompt: str) -> int:
+    body = json.dumps({"prompt": prompt, "max_tokens": 6, "stream": True, "ignore_eos": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body, method="POST",
+                                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            r.read()
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def _prometheus(tmp_path: Path, arms: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    """Debian's prometheus scraping each arm (url) every second, labelled as the Rollout's pods are."""
+    if not Path(PROMETHEUS).exists():
+        pytest.fail("needs Debian's prometheus: apt-get install -y prometheus (make system-deps)")
+    port = _free_port()
+    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "scrape_configs": [
+        {"job_name": "kiln", "static_configs": [
+            {"targets": [url.removeprefix("http://")], "labels": {"namespace": "default", "app": "smol",
+                                                                  "rollouts_pod_template_hash": name}}
+            for name, url in arms.items()]}]}
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    proc = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    _wait(lambda: _get(url + "/-/ready")[0] == 200, "prometheus ready", 60)
+
+    def scraped() -> bool:  # every arm scraped once before any traffic: increase() counts from there
+        body = json.loads(_get(url + "/api/v1/query?query=" + urllib.parse.quote("up == 1"))[1])
+        return len(body["data"]["result"]) == len(arms)
+    _wait(scraped, "a first scrape of every arm", 30)
+    return proc, url
+
+
+def _evaluate(prom: str, docs: list[dict], args: dict[str, str]) -> dict[str, tuple[float | None, dict]]:
+    """Every query of the rendered templates and the KEDA trigger, args substituted as Argo does:
+    label -> (first value or None when empty, the resolved metric)."""
+    out = {}
+    for label, query, metric in _queries(docs, args):
+        status, body = _get(prom + "/api/v1/query?" + urllib.parse.urlencode({"query": query}))
+        answer = json.loads(body)
+        assert status == 200 and answer["status"] == "success", (label, query, answer)
+        result = answer["data"]["result"]
+        out[label] = (float(result[0]["value"][1]) if result else None, metric)
+    return out
+
+
+def _holds(condition: str, value: float | None) -> bool:
+    """Argo's `len(result) > 0 && result[0] <= 1.1` for one value."""
+    match = re.fullmatch(r"len\(result\) > 0 && result\[0\] (<=|>=|<|>) (\S+)", condition)
+    assert match, condition
+    if value is None:
+        return False
+    bound = float(match.group(2))
+    return {"<=": value <= bound, ">=": value >= bound, "<": value < bound, ">": value > bound}[match.group(1)]
+
+
+def _queries(docs: list[dict], args: dict[str, str] = ARGS) -> list[tuple[str, str, dict]]:
+    out = []
+    for d in docs:
+        if d["kind"] == "AnalysisTemplate":
+            for m in d["spec"]["metrics"]:
+                resolved, missing = substitute(m, args)
+                assert not missing, missing
+                out.append((f"{d['metadata']['name']}/{m['name']}", resolved["provider"]["prometheus"]["query"], resolved))
+        elif d["kind"] == "ScaledObject":
+            for t in d["spec"]["triggers"]:
+                out.append((f"{d['metadata']['name']}/keda", t["metadata"]["query"], {}))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_every_rendered_query_returns_data_from_kiln_serve(tiny_model_dir, tmp_path):
+    from kiln.engine.cache import build_engine
+    from kiln.engine.hf_torch import TorchEngineConfig
+
+    engine_dir = build_engine(TorchEngineConfig(threads=1), tiny_model_dir, "sha", tmp_path)
+    ports = {"stable": _free_port(), "canary": _free_port()}
+    arms, procs = {name: f"http://127.0.0.1:{p}" for name, p in ports.items()}, []
+    try:
+        for name, port in ports.items():
+            procs.append(subprocess.Popen([sys.executable, "-m", "kiln.pipeline", "serve", str(engine_dir), "--port",
+                                           str(port), "--request-log", "off"], env={**os.environ, "KILN_API_KEY": KEY},
+                                          stdout=subprocess.DEVNULL))
+        for url in arms.values():
+            _wait(lambda u=url: _get(u + "/health")[0] == 200, f"{url}/health", 180)
+        prometheus, prom = _prometheus(tmp_path, arms)
+        procs.append(prometheus)
+        assert _get(arms["stable"] + "/metrics")[0] == 200  # scraped without a key, as a pod annotation scrape is
+        for i in range(15):  # bounded traffic on both arms
+            for url in arms.values():
+                assert _complete(url, f"request {i}") == 200
+        time.sleep(3)  # at least two scrapes after the traffic: rate() needs two samples
+
+        deploy = DeployConfig(steps=[CanaryStep(weight=50, min_requests=10)],
+                              kubernetes=KubernetesConfig(query_window="1m", analysis_interval="1m"))
+        results = _evaluate(prom, render("smol", POLICY, deploy).documents, ARGS)
+        empty = [label for label, (value, _) in results.items() if value is None]
+        values = {label: value for label, (value, _) in results.items()}
+        assert all(math.isfinite(v) for v in values.values() if v is not None), values
+        assert not empty, f"queries with no data: {empty}"
+        assert values["smol-step/error-rate"] == 0.0  # every request above succeeded
+        print(json.dumps(values, indent=1))
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+VERDICT_POLICY = GateSection.model_validate({"checks": [
+    {"kind": "performance", "metric": "ttft_ms", "max_ratio": 1.15},
+    {"kind": "performance", "metric": "tpot_ms", "max_ratio": 1.15},
+    {"kind": "error_rate", "max": 0.05},
+]})
+
+
+@pytest.mark.timeout(180)
+def test_step_verdicts_on_fake_canaries_that_export_kiln_serves_names(tmp_path):
+    """The same rendered conditions on fake-engine canaries (exactly kiln serve's names): a same-speed
+    canary passes every check, a 30% slower one fails the latency ratios, one answering 10% with
+    HTTP 500 fails the error rate (a fixed seed: 10 of its 100 requests fail every run)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kiln.engine.fake import FakeServer
+    from tests.deploy.fakes import fake
+
+    # seed 4: exactly 10 of the first 100 requests draw an injected HTTP 500
+    canaries = {"good": fake(), "slow": fake(slowdown=1.3), "errors": fake(error_rate=0.1, seed=4)}
+    servers = {"stable": FakeServer(fake()), **{name: FakeServer(cfg) for name, cfg in canaries.items()}}
+    prometheus = None
+    try:
+        arms = {name: server.__enter__().url for name, server in servers.items()}
+        prometheus, prom = _prometheus(tmp_path, arms)
+
+        def traffic(url: str) -> list[int]:
+            return [_complete(url, f"request {i}") for i in range(50)]
+        with ThreadPoolExecutor(2 * len(arms)) as pool:  # two clients per arm, 100 requests each
+            sent = {name: [pool.submit(traffic, url) for _ in range(2)] for name, url in arms.items()}
+            statuses = {name: [s for f in futures for s in f.result()] for name, futures in sent.items()}
+        assert statuses["errors"].count(500) == 10 and set(statuses["good"]) == {200}
+        time.sleep(3)
+        deploy = DeployConfig(steps=[CanaryStep(weight=50, min_requests=20)],
+                              kubernetes=KubernetesConfig(query_window="1m", analysis_interval="1m"))
+        docs = render("smol", VERDICT_POLICY, deploy).documents
+        failing = {}
+        for canary in canaries:
+            results = _evaluate(prom, docs, {"canary-hash": canary, "stable-hash": "stable", "min-requests": "20"})
+            assert all(value is not None for value, _ in results.values()), (canary, results)
+            step = {label.split("/")[1]: (v, m) for label, (v, m) in results.items() if label.startswith("smol-step/")}
+            failing[canary] = sorted(name for name, (v, m) in step.items() if not _holds(m["successCondition"], v))
+            guard = {label.split("/")[1]: (v, m) for label, (v, m) in results.items() if label.startswith("smol-guard/")}
+            assert failing[canary] == sorted(n for n, (v, m) in guard.items() if _holds(m["failureCondition"], v))
+        assert failing == {"good": [], "slow": ["performance-tpot-ms-max-ratio", "performance-ttft-ms-max-ratio"],
+                           "errors": ["error-rate"]}
+    finally:
+        if prometheus is not None:
+            prometheus.terminate()
+            prometheus.wait(timeout=30)
+        for server in servers.values():
+            server.__exit__(None, None, None)
