@@ -31,7 +31,7 @@ install: $(STAMP)
 # tracking-server tests (a throwaway cluster per test made with initdb/pg_ctl, no service).
 system-deps:
 	@missing=""; [ -x /usr/bin/chromium ] || missing="chromium"; \
-	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
+	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$$missing postgresql"; [ -x /usr/bin/prometheus ] || missing="$$missing prometheus"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	  else echo "the browser and tracking-server tests need Debian packages: sudo apt-get install $$missing"; fi; fi
