@@ -28,13 +28,14 @@ install: $(STAMP)
 
 # Debian packages: the Austen corpus is fetched by `kiln prepare-demo` itself (apt-get download);
 # chromium drives the MLflow UI in the browser tests; postgresql is the backend store of the
-# tracking-server tests (a throwaway cluster per test made with initdb/pg_ctl, no service).
+# tracking-server tests (a throwaway cluster per test made with initdb/pg_ctl, no service);
+# prometheus evaluates the rendered analysis queries against what kiln serve exports.
 system-deps:
 	@missing=""; [ -x /usr/bin/chromium ] || missing="chromium"; \
 	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$$missing postgresql"; [ -x /usr/bin/prometheus ] || missing="$$missing prometheus"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
-	  else echo "the browser and tracking-server tests need Debian packages: sudo apt-get install $$missing"; fi; fi
+	  else echo "the browser, tracking-server and Prometheus tests need Debian packages: sudo apt-get install $$missing"; fi; fi
 
 # actionlint (a maintained fork, wheels with the binary) and shellcheck lint the GitHub workflows
 # in the tests. They live outside the venv: they are tools, not kiln's dependencies.
