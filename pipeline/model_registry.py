@@ -40,10 +40,9 @@ class Version:
 
 def register(ctx: Any, artifact: Any) -> Version:
     """The version holding `artifact` for this recipe: found again, or uploaded and created."""
-    client, name = ctx.tracker.client, ctx.recipe.tracking.registered_model or ctx.recipe.name
+    client, name = ctx.tracker.client, _name(ctx)
     sha, recipe_hash = artifact.manifest["sha256"], ctx.recipe.digest()
-    lock = ctx.cache / "locks" / "registry" / f"{hash_of([redact_uri(ctx.tracker.uri), name])}.lock"
-    with file_lock(lock):
+    with _locked(ctx, name):
         _ensure_model(client, name)
         found = client.search_model_versions(
             f"name = '{name}' and tags.`{ARTIFACT_SHA}` = '{sha}' and tags.`{RECIPE_HASH}` = '{recipe_hash}'",
@@ -57,15 +56,28 @@ def register(ctx: Any, artifact: Any) -> Version:
         return Version(name, mv.version, reused=False)
 
 
-def complete(ctx: Any, version: Version, outcome: Any) -> None:
-    """The verdict and checks of this run on the version, then `complete`, then the alias."""
+def complete(ctx: Any, version: Version, outcome: Any, extra_tags: dict[str, str] | None = None) -> None:
+    """The verdict, checks and `extra_tags` of this run on the version, then `complete`, then the
+    alias. Under the registry lock: two runs setting one version's tags at once race in MLflow's
+    sqlite store (UNIQUE constraint failed: model_version_tags)."""
     client = ctx.tracker.client
     tags = {"kiln.verdict": outcome.verdict.value, "kiln.run_dir": str(ctx.run_dir.resolve()),
-            "kiln.last_run": ctx.parent_run, **{f"kiln.check.{r.name}": r.verdict.value for r in outcome.results}}
-    for key, value in tags.items():
-        client.set_model_version_tag(version.name, version.version, key, value)
-    client.set_model_version_tag(version.name, version.version, STATE, "complete")
-    client.set_registered_model_alias(version.name, CHALLENGER, version.version)
+            "kiln.last_run": ctx.parent_run, **{f"kiln.check.{r.name}": r.verdict.value for r in outcome.results},
+            **(extra_tags or {})}
+    with _locked(ctx, version.name):
+        for key, value in tags.items():
+            client.set_model_version_tag(version.name, version.version, key, value)
+        client.set_model_version_tag(version.name, version.version, STATE, "complete")
+        client.set_registered_model_alias(version.name, CHALLENGER, version.version)
+
+
+def _name(ctx: Any) -> str:
+    return ctx.recipe.tracking.registered_model or ctx.recipe.name
+
+
+def _locked(ctx: Any, name: str) -> Any:
+    """One lock per (store, registered model) on this machine's cache."""
+    return file_lock(ctx.cache / "locks" / "registry" / f"{hash_of([redact_uri(ctx.tracker.uri), name])}.lock")
 
 
 def _ensure_model(client: Any, name: str) -> None:

@@ -221,14 +221,13 @@ def publish(ctx: Any, outcome: GateOutcome, evidence: dict[str, Evidence], artif
     atomic_write_text(ctx.run_dir / "report.html", html_page(f"kiln: {ctx.recipe.name}", outcome, evidence, sections))
     atomic_write_json(ctx.run_dir / "registry.json", version)
     atomic_write_json(ctx.run_dir / "lineage.json", sections.lineage)
-    for step in sections.lineage[:-1]:  # the version itself links back along the chain in the UI
-        tag = "kiln.lineage." + step["step"].replace("[", ".").rstrip("]")
-        ctx.tracker.client.set_model_version_tag(version["name"], version["version"], tag,
-                                                 f"{step['key']} (run {step['mlflow_run']})")
     for f in ("report.md", "report.html", "verdict.json", "comparisons.json", "registry.json", "lineage.json"):
         ctx.tracker.log_artifacts(ctx.parent_run, ctx.run_dir / f)
     if sections.plots:
         ctx.tracker.log_artifacts(ctx.parent_run, ctx.run_dir / "plots", "plots")
     ctx.tracker.log(ctx.parent_run, tags={"kiln.registered_version": f"{version['name']}/{version['version']}"})
-    model_registry.complete(ctx, registered, outcome)  # last: only a finished run's version reads as finished
+    # The version links back along the chain in the UI; set last: only a finished run's version reads as finished.
+    lineage_tags = {"kiln.lineage." + step["step"].replace("[", ".").rstrip("]"): f"{step['key']} (run {step['mlflow_run']})"
+                    for step in sections.lineage[:-1]}
+    model_registry.complete(ctx, registered, outcome, lineage_tags)
     return ctx.run_dir / "report.md"
