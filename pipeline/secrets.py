@@ -55,19 +55,6 @@ def scrub(text: str) -> str:
     return text
 
 
-def scrub_obj(obj: Any) -> Any:
-    """`scrub` applied to every string inside a JSON-like object."""
-    if not _known:
-        return obj
-    if isinstance(obj, str):
-        return scrub(obj)
-    if isinstance(obj, dict):
-        return {scrub_obj(k): scrub_obj(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(scrub_obj(v) for v in obj)
-    return obj
-
-
 class ScrubFilter(logging.Filter):
     """Masks secrets in a log record's final message (for handlers that write files)."""
 
