@@ -19,6 +19,7 @@ from kiln.deploy.config import DeployConfig
 from kiln.engine.base import BACKENDS
 from kiln.evaluate.perf.config import PerformanceConfig
 from kiln.evaluate.quality.lmeval import LmEvalConfig
+from kiln.evaluate.quality.served import ServedConfig
 from kiln.optimize.base import QUANTIZERS
 from kiln.pipeline import yaml_input
 from kiln.pipeline.errors import BadInput
@@ -58,6 +59,9 @@ class QualitySection(Section):
     perplexity: PerplexityConfig = PerplexityConfig()
     agreement: bool = Field(True, description="token-level agreement (KL, top-1) with the baseline")
     lmeval: LmEvalConfig | None = Field(None, description="lm-eval tasks run through the engine (per-document records)")
+    served: ServedConfig | None = Field(
+        None, description="greedy text from the candidate's kiln serve under concurrent mixed-length requests, "
+                          "against the baseline one request at a time (gate it with agreement: served_prefix)")
 
 
 class BenchmarkSection(Section):

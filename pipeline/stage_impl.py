@@ -82,6 +82,7 @@ def engine(ctx: RunContext, role: str, art: ModelArtifact) -> Path:
     would confound the two."""
     from kiln.engine.cache import build_engine
     from kiln.engine.tune import with_knobs
+    from kiln.evaluate import parity
 
     cfg = ctx.recipe.engine
     if cfg.tune:
@@ -89,10 +90,58 @@ def engine(ctx: RunContext, role: str, art: ModelArtifact) -> Path:
             path=ctx.outcomes["optimize:candidate"].path / "model",
             manifest=ctx.outcomes["optimize:candidate"].result["manifest"])
         cfg = with_knobs(cfg, tune_engine(ctx, candidate).result["winner"])
-    outcome = run_stage(ctx, "engine", role, {"backend": cfg.model_dump(mode="json"), "artifact": art.manifest["sha256"]},
-                        lambda out: {"engine_dir": str(build_engine(cfg, art.path, art.manifest["sha256"], ctx.cache)),
-                                     "metrics": {}}, portable=False)
+
+    def compute(out: Path) -> dict[str, Any]:
+        engine_dir = build_engine(cfg, art.path, art.manifest["sha256"], ctx.cache)
+        figures = _parity_smoke(ctx, engine_dir, art)
+        if figures is None:
+            return {"engine_dir": str(engine_dir), "metrics": {}}
+        atomic_write_json(out / "parity.json", figures)
+        summary = {k: v for k, v in figures.items() if k != "per_prompt"}
+        return {"engine_dir": str(engine_dir), "parity": summary, "metrics": {
+            f"parity_{k}": summary[k] for k in ("identical", "max_abs_logprob", "mean_abs_logprob")}}
+
+    # "parity" keys the stage, so an engine built before the smoke check existed is checked once.
+    outcome = run_stage(ctx, "engine", role, {"backend": cfg.model_dump(mode="json"), "artifact": art.manifest["sha256"],
+                                              "parity": {"prompts": parity.PROMPTS, "tokens": parity.NEW_TOKENS}},
+                        compute, artifacts=("parity.json",), portable=False)
     return Path(outcome.result["engine_dir"])
+
+
+def _parity_smoke(ctx: RunContext, engine_dir: Path, art: ModelArtifact) -> dict[str, Any] | None:
+    """A few greedy prompts through the built engine and the float32 torch reference on the same
+    checkpoint (kiln.evaluate.parity); an unquantized build that is not exact is refused here.
+    None for a remote endpoint: nothing was built, and what it serves is not this checkpoint's to check."""
+    from kiln.engine.loader import load_engine, read_manifest
+    from kiln.evaluate.parity import PROMPTS, check_build, reference_engine, unquantized
+
+    manifest = read_manifest(engine_dir)
+    if manifest["backend"] == "remote":
+        return None
+    b = ctx.recipe.evaluate.benchmark
+    prompts = _prompts(b.prompts, min(PROMPTS, b.num_prompts), _tokenizer(engine_dir))
+    quantized = art.manifest.get("method", "none") != "none"
+    engine = load_engine(engine_dir)
+    # A float32 torch engine is the reference backend itself: it is checked against itself one
+    # request at a time (its batching), without loading the checkpoint a second time.
+    itself = manifest["backend"] == "torch" and manifest["config"].get("dtype") == "float32"
+    reference = engine if itself else reference_engine(art.path, getattr(ctx.recipe.engine, "threads", None))
+    try:
+        label = f"the {manifest['backend']} engine {engine_dir.name} ({_precision(manifest)})"
+        figures = check_build(engine, reference, prompts, unquantized(manifest, quantized), label)
+    finally:
+        engine.close()
+        if not itself:
+            reference.close()
+    figures["reference"] = "this engine, one request at a time" if itself else "torch float32, one request at a time"
+    ctx.console.print(f"  parity vs {figures['reference']}: {figures['identical']:.0%} of {figures['prompts']} greedy prompts "
+                      f"identical, max |delta log-prob| {figures['max_abs_logprob']:.2g}", markup=False)
+    return figures
+
+
+def _precision(manifest: dict[str, Any]) -> str:
+    c = manifest["config"]
+    return str(c.get("dtype") or c.get("quantization") or c.get("weights") or "precision unknown")
 
 
 def tune_engine(ctx: RunContext, art: ModelArtifact) -> StageOutcome:
@@ -134,6 +183,8 @@ def evaluate(ctx: RunContext, engines: dict[str, Path]) -> None:
         _perplexity(ctx, role, loaded, engines[role], docs, text_inputs)
     if q.agreement:
         _agreement(ctx, loaded, engines, docs, text_inputs)
+    if q.served:
+        _served(ctx, loaded, engines, q.served)
     if q.lmeval:
         for role in engines:
             _lmeval(ctx, role, loaded, engines[role], q.lmeval)
@@ -213,6 +264,26 @@ def _agreement(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], d
               compute)
 
 
+def _served(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], cfg: Any) -> None:
+    """The candidate's own `kiln serve` (a second copy of its engine, loaded by the server) under
+    concurrent mixed-length requests, against the baseline one request at a time."""
+    from kiln.engine.loader import load_engine, read_manifest
+    from kiln.evaluate.quality.served import served_text
+
+    prompts = _prompts(ctx.recipe.evaluate.benchmark.prompts, cfg.num_prompts, _tokenizer(engines["baseline"]),
+                       "evaluate.quality.served.num_prompts")
+
+    def compute(out: Path) -> dict[str, Any]:
+        res = served_text(loaded["baseline"], lambda: load_engine(engines["candidate"]),
+                          read_manifest(engines["candidate"])["source"]["path"], prompts, cfg)
+        res.write(out)
+        return {"metrics": res.metrics, "samples": {"file": "served.jsonl", "columns": ["served_match", "served_prefix"]}}
+
+    run_stage(ctx, "served", "candidate",
+              {"baseline": engines["baseline"].name, "candidate": engines["candidate"].name,
+               "config": cfg.model_dump(mode="json"), "prompts": hash_of(prompts)}, compute)
+
+
 def _benchmark(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path]) -> None:
     from kiln.engine.cache import hardware_fingerprint
     from kiln.evaluate.decode_bench import interleaved
@@ -254,11 +325,11 @@ def _load(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path]) -> Non
               lambda out: measure({role: loaded[role] for role in engines}, engines, cfg, out))
 
 
-def _prompts(spec: str, n: int, tokenizer: Any) -> list[list[int]]:
-    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in read_prompts(spec, n)]
+def _prompts(spec: str, n: int, tokenizer: Any, count_field: str = "evaluate.benchmark.num_prompts") -> list[list[int]]:
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in read_prompts(spec, n, count_field)]
 
 
-def read_prompts(spec: str, n: int) -> list[str]:
+def read_prompts(spec: str, n: int, count_field: str = "evaluate.benchmark.num_prompts") -> list[str]:
     """The first `n` prompts of a JSONL file (one object with a 'prompt' string per line), or 'demo'."""
     from kiln.pipeline import yaml_input
 
@@ -283,7 +354,7 @@ def read_prompts(spec: str, n: int) -> list[str]:
         if len(texts) == n:
             return texts
     raise BadInput(f"{field}: {path} has {len(texts)} rows with a 'prompt' string; "
-                   f"evaluate.benchmark.num_prompts asks for {n}.")
+                   f"{count_field} asks for {n}.")
 
 
 def check_inputs(ctx: RunContext) -> None:
@@ -292,6 +363,8 @@ def check_inputs(ctx: RunContext) -> None:
     ev = ctx.recipe.evaluate
     _text_path(ev.quality.perplexity.text)
     read_prompts(ev.benchmark.prompts, ev.benchmark.num_prompts)
+    if ev.quality.served:
+        read_prompts(ev.benchmark.prompts, ev.quality.served.num_prompts, "evaluate.quality.served.num_prompts")
 
 
 def gate(ctx: RunContext) -> tuple[GateOutcome, dict[str, Evidence]]:

@@ -52,7 +52,7 @@ def test_good_candidate_is_successful_with_evidence(run):
     proc, verdict, report = run("good", "demo.yaml", "--fresh", "benchmark")
     checks = _checks(verdict)
     assert proc.returncode == ExitCode.PASSED, report
-    assert {c["verdict"] for c in checks.values()} == {"Successful"} and len(checks) == 5
+    assert {c["verdict"] for c in checks.values()} == {"Successful"} and len(checks) == 6
     for name in (*QUALITY, "performance:decode_tok_s"):
         assert checks[name]["ci"] and checks[name]["method"], checks[name]
     assert report.splitlines()[0].endswith("Successful")

@@ -1,0 +1,108 @@
+"""The parity smoke check every engine build gets: a few greedy prompts against the torch reference.
+
+The built engine decodes the prompts all at once (it batches them, as the server will); the
+reference `torch` backend, in float32 on the same checkpoint, decodes them one at a time. Then
+both score the prompt plus the reference continuation, position by position.
+
+An unquantized build (`FULL_PRECISION`: torch float32, ctranslate2 float32, openvino fp32 with
+f32 activations and KV cache) must write exactly the reference's greedy tokens, at the engine's
+own precision: where the two diverge, the reference's log-prob gap between its token and the
+engine's must be within `TIE_TOLERANCE` (a near-tie that summation order may flip), else the
+build is refused (`ParityRefused`, exit 4 as any failed build). Quantized builds are never refused
+here (their drift is the gate's to judge): their figures are recorded in the engine stage's output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kiln.engine.base import Engine, GenerationRequest
+from kiln.pipeline.errors import ExitCode, KilnError
+
+PROMPTS = 3
+NEW_TOKENS = 8
+# float32 kernels differ in summation order: per-token log-probs agree to ~1e-4 on the demo model
+# (tests/engine/parity.py allows 1e-3); a greedy flip inside that gap is a tie, not a defect.
+TIE_TOLERANCE = 1e-3
+
+FULL_PRECISION: dict[str, Callable[[dict[str, Any]], bool]] = {
+    "torch": lambda c: c.get("dtype") == "float32",
+    "ctranslate2": lambda c: c.get("quantization") == "float32",
+    "openvino": lambda c: (c.get("weights"), c.get("activations"), c.get("kv_cache_precision")) == ("fp32", "f32", "f32"),
+}
+
+
+class ParityRefused(KilnError):
+    """An unquantized engine build that does not reproduce the reference backend's greedy tokens."""
+
+    exit_code = ExitCode.INTERNAL_ERROR
+
+
+def unquantized(manifest: dict[str, Any], checkpoint_quantized: bool) -> bool:
+    """Whether the build should reproduce the float32 reference exactly."""
+    rule = FULL_PRECISION.get(manifest["backend"])
+    return not checkpoint_quantized and rule is not None and rule(manifest["config"])
+
+
+def batched_greedy(engine: Engine, prompts: Sequence[list[int]], n: int) -> list[list[int]]:
+    """Every prompt submitted before the first step, so the engine decodes them together."""
+    ids = [engine.add(GenerationRequest(list(p), n, ignore_eos=True)) for p in prompts]
+    out: dict[int, list[int]] = {i: [] for i in ids}
+    while engine.has_work():
+        for event in engine.step():
+            out[event.seq_id].append(event.token_id)
+    return [out[i] for i in ids]
+
+
+def smoke(engine: Engine, reference: Engine, prompts: Sequence[list[int]], n: int = NEW_TOKENS) -> dict[str, Any]:
+    """Per-prompt figures: tokens matched before the first divergence, the reference's log-prob gap
+    there, and per-token |delta log-prob| of the reference continuation; plus the totals."""
+    got = batched_greedy(engine, prompts, n)
+    want = [batched_greedy(reference, [p], n)[0] for p in prompts]  # one at a time: no batching to blame
+    pairs = [(list(p), w) for p, w in zip(prompts, want, strict=True)]
+    deltas = [np.abs(np.subtract(g.token_logprobs, r.token_logprobs))
+              for g, r in zip(engine.score(pairs), reference.score(pairs), strict=True)]
+    rows = []
+    for p, g, w, d in zip(prompts, got, want, deltas, strict=True):
+        matched = next((k for k, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), n))
+        gap = None
+        if matched < len(g):
+            lp = np.asarray(reference.next_token_logprobs([list(p) + w[:matched]])[0][-1])
+            gap = float(lp[w[matched]] - lp[g[matched]])
+        # A divergence beyond a near-tie, or an engine that stopped early (no token to call a tie).
+        defect = gap > TIE_TOLERANCE if gap is not None else matched < n
+        rows.append({"prompt_tokens": len(p), "matched_tokens": matched, "tie_gap": gap, "defect": defect,
+                     "max_abs_logprob": float(d.max()), "reference": w, "engine": g})
+    all_d = np.concatenate(deltas)
+    return {"prompts": len(rows), "new_tokens": n, "identical": sum(r["matched_tokens"] == n for r in rows) / len(rows),
+            "max_abs_logprob": float(all_d.max()), "mean_abs_logprob": float(all_d.mean()),
+            "defects": sum(r["defect"] for r in rows),
+            "tie_tolerance": TIE_TOLERANCE, "per_prompt": rows}
+
+
+def check_build(engine: Engine, reference: Engine, prompts: Sequence[list[int]], exact: bool,
+                label: str) -> dict[str, Any]:
+    """`smoke` figures with the verdict; raise ParityRefused for an unquantized build that is not exact."""
+    figures = {**smoke(engine, reference, prompts), "exact_required": exact}
+    if exact and figures["defects"]:
+        bad = next(r for r in figures["per_prompt"] if r["defect"])
+        why = ("the engine stopped early" if bad["tie_gap"] is None
+               else f"reference log-prob gap {bad['tie_gap']:.3g} > tolerance {TIE_TOLERANCE:g}")
+        raise ParityRefused(
+            f"Engine build refused: {label} is unquantized, so its greedy tokens must equal the float32 torch "
+            f"reference's, but {figures['defects']} of {figures['prompts']} smoke prompts diverge (first: a "
+            f"{bad['prompt_tokens']}-token prompt at generated token {bad['matched_tokens']}, {why}; max |delta "
+            f"log-prob| {figures['max_abs_logprob']:.3g}). The backend or its conversion decodes wrongly: serve "
+            "this model on engine.backend torch, or report the backend bug with these figures.")
+    return figures
+
+
+def reference_engine(checkpoint: Path, threads: int | None = None) -> Engine:
+    """The reference backend: kiln's torch engine in float32 on `checkpoint`."""
+    from kiln.engine.hf_torch import TorchEngine, TorchEngineConfig
+
+    return TorchEngine(Path(checkpoint), TorchEngineConfig(dtype="float32", threads=threads))

@@ -1,0 +1,107 @@
+"""The served text, under load: what the candidate's `kiln serve` writes when requests overlap.
+
+Log-likelihood checks (perplexity, agreement, lm-eval) never look at the tokens a server
+generates under concurrent traffic, so an engine that decodes wrongly only when requests of
+different lengths share a batch (issue #18: CTranslate2's cohorts) passes all of them. Here the
+candidate's engine runs behind the real HTTP server on a loopback port, and prompts of mixed
+lengths are streamed to it `concurrency` at a time (a finished request is replaced at once, so
+newcomers join a running batch). The reference is the baseline engine, one request at a time:
+nothing batched, so nothing a batching bug can touch.
+
+Per prompt: how many leading greedy tokens match the reference (`served_prefix`, as a fraction
+of `max_new_tokens`) and whether all of them do (`served_match`). The gate bounds either with an
+`agreement` check (a BCa bootstrap over prompts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kiln.engine.base import Engine, GenerationRequest
+from kiln.evaluate.quality.base import QualityResult
+from kiln.pipeline.metrics import declare
+
+MODEL = "candidate"  # the name the test server serves under
+
+declare("served_match", True, "fraction", "prompts whose greedy continuation from the candidate's server under "
+        "concurrent load equals the baseline's, token for token", "quality")
+declare("served_prefix", True, "fraction", "leading greedy tokens the candidate's server, under concurrent load, "
+        "shares with the baseline, as a fraction of the tokens asked for", "quality")
+
+
+class ServedConfig(BaseModel):
+    """The recipe's `evaluate.quality.served` section."""
+
+    model_config = ConfigDict(extra="forbid")
+    num_prompts: int = Field(8, ge=2, description="prompts, from evaluate.benchmark.prompts (mixed lengths)")
+    max_new_tokens: int = Field(16, ge=1, description="greedy tokens compared per prompt")
+    concurrency: int = Field(4, ge=2, description="requests in flight at once at the candidate's server")
+
+
+def one_at_a_time(engine: Engine, prompts: Sequence[list[int]], n: int) -> list[list[int]]:
+    """Greedy continuations with nothing batched: each request runs alone."""
+    out = []
+    for p in prompts:
+        engine.add(GenerationRequest(list(p), n, ignore_eos=True))
+        tokens: list[int] = []
+        while engine.has_work():
+            tokens += [e.token_id for e in engine.step()]
+        out.append(tokens)
+    return out
+
+
+def under_load(load: Callable[[], Engine], tokenizer: Path | str, prompts: Sequence[list[int]], n: int,
+               concurrency: int) -> list[list[int]]:
+    """Greedy continuations streamed from a real `kiln serve` of `load()`, `concurrency` in flight."""
+    from kiln.engine.remote import RemoteEngine, RemoteEngineConfig
+    from kiln.engine.server_thread import ServerThread
+
+    with ServerThread(load, model_name=MODEL) as server:
+        client = RemoteEngine(RemoteEngineConfig(url=server.url, model=MODEL), tokenizer)
+        try:
+            waiting = list(enumerate(prompts))
+            owner: dict[int, int] = {}  # client seq id -> prompt index
+            out: list[list[int]] = [[] for _ in prompts]
+            while waiting or client.has_work():
+                while waiting and len(owner) < concurrency:
+                    i, p = waiting.pop(0)
+                    owner[client.add(GenerationRequest(list(p), n, ignore_eos=True))] = i
+                for event in client.step():
+                    out[owner[event.seq_id]].append(event.token_id)
+                    if event.finish_reason is not None:
+                        del owner[event.seq_id]
+            return out
+        finally:
+            client.close()
+
+
+def mixed_order(prompts: Sequence[list[int]]) -> list[int]:
+    """Indices alternating shortest and longest, so every group in flight mixes prompt lengths."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    return [order[k // 2] if k % 2 == 0 else order[-1 - k // 2] for k in range(len(order))]
+
+
+def served_text(reference: Engine, load: Callable[[], Engine], tokenizer: Path | str,
+                prompts: Sequence[list[int]], config: ServedConfig) -> QualityResult:
+    n = config.max_new_tokens
+    order = mixed_order(prompts)
+    want = one_at_a_time(reference, prompts, n)
+    got_in_order = under_load(load, tokenizer, [prompts[i] for i in order], n, config.concurrency)
+    got = [[] for _ in prompts]
+    for i, tokens in zip(order, got_in_order, strict=True):
+        got[i] = tokens
+    decode = getattr(reference.tokenizer, "decode", None)
+    records = []
+    for i, (p, w, g) in enumerate(zip(prompts, want, got, strict=True)):
+        matched = next((k for k, (a, b) in enumerate(zip(w, g)) if a != b), min(len(w), len(g)))
+        records.append({"doc_id": i, "prompt_tokens": len(p), "matched_tokens": matched,
+                        "served_prefix": matched / n, "served_match": float(matched == n and len(g) == n),
+                        "baseline": w, "candidate": g,
+                        **({"baseline_text": decode(w), "candidate_text": decode(g)} if decode else {})})
+    metrics = {"served_match": sum(r["served_match"] for r in records) / len(records),
+               "served_prefix": sum(r["served_prefix"] for r in records) / len(records),
+               "served_prompts": float(len(records))}
+    return QualityResult("served", records, metrics)

@@ -1,0 +1,65 @@
+"""The build parity smoke check: greedy tokens of a built engine, batched, against the float32 torch
+reference one request at a time; an unquantized build that is not exact is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln.engine.hf_torch import TorchEngine, TorchEngineConfig
+from kiln.evaluate.parity import (
+    ParityRefused,
+    check_build,
+    reference_engine,
+    unquantized,
+)
+from kiln.pipeline.errors import ExitCode
+from tests.evaluate.broken_engine import BatchBrokenEngine
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    engine = reference_engine(tiny_model_dir, threads=1)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def prompts(reference):
+    return [reference.tokenizer(t)["input_ids"] for t in
+            ("the quick brown fox", "seven bright stars shine above the quiet hills tonight", "every engine")]
+
+
+def test_an_exact_build_passes_with_its_figures(reference, tiny_model_dir, prompts):
+    engine = TorchEngine(tiny_model_dir, TorchEngineConfig(threads=1, max_batch_size=4))
+    figures = check_build(engine, reference, prompts, exact=True, label="torch float32")
+    engine.close()
+    assert figures["defects"] == 0 and figures["exact_required"]
+    assert figures["max_abs_logprob"] < 1e-3, figures
+    assert [r["prompt_tokens"] for r in figures["per_prompt"]] == [len(p) for p in prompts]
+
+
+def test_an_unquantized_build_wrong_when_batched_is_refused(reference, tiny_model_dir, prompts):
+    engine = BatchBrokenEngine(tiny_model_dir, TorchEngineConfig(threads=1))
+    with pytest.raises(ParityRefused, match="Engine build refused: broken fp32 is unquantized") as err:
+        check_build(engine, reference, prompts, exact=True, label="broken fp32")
+    assert err.value.exit_code == ExitCode.INTERNAL_ERROR
+    assert "generated token 0" in str(err.value)
+    # A quantized build is not refused: the same figures are recorded for the gate to judge.
+    figures = check_build(engine, reference, prompts, exact=False, label="broken int8")
+    engine.close()
+    assert figures["defects"] == len(prompts) and figures["identical"] == 0
+    assert all(r["engine"] != r["reference"] for r in figures["per_prompt"])
+
+
+@pytest.mark.parametrize(("backend", "config", "quantized", "exact"), [
+    ("torch", {"dtype": "float32"}, False, True),
+    ("torch", {"dtype": "float32"}, True, False),  # an int8 checkpoint on the torch engine
+    ("torch", {"dtype": "bfloat16"}, False, False),
+    ("ctranslate2", {"quantization": "float32"}, False, True),
+    ("ctranslate2", {"quantization": "int8_float32"}, False, False),
+    ("openvino", {"weights": "fp32", "activations": "f32", "kv_cache_precision": "f32"}, False, True),
+    ("openvino", {"weights": "fp32", "activations": "bf16", "kv_cache_precision": "f32"}, False, False),
+    ("tensorrt_llm", {"dtype": "float32"}, False, False),  # no rule: figures only
+])
+def test_which_builds_must_be_exact(backend, config, quantized, exact):
+    assert unquantized({"backend": backend, "config": config}, quantized) is exact

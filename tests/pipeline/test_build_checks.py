@@ -1,0 +1,42 @@
+"""`kiln run` with the served-text check on, and the parity smoke check every engine build gets."""
+
+import json
+from pathlib import Path
+
+from tests.pipeline.conftest import kiln, write_recipe
+
+
+def _result(run_dir: Path, stage: str) -> tuple[dict, Path]:
+    path = Path(json.loads((run_dir / "stages" / f"{stage}.json").read_text())["path"])
+    return json.loads((path / "result.json").read_text()), path
+
+
+def test_every_engine_build_records_its_parity_figures(tiny_run):
+    base, _ = _result(tiny_run["run_dir"], "engine-baseline")
+    assert base["parity"]["exact_required"] and base["parity"]["defects"] == 0  # fp32 on torch: exact
+    assert base["metrics"]["parity_identical"] == base["parity"]["identical"]
+    cand, cand_dir = _result(tiny_run["run_dir"], "engine-candidate")
+    assert not cand["parity"]["exact_required"]  # int8 weights: figures recorded, never refused here
+    assert 0 <= cand["parity"]["max_abs_logprob"] < 10
+    per_prompt = json.loads((cand_dir / "parity.json").read_text())["per_prompt"]
+    assert len(per_prompt) == 3 and all(len(r["reference"]) == 8 for r in per_prompt)
+
+
+def test_served_text_check_gates_a_run(tmp_path, tiny_model_dir):
+    # The baseline as its own candidate: its server under load must write what it writes alone.
+    recipe = write_recipe(
+        tmp_path / "served.yaml", tiny_model_dir, name="tiny-served", optimize={"method": "none"},
+        evaluate__quality__agreement=False, evaluate__quality__lmeval=None,
+        evaluate__quality__served={"num_prompts": 6, "max_new_tokens": 6, "concurrency": 3},
+        gate__checks=[{"kind": "agreement", "metric": "served_prefix", "min": 0.9}])
+    proc = kiln("run", str(recipe), cwd=tmp_path)
+    run_dir = next((tmp_path / "runs").iterdir())
+    verdict = json.loads((run_dir / "verdict.json").read_text())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [(c["name"], c["verdict"]) for c in verdict["checks"]] == [("agreement:served_prefix", "Successful")]
+    served, path = _result(run_dir, "served-candidate")
+    assert served["metrics"]["served_match"] == 1.0
+    records = [json.loads(line) for line in (path / "served.jsonl").read_text().splitlines()]
+    assert len(records) == 6 and len({r["prompt_tokens"] for r in records}) > 1
+    assert all(r["baseline"] == r["candidate"] and len(r["candidate"]) == 6 for r in records)
+    assert "baseline_text" in records[0] and "candidate_text" in records[0]
