@@ -12,28 +12,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kiln.engine.admission import AdmissionConfig
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class AdmissionConfig(Section):
-    """Serving-side protection, shared by `kiln route` and (by adoption) `kiln serve`."""
-
-    max_concurrency: int = Field(256, ge=1, description="requests handled at once")
-    max_queue: int = Field(1024, ge=0, description="requests waiting beyond max_concurrency; when full: 429")
-    queue_timeout_s: float = Field(60, gt=0, description="longest wait in the queue before a 429")
-    retry_after_s: float = Field(1.0, gt=0, description="Retry-After sent with a 429 from a full queue")
-    rate_limit_rps: float | None = Field(None, gt=0, description="per-tenant (API key) requests/s; None = off")
-    rate_limit_burst: int = Field(20, ge=1, description="token-bucket size per tenant")
-    drain_timeout_s: float = Field(30, ge=0, description="on SIGTERM: longest wait for in-flight requests")
-    log_requests: bool = Field(True, description="one JSON line per request on the 'kiln.requests' logger")
-
-
-# `kiln serve`'s defaults. One engine decodes a batch of ~16 sequences (max_batch_size); 32
-# admitted keep that batch full as sequences finish, and 64 waiting are a few batches' worth of
-# queue. Beyond that a client is better served by a fast 429 than by minutes in a queue.
-SERVE_ADMISSION = AdmissionConfig(max_concurrency=32, max_queue=64)
 
 
 class RouterOptions(Section):
@@ -82,6 +65,8 @@ class KubernetesConfig(Section):
     ingress_host: str | None = None
     api_key_secret: str | None = Field(None, description="Secret holding kiln serve's API key under 'api-key'; "
                                                          "default '<name>-api-key'")
+    ttft_slo_ms: float | None = Field(None, gt=0, description="TTFT objective passed to `kiln serve --ttft-slo-ms`: "
+                                      "its queue admits what the objective leaves (None: within 1.5x of at-capacity TTFT)")
     pre_stop_s: int = Field(5, ge=0, description="preStop wait before SIGTERM, while endpoints stop sending traffic")
     prometheus_url: str = "http://prometheus.monitoring.svc.cluster.local:9090"
     query_window: str = Field("5m", pattern=r"^[0-9]+[smh]$")

@@ -95,7 +95,8 @@ def rollout(name: str, deploy: DeployConfig, has_full_gate: bool, warnings: list
     drain = math.ceil(deploy.router.admission.drain_timeout_s)
     container: dict[str, Any] = {
         "name": "kiln-serve", "image": k.image, "command": ["kiln"],
-        "args": ["serve", k.model_path, "--host", "0.0.0.0", "--port", str(k.port), "--drain-timeout", str(drain)],
+        "args": ["serve", k.model_path, "--host", "0.0.0.0", "--port", str(k.port), "--drain-timeout", str(drain),
+                 *(["--ttft-slo-ms", f"{k.ttft_slo_ms:g}"] if k.ttft_slo_ms else [])],
         # kiln serve refuses a non-loopback listener without a key: clients send 'Authorization: Bearer <key>'.
         "env": [{"name": "KILN_API_KEY", "valueFrom": {"secretKeyRef": {"name": secret_name(name, k), "key": API_KEY}}}],
         "ports": [{"name": "http", "containerPort": k.port}],

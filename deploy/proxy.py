@@ -10,6 +10,7 @@ series. `Proxy` is a mixin of `Router`: it uses the router's backends, windows a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import time
@@ -18,12 +19,13 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kiln.deploy.admission import STATS
 from kiln.deploy.config import RouterConfig
 from kiln.deploy.observations import Comparison, Observation, is_failure, token_agreement
 from kiln.deploy.sse import SSERelay, continuation, max_new_tokens
+from kiln.engine.admission import STATS, Admission
 
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
+STARTED = web.RequestKey("kiln.started", web.StreamResponse)  # the client's stream, once its 200 is sent
 MAX_MIRRORS_IN_FLIGHT = 64
 
 
@@ -56,6 +58,7 @@ class Proxy:
     cfg: RouterConfig
     upstream_api_key: str | None
     backends: dict[str, Backend]
+    admission: Admission
 
 
     def _headers(self, request: web.Request) -> dict[str, str]:
@@ -89,13 +92,35 @@ class Proxy:
         arm = self.choose(request, payload)
         stats = request.get(STATS, {})
         mirror = self._mirror_wanted(payload)
-        if payload.get("stream"):
-            resp, answer = await self._stream(request, payload, arm, stats)
-        else:
-            resp, answer = await self._whole(request, payload, arm, stats)
+        work = asyncio.ensure_future(self._stream(request, payload, arm, stats) if payload.get("stream")
+                                     else self._whole(request, payload, arm, stats))
+        cut = asyncio.ensure_future(self.admission.until_cut())
+        try:
+            await asyncio.wait({work, cut}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            cut.cancel()
+        if not work.done():  # the drain timed out: end the answer instead of dropping the connection
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+            return await self._cut(request, stats)
+        resp, answer = work.result()
         if mirror and answer is not None:
             text = answer.text() if isinstance(answer, SSERelay) else answer
             self._spawn(self._mirror(payload, stats["arm"], text, self._headers(request)))
+        return resp
+
+    async def _cut(self, request: web.Request, stats: dict[str, Any]) -> web.StreamResponse:
+        message = (f"the router shut down before this answer was complete (drain timeout "
+                   f"{self.admission.config.drain_timeout_s:g} s); retry")
+        stats["error"] = f"service_unavailable: {message}"
+        resp = request.get(STARTED)
+        if resp is None:
+            return error_response(503, message, "service_unavailable")
+        event = json.dumps({"error": {"message": message, "type": "service_unavailable", "code": 503}})
+        with contextlib.suppress(ConnectionResetError, RuntimeError):  # the client may be gone too
+            await resp.write(f"data: {event}\n\ndata: [DONE]\n\n".encode())
+            await resp.write_eof()
         return resp
 
     async def _stream(self, request: web.Request, payload: dict[str, Any], arm: str,
@@ -149,6 +174,7 @@ class Proxy:
                     if resp is None:
                         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
                         await resp.prepare(request)
+                        request[STARTED] = resp
                     try:
                         await resp.write(out)
                     except (ConnectionResetError, RuntimeError):

@@ -8,7 +8,8 @@
 - Records every attempt per arm: Prometheus series (/metrics) and a window of per-request
   observations the canary controller reads (GET /admin/observations?since=N).
 - Optionally mirrors a fraction of greedy requests to the other arm and compares the answers.
-- Admission control, rate limits, request logs and drain on SIGTERM come from admission.py.
+- Admission control, rate limits, request logs and drain on SIGTERM come from engine/admission.py
+  (shared with `kiln serve`).
 
 API key: clients and /admin need `Authorization: Bearer <key>`; /health and /metrics stay open.
 Binds 127.0.0.1 unless told otherwise.
@@ -17,20 +18,19 @@ Binds 127.0.0.1 unless told otherwise.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import random
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import Gauge, generate_latest
 
-from kiln.deploy.admission import Admission
 from kiln.deploy.config import RouterConfig
 from kiln.deploy.hashring import WeightedRing
 from kiln.deploy.observations import ArmMetrics, Window
 from kiln.deploy.proxy import UPSTREAM_ERRORS, Backend, Proxy, error_response
 from kiln.deploy.sse import prompt_prefix
 from kiln.engine import metric_names as names
+from kiln.engine.admission import Admission, key_matches
 
 
 class Router(Proxy):
@@ -82,8 +82,7 @@ class Router(Proxy):
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
         if self.api_key and request.path.startswith(("/v1/", "/admin/")):
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            if not key_matches(request.headers.get("Authorization", ""), [self.api_key.encode()]):
                 return error_response(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", "authentication_error")
         return await handler(request)
 

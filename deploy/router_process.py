@@ -35,8 +35,8 @@ def serve_router(config: RouterConfig, api_key: str | None = None, upstream_api_
     `sock`: an already listening socket (from RouterProcess) instead of binding config.port."""
     import uvloop
 
-    from kiln.deploy.admission import serve_until_drained
     from kiln.deploy.router import Router
+    from kiln.engine.admission import serve_until_drained
 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))

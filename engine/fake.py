@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hmac
 import json
 import os
 import random
@@ -41,6 +40,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pydantic import BaseModel, ConfigDict, Field
 
 from kiln.engine import metric_names as names
+from kiln.engine.admission import key_matches
 
 _TOKEN = " tok"
 _READY = "KILN_FAKE_READY"
@@ -78,6 +78,8 @@ class _Metrics:
         self.prompt_tokens = Counter(names.PROMPT_TOKENS, "prompt tokens processed", registry=r)
         self.generation_tokens = Counter(names.GENERATION_TOKENS, "tokens generated", registry=r)
         self.requests = Counter(names.REQUESTS, "requests finished, by outcome", [names.OUTCOME], registry=r)
+        for o in names.OUTCOMES:  # every series exists from the start, as kiln serve's
+            self.requests.labels(o)
 
 
 class _BadRequest(Exception):
@@ -134,8 +136,7 @@ class _Engine:
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
         if self.api_key and request.path.startswith(("/v1/", "/fake/")):
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            if not key_matches(request.headers.get("Authorization", ""), [self.api_key.encode()]):
                 return _error(
                     401, "missing or wrong API key (send 'Authorization: Bearer <key>')", "authentication_error"
                 )
@@ -218,7 +219,7 @@ class _Stream:
                 last = await _sleep_until(first + (self.n - 1) * self.eng.tpot)
                 resp = web.json_response(self._whole())
         except ConnectionResetError:  # the client hung up mid-stream (a cancelled load test): not our error
-            m.requests.labels(names.CLIENT_ERROR).inc()  # the client left
+            m.requests.labels(names.CANCELLED).inc()  # the client left
             return self.resp  # already started; there is nobody left to answer
         finally:
             m.running.dec()

@@ -26,7 +26,8 @@ ADMISSION = "kiln:admission"  # prefix of the admission controller's own series
 
 OUTCOME = "outcome"
 SUCCESS, CLIENT_ERROR, SERVER_ERROR, REJECTED = "success", "client_error", "server_error", "rejected"
-OUTCOMES = (SUCCESS, CLIENT_ERROR, SERVER_ERROR, REJECTED)
+CANCELLED = "cancelled"  # the client left before the answer was complete (logged as status 499)
+OUTCOMES = (SUCCESS, CLIENT_ERROR, SERVER_ERROR, REJECTED, CANCELLED)
 
 
 def total(counter: str) -> str:
@@ -36,8 +37,10 @@ def total(counter: str) -> str:
 
 def outcome(status: int, failed_mid_stream: bool = False) -> str:
     """A finished request's outcome from its HTTP status: 429 and 503 are capacity refusals (a
-    full queue, a draining or loading server), other 4xx the client's mistake, 5xx or a stream
-    that ended in an error event the server's."""
+    full queue, a draining or loading server), 499 a client that left, other 4xx (401 included)
+    the client's mistake, 5xx or a stream that ended in an error event the server's."""
+    if status == 499:
+        return CANCELLED
     if failed_mid_stream or (status >= 500 and status != 503):
         return SERVER_ERROR
     if status in (429, 503):

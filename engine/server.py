@@ -8,8 +8,9 @@ One scheduler thread owns the engine (scheduler.py); a client that disconnects h
 cancelled. Every client mistake is an OpenAI-style JSON 4xx (request.py validates a request before
 it joins the shared batch; unknown routes, wrong methods and oversized bodies answer JSON too).
 
-Production guards come from deploy/admission.py: a bounded queue (full: a fast 429 with
-Retry-After), per-API-key rate limits, drain on SIGTERM (no new work, in-flight streams finish,
+Production guards come from engine/admission.py (shared with `kiln route`): a bounded queue
+(slots = the engine's batch, a wait bounded in time; full: a fast 429 whose Retry-After is the
+estimated wait), per-API-key rate limits, drain on SIGTERM (no new work, in-flight streams finish,
 exit 0) and one JSON log line per request (queue time, TTFT, TPOT, tokens in/out). No kiln engine
 reports prefix-cache hits, so the log has no cache field. Cold start (process start to ready,
 split into boot, engine load and warm-up) is logged, shown in /health and exported to /metrics.
@@ -19,14 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import os
 import time
 import uuid
-from dataclasses import replace
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +34,9 @@ import psutil
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kiln.deploy.admission import ARRIVAL, STATS, Admission, serve_until_drained
-from kiln.deploy.config import SERVE_ADMISSION, AdmissionConfig
 from kiln.engine import metric_names as names
+from kiln.engine.admission import (ARRIVAL, SERVE_ADMISSION, STATS, Admission, AdmissionConfig, DrainCut,
+                                   key_matches, serve_until_drained)
 from kiln.engine.base import Engine, GenerationRequest, TokenEvent
 from kiln.engine.protocol import TextStream, logprobs_block, position_logprobs, token_text
 from kiln.engine.request import (RequestError, Sampling, budgets, chat_prompt, check_model, parse_prompts,
@@ -69,6 +69,7 @@ class _State:
             self.engine = await loop.run_in_executor(None, self.load)
             loaded = time.time()
             self.model_name = self.model_name or _default_name(self.engine)
+            self.admission.size(batch_size(self.engine))
             self.scheduler = Scheduler(self.engine, loop, self.metrics)
             self.scheduler.start()
             self.status = "warming up"
@@ -93,12 +94,6 @@ def _bearers(api_key: str | None) -> list[bytes]:
     return [k.strip().encode() for k in (api_key or "").split(",") if k.strip()]
 
 
-def _sent_key(authorization: str) -> bytes:
-    """The credentials of `Authorization: Bearer KEY`; the scheme is case-insensitive (RFC 7235)."""
-    scheme, _, key = authorization.strip().partition(" ")
-    return key.strip().encode() if scheme.lower() == "bearer" else b""
-
-
 def _process_age() -> float:
     """Seconds since this process started. On Linux from /proc to 10 ms; psutil's create_time
     rests on a boot time rounded to the second, so it can be a second off either way."""
@@ -116,6 +111,12 @@ def _cold_start(began: float, loaded: float, ready: float) -> dict[str, float]:
     born = ready - _process_age()
     phases = {"boot_s": began - born, "load_s": loaded - began, "warmup_s": ready - loaded, "total_s": ready - born}
     return {k: round(v, 3) for k, v in phases.items()}
+
+
+def batch_size(engine: Engine) -> int | None:
+    """Sequences the engine decodes at once (its config's max_batch_size), if it has such a bound."""
+    size = (engine.manifest.get("config") or {}).get("max_batch_size")
+    return size if isinstance(size, int) and size > 0 else None
 
 
 def _default_name(engine: Engine) -> str:
@@ -142,14 +143,18 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
 async def _guard(request: web.Request, handler):
     """Key and readiness, before admission: a wrong key never gets a rate-limit bucket or a slot."""
     st: _State = request.app[STATE]
+    refusal = None
     if request.path not in ("/health", "/metrics") and st.keys:  # scraped without a key, as vLLM's
-        sent = _sent_key(request.headers.get("Authorization", ""))
-        if not any([hmac.compare_digest(sent, key) for key in st.keys]):  # constant-time, every key compared
-            return _error(401, "Missing or wrong API key (send 'Authorization: Bearer <key>').",
-                          "authentication_error")
-    if request.path.startswith("/v1/") and st.status != "ready":
-        return _error(503, f"Engine not ready: {st.status}.", "service_unavailable")
-    return await handler(request)
+        if not key_matches(request.headers.get("Authorization", ""), st.keys):
+            refusal = _error(401, "Missing or wrong API key (send 'Authorization: Bearer <key>').",
+                             "authentication_error")
+    if refusal is None and request.path.startswith("/v1/") and st.status != "ready":
+        refusal = _error(503, f"Engine not ready: {st.status}.", "service_unavailable")
+    if refusal is None:
+        return await handler(request)
+    if request.path in st.admission.paths:  # counted by outcome like every answered generation request
+        st.admission.count(refusal.status)
+    return refusal
 
 
 @web.middleware
@@ -161,6 +166,8 @@ async def _errors(request: web.Request, handler):
         return _error(e.status, str(e), param=e.param, code=e.code)
     except BadInput as e:
         return _error(400, str(e))
+    except DrainCut as e:
+        return _error(503, str(e), "service_unavailable", headers={"Connection": "close"})
     except web.HTTPException as e:  # aiohttp's own 404, 405, 413: JSON like every other error
         if e.status < 400:
             raise
@@ -299,11 +306,30 @@ async def _respond(request: web.Request, chat: bool) -> web.StreamResponse:
         stats.update(clock.stats())
 
 
+def _cut_message(st: _State) -> str:
+    return (f"the server shut down before this answer was complete (drain timeout "
+            f"{st.admission.config.drain_timeout_s:g} s); retry on another replica")
+
+
+async def _unless_cut(st: _State, work: asyncio.Future) -> Any:
+    """`work`'s result, or DrainCut (work cancelled) if the drain times out first."""
+    cut = asyncio.ensure_future(st.admission.until_cut())
+    try:
+        done, _ = await asyncio.wait({work, cut}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        cut.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    raise DrainCut(_cut_message(st))
+
+
 async def _answer(st: _State, prompts: list[list[int]], per_prompt: list[Sampling], head: dict, chat: bool,
                   clock: _Clock) -> web.Response:
     """The whole answer in one JSON body. `per_prompt` differ in max_tokens only."""
     s = per_prompt[0]
-    results = await asyncio.gather(*(_complete(st, i, ids, per_prompt[i], clock) for i, ids in enumerate(prompts)))
+    results = await _unless_cut(st, asyncio.gather(*(_complete(st, i, ids, per_prompt[i], clock)
+                                                     for i, ids in enumerate(prompts))))
     choices, generated = [c for c, _ in results], [g for _, g in results]
     if s.logprobs is not None:
         await _add_logprobs(st, choices, prompts, generated, s)
@@ -335,11 +361,18 @@ async def _stream(request, st: _State, prompts, per_prompt: list[Sampling], head
         finally:
             await merged.put((index, None))
 
+    async def watch_cut() -> None:
+        await st.admission.until_cut()
+        await merged.put((-1, None))
+
     tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
+    watcher = asyncio.create_task(watch_cut())
     generated, open_streams = 0, len(prompts)
     try:
         while open_streams:
             index, piece = await merged.get()
+            if index < 0:
+                raise DrainCut(_cut_message(st))
             if piece is None:
                 open_streams -= 1
                 continue
@@ -361,11 +394,12 @@ async def _stream(request, st: _State, prompts, per_prompt: list[Sampling], head
     except ConnectionResetError:  # the client left; nothing to report to
         raise
     except Exception as e:  # the 200 header is already sent: report in-band, like vLLM
-        kind = "invalid_request_error" if isinstance(e, BadInput) else "internal_error"
+        kind = ("invalid_request_error" if isinstance(e, BadInput) else
+                "service_unavailable" if isinstance(e, DrainCut) else "internal_error")
         request[STATS]["error"] = f"{kind}: {e}"[:300]
         await resp.write(f"data: {json.dumps({'error': {'message': str(e), 'type': kind}})}\n\n".encode())
     finally:
-        for t in tasks:
+        for t in [*tasks, watcher]:
             t.cancel()
     await resp.write(b"data: [DONE]\n\n")
     return resp
@@ -441,7 +475,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     import os
 
-    from kiln.deploy.admission import log_requests_to
+    from kiln.engine.admission import log_requests_to
 
     p = argparse.ArgumentParser(prog="python -m kiln.engine.server", description=main.__doc__)
     p.add_argument("engine_dir", type=Path)

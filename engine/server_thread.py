@@ -14,20 +14,26 @@ from pathlib import Path
 
 from aiohttp import web
 
-from kiln.deploy.config import SERVE_ADMISSION, AdmissionConfig
+from kiln.engine.admission import AdmissionConfig
 from kiln.engine.base import Engine
 from kiln.engine.server import STATE, create_app
+
+# What measurements serve behind: a load test measures the engine, so a request beyond the batch
+# waits (as it would inside the engine) instead of being refused by `kiln serve`'s time-bounded
+# queue; 32 running and 64 waiting were kiln serve's defaults when the load stages were calibrated.
+LOAD_TEST_ADMISSION = AdmissionConfig(max_concurrency=32, max_queue=64)
 
 
 class ServerThread:
     """The same server on a background thread and a free loopback port, for tests and benches.
 
     `engine` is an Engine (not closed on exit), a callable returning one, or a built engine dir.
-    `admission`: queue bounds, rate limits and request logs, as for `kiln serve`.
+    `admission`: queue bounds, rate limits and request logs (`kiln serve`'s own defaults are
+    engine.admission.SERVE_ADMISSION).
     """
 
     def __init__(self, engine: Engine | Callable[[], Engine] | Path, api_key: str | None = None,
-                 model_name: str | None = None, admission: AdmissionConfig = SERVE_ADMISSION):
+                 model_name: str | None = None, admission: AdmissionConfig = LOAD_TEST_ADMISSION):
         from kiln.engine.loader import load_engine
 
         if isinstance(engine, Engine):

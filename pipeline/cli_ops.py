@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from kiln.deploy.config import SERVE_ADMISSION
+from kiln.engine.admission import SERVE_ADMISSION
 from kiln.pipeline.cli import RecipeArg, RunsOpt, SetOpt, app, console
 from kiln.pipeline.errors import BadInput
 
@@ -65,6 +65,19 @@ def engine_dir(target: str, role: str, runs: Path) -> Path:
     return Path(read_json(Path(read_json(stage)["path"]) / "result.json")["engine_dir"])
 
 
+def _queue_wait(value: str) -> float | str | None:
+    """--queue-wait: 'auto', 'off' or seconds >= 0."""
+    if value in ("auto", "off"):
+        return None if value == "off" else value
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0 or seconds == float("inf"):
+        raise BadInput(f"--queue-wait {value!r}: give 'auto', 'off' or a number of seconds >= 0.")
+    return seconds
+
+
 @app.command()
 def serve(target: Annotated[str, typer.Argument(metavar="ENGINE_DIR|RUN")],
           role: Annotated[str, typer.Option(help="with a RUN: which arm to serve")] = "candidate",
@@ -73,11 +86,20 @@ def serve(target: Annotated[str, typer.Argument(metavar="ENGINE_DIR|RUN")],
                                                         "comma-separated keys = several tenants (unset: no key)")]
           = "KILN_API_KEY",
           model_name: Annotated[str | None, typer.Option(help="name in /v1/models")] = None,
-          max_running: Annotated[int, typer.Option(min=1, help="requests admitted at once (the engine batches up to "
-                                                   "its max_batch_size of them; the rest wait inside it)")]
-          = SERVE_ADMISSION.max_concurrency,
-          max_queue: Annotated[int, typer.Option(min=0, help="requests waiting beyond --max-running; when full, an "
-                                                 "immediate 429 with Retry-After")] = SERVE_ADMISSION.max_queue,
+          max_running: Annotated[int | None, typer.Option(min=1, show_default="the engine's max_batch_size",
+                                                          help="requests admitted at once (more than the engine "
+                                                          "batches would wait inside it, unseen by --queue-wait)")]
+          = None,
+          max_queue: Annotated[int | None, typer.Option(min=0, show_default="--max-running",
+                                                        help="most requests waiting beyond --max-running")] = None,
+          queue_wait: Annotated[str, typer.Option(help="queue a request only if its estimated wait for a slot fits: "
+                                                  "'auto' (half the median slot-to-first-token time, so admitted "
+                                                  "TTFT stays within 1.5x of at-capacity; with --ttft-slo-ms, what "
+                                                  "that leaves), seconds, or 'off' (--max-queue alone). Otherwise "
+                                                  "an immediate 429 whose Retry-After is the estimated wait")]
+          = "auto",
+          ttft_slo_ms: Annotated[float | None, typer.Option(min=0, help="TTFT objective for --queue-wait auto "
+                                                            "(`kiln deploy render` passes the recipe's)")] = None,
           rate_limit: Annotated[float, typer.Option(min=0, help="requests/s per API key (token bucket); 0 = off")] = 0,
           rate_burst: Annotated[int, typer.Option(min=1, help="requests an API key may send at once before "
                                                   "--rate-limit applies")] = SERVE_ADMISSION.rate_limit_burst,
@@ -95,7 +117,7 @@ def serve(target: Annotated[str, typer.Argument(metavar="ENGINE_DIR|RUN")],
     Prints the cold start (boot, engine load, warm-up) when ready. An engine that fails to load,
     or a port in use, exits 2 with the fix.
     """
-    from kiln.deploy.admission import log_requests_to
+    from kiln.engine.admission import log_requests_to
     from kiln.engine.loader import check_hardware, read_manifest
     from kiln.engine.server import serve as serve_engine
 
@@ -104,6 +126,7 @@ def serve(target: Annotated[str, typer.Argument(metavar="ENGINE_DIR|RUN")],
     check_hardware(read_manifest(d), d)  # the cheap checks before binding; the load itself follows
     admission = SERVE_ADMISSION.model_validate({
         **SERVE_ADMISSION.model_dump(), "max_concurrency": max_running, "max_queue": max_queue,
+        "max_queue_wait_s": _queue_wait(queue_wait), "ttft_slo_ms": ttft_slo_ms or None,
         "rate_limit_rps": rate_limit or None, "rate_limit_burst": rate_burst, "drain_timeout_s": drain_timeout,
         "log_requests": request_log != "off"})
     if admission.log_requests:
@@ -117,6 +140,20 @@ def serve(target: Annotated[str, typer.Argument(metavar="ENGINE_DIR|RUN")],
     serve_engine(d, host=host, port=port, api_key=_key(api_key_env), model_name=model_name,
                  admission=admission, on_ready=ready)
     console.print("drained and stopped")
+    _exit_now()
+
+
+def _exit_now() -> None:
+    """Exit 0 without the interpreter's teardown: finalizing torch and a loaded model took ~2.8 s
+    after the drain had finished, which the pod's grace period (and --drain-timeout's promise)
+    would have to cover. Logs and streams are flushed first; nothing else is left to save."""
+    import logging
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @app.command()

@@ -12,9 +12,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kiln.deploy.admission import STATS, Admission
-from kiln.deploy.config import AdmissionConfig, RouterConfig
+from kiln.deploy.config import RouterConfig
 from kiln.deploy.router_process import RouterProcess
+from kiln.engine.admission import STATS, Admission, AdmissionConfig
 from kiln.engine.fake import FakeServer
 from tests.deploy.fakes import fake
 
@@ -135,29 +135,33 @@ def test_sigterm_drains_in_flight_streams_then_exits(tmp_path):
 @pytest.mark.timeout(120)
 def test_sigterm_exit_is_bounded_by_the_drain_timeout():
     """A stream longer than the drain: the router exits about a second after drain_timeout_s
-    (measured 1.68 s with a 1 s drain; it waited aiohttp's 60 s shutdown timeout before)."""
-    from kiln.deploy.admission import CUT_AFTER_DRAIN_S
+    (measured 1.68 s with a 1 s drain; it waited aiohttp's 60 s shutdown timeout before), and
+    the stream it cut ends with an error event and [DONE], not a dropped connection."""
+    from kiln.engine.admission import CUT_AFTER_DRAIN_S
 
     drain = 1.0
     with FakeServer(fake(ttft_ms=10, tpot_ms=200)) as s:  # 100 tokens: a 20 s stream
         config = RouterConfig(port=0, stable_url=s.url, admission=AdmissionConfig(drain_timeout_s=drain))
         proc = RouterProcess(config).__enter__()
         try:
-            async def main() -> float:
+            async def main() -> tuple[float, list[bytes]]:
                 async with aiohttp.ClientSession() as session:
                     async with session.post(proc.url + "/v1/completions",
                                             json={"prompt": "x", "max_tokens": 100, "stream": True}) as r:
                         await r.content.readline()  # in flight
                         start = time.monotonic()
                         proc.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+                        rest = [line.strip() async for line in r.content if line.strip()]
                         await asyncio.get_running_loop().run_in_executor(None, proc.proc.wait, 60)
-                        return time.monotonic() - start
+                        return time.monotonic() - start, rest
 
-            seconds = asyncio.run(main())
+            seconds, rest = asyncio.run(main())
         finally:
             proc.stop()
     print(f"router exited {seconds:.2f} s after SIGTERM (drain {drain:g} s, cut {CUT_AFTER_DRAIN_S:g} s)")
     assert drain <= seconds < drain + CUT_AFTER_DRAIN_S + 1.5
+    assert rest[-1] == b"data: [DONE]" and len(rest) < 100  # cut, not finished
+    assert json.loads(rest[-2].removeprefix(b"data: "))["error"]["type"] == "service_unavailable"
 
 
 def test_every_request_is_counted_by_outcome():
@@ -174,6 +178,8 @@ def test_every_request_is_counted_by_outcome():
             kind = request.query.get("kind")
             if kind == "slow":
                 await asyncio.sleep(0.3)
+            if kind == "forever":  # the client gives up first
+                await asyncio.sleep(30)
             if kind == "bad":
                 return web.json_response({}, status=400)
             if kind == "boom":
@@ -184,7 +190,7 @@ def test_every_request_is_counted_by_outcome():
 
         app = web.Application(middlewares=[admission.middleware])
         app.router.add_post("/v1/completions", answer)
-        runner = web.AppRunner(app)
+        runner = web.AppRunner(app, handler_cancellation=True)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
@@ -199,6 +205,12 @@ def test_every_request_is_counted_by_outcome():
                 await asyncio.sleep(0.1)
                 assert await one("ok") == 429  # the one slot is taken, no queue
                 await slow
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(one("forever"), 0.2)
+                for _ in range(50):  # the server sees the disconnect and cancels the handler
+                    if admission.running == 0:
+                        break
+                    await asyncio.sleep(0.02)
         finally:
             await runner.cleanup()
         return generate_latest(registry).decode()
@@ -207,4 +219,4 @@ def test_every_request_is_counted_by_outcome():
     counts = {o: next(float(line.split()[-1]) for line in text.splitlines()
                       if line.startswith(f'{names.total(names.REQUESTS)}{{{names.OUTCOME}="{o}"}}'))
               for o in names.OUTCOMES}
-    assert counts == {"success": 3.0, "client_error": 1.0, "server_error": 2.0, "rejected": 1.0}
+    assert counts == {"success": 3.0, "client_error": 1.0, "server_error": 2.0, "rejected": 1.0, "cancelled": 1.0}

@@ -137,6 +137,8 @@ def test_api_key_guards_generation_and_admin_not_health(pair):
     with RouterProcess(RouterConfig(port=0, stable_url=s.url, canary_url=c.url), api_key="sekret") as r:
         assert post_all(r.url, [body(stream=False)])[0][0] == 401
         assert post_all(r.url, [body(stream=False)], key="sekret")[0][0] == 200
+        lower = urllib.request.Request(r.url + "/admin/state", headers={"Authorization": "bearer sekret"})
+        assert urllib.request.urlopen(lower).status == 200  # the scheme is case-insensitive (RFC 7235)
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(urllib.request.Request(r.url + "/admin/state"))
         assert e.value.code == 401

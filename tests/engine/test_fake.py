@@ -118,6 +118,8 @@ def test_api_key_and_startup():
         assert _post(s.url + "/v1/completions", {"prompt": "x"})[0] == 401
         assert _post(s.url + "/v1/completions", {"prompt": "x"}, key="wrong")[0] == 401
         assert _post(s.url + "/v1/completions", {"prompt": "x", "max_tokens": 1}, key="sekret")[0] == 200
+        lower = urllib.request.Request(s.url + "/v1/models", headers={"Authorization": "bearer sekret"})
+        assert urllib.request.urlopen(lower).status == 200  # the scheme is case-insensitive (RFC 7235)
         time.sleep(1.0)
         assert urllib.request.urlopen(s.url + "/health").status == 200
 

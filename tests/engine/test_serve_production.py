@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.deploy.config import AdmissionConfig
+from kiln.engine.admission import AdmissionConfig
 from kiln.engine.server_thread import ServerThread
 
 KEY = "test-key"
@@ -217,3 +217,58 @@ def test_kiln_serve_drains_on_sigterm_and_exits_0(tiny_model_dir, tmp_path):
     served = [r for r in records if r.get("path") == "/v1/completions" and r["status"] == 200]
     assert len(served) == 1 and served[0]["tokens_out"] == 40
     assert {"event": "drained", "clean": True} in records
+
+
+def test_slots_default_to_the_engine_batch_size(served_engine):
+    from kiln.engine.admission import SERVE_ADMISSION
+
+    with ServerThread(served_engine, api_key=KEY, admission=SERVE_ADMISSION) as srv:
+        slots = _metric(srv.url, "kiln:admission_slots")
+    assert slots == served_engine.manifest["config"]["max_batch_size"]
+
+
+@pytest.mark.timeout(180)
+def test_kiln_serve_exit_is_bounded_by_the_drain_timeout_and_cut_answers_end_cleanly(tiny_model_dir, tmp_path):
+    """SIGTERM with a stream and a non-streamed request that outlast --drain-timeout 1: the process
+    exits within the timeout plus a second, the stream ends with an error event and [DONE], the
+    other request gets a 503 JSON error, and the log counts both as cut."""
+    import os
+
+    from kiln.engine.admission import CUT_AFTER_DRAIN_S
+    from kiln.engine.cache import build_engine
+    from kiln.engine.hf_torch import TorchEngineConfig
+
+    engine_dir = build_engine(TorchEngineConfig(threads=1), tiny_model_dir, "sha", tmp_path)
+    port, log = _free_port(), tmp_path / "requests.log"
+    url = f"http://127.0.0.1:{port}"
+    kiln = str(Path(sys.executable).with_name("kiln"))
+    proc = subprocess.Popen([kiln, "serve", str(engine_dir), "--port", str(port), "--request-log", str(log),
+                             "--drain-timeout", "1"], env={**os.environ, "KILN_API_KEY": KEY},
+                            stdout=subprocess.PIPE, text=True)
+    long = {"prompt": "Hello", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
+    try:
+        _wait_for(lambda: proc.poll() is None and (_health(url) or (0,))[0] == 200, timeout=120)
+        stream = _open_stream(url, long)
+        first = stream.readline()
+        whole: list = []
+        waiter = threading.Thread(target=lambda: whole.append(_post(url + "/v1/completions", long)))
+        waiter.start()
+        _wait_for(lambda: _metric(url, "kiln:num_requests_running") == 2)
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rest = _events(stream)
+        code = proc.wait(timeout=30)
+        exited_in = time.monotonic() - signalled
+        waiter.join(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 0 and exited_in < 1 + CUT_AFTER_DRAIN_S + 1, exited_in
+    assert first.startswith(b"data: ") and rest[-1] == "[DONE]" and len(rest) < 1000  # cut, not finished
+    assert json.loads(rest[-2])["error"]["type"] == "service_unavailable"
+    assert whole[0][0] == 503 and "drain timeout 1 s" in json.loads(whole[0][2])["error"]["message"]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    cut = [r for r in records if r.get("path") == "/v1/completions"]
+    assert sorted(r["status"] for r in cut) == [200, 503] and all("error" in r or r["status"] == 503 for r in cut)
+    assert {"event": "drained", "clean": False} in records

@@ -1,42 +1,121 @@
-"""Serving-side admission control as aiohttp middleware, for the router and for `kiln serve`.
+"""Serving-side admission control as aiohttp middleware, shared by `kiln serve` and `kiln route`.
 
 What it does, per request on the guarded paths (the two OpenAI generation endpoints):
 - drain: once draining (SIGTERM), new requests get a fast 503 and /health says so, while
   requests already admitted run to the end of their stream;
 - per-tenant rate limit: a token bucket per API key (tenants are told apart by a hash of the key,
   never the key itself); over the limit, 429 with the Retry-After that refills one token;
-- bounded queue: at most `max_concurrency` requests run, at most `max_queue` wait; when the queue
-  is full the answer is an immediate 429 with Retry-After instead of a timeout minutes later;
+- bounded queue: at most `max_concurrency` requests run, and one more waits only when its
+  estimated wait fits the queue budget (and at most `max_queue` wait); otherwise an immediate 429
+  whose Retry-After is that estimate, instead of a timeout minutes later;
 - one JSON log line per request on the `kiln.requests` logger, refused ones included: queue time,
   TTFT, TPOT, tokens in/out, status, tenant, plus whatever the handler put in `request[STATS]`
   (a refusal carries its `reason`; a client that left mid-request is logged as status 499).
 
+The queue rule (`kiln serve`'s defaults; docs/serving.md has the measurements). A request that
+waits for a slot waits until the slot it is in line for frees: each request holds its slot for
+`hold` seconds on average (measured over the last requests that succeeded), so a running request
+frees its slot `hold` after it got it, and the k-th in line takes the k-th slot to free (one more
+`hold` per full round of slots). Under overload the queue stays full, so every admitted request waits as long as the
+queue allows: a queue bounded in *time*, not count, bounds that wait. The budget is half the
+median time from slot to first token (what a request sees at capacity, without queueing), so
+admitted requests' TTFT stays within 1.5x of its at-capacity value however heavy the overload;
+with a TTFT objective (`ttft_slo_ms`) the budget is what the objective leaves after the p90 of
+that time. Slots default to the engine's batch size: a request admitted beyond it would wait
+inside the engine, unseen by the budget.
+
 Adopt it in a server with `admission = Admission(config)`, `web.Application(middlewares=
 [admission.middleware])`, and serve with `serve_until_drained(...)`, which turns SIGTERM into a
-drain. Handlers report what they measured by filling `request[STATS]` (a dict), timing from
-`request[ARRIVAL]` (when the request reached the middleware, `time.perf_counter()`).
+drain. Handlers report what they measured by filling `request[STATS]` (a dict: `ttft_ms` from
+`request[ARRIVAL]`, when the request reached the middleware, `time.perf_counter()`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import json
 import logging
 import math
 import signal
 import socket
+import statistics
 import sys
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from pydantic import BaseModel, ConfigDict, Field
 
-from kiln.deploy.config import AdmissionConfig
 from kiln.engine import metric_names as names
 from kiln.pipeline.errors import BadInput
+
+
+class AdmissionConfig(BaseModel):
+    """Serving-side protection, shared by `kiln route` and `kiln serve`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_concurrency: int | None = Field(256, ge=1, description="requests handled at once; None = the engine's "
+                                        "max_batch_size (kiln serve)")
+    max_queue: int | None = Field(1024, ge=0, description="most requests waiting for a slot; None = as many as "
+                                  "max_concurrency")
+    max_queue_wait_s: float | Literal["auto"] | None = Field(
+        None, description="queue a request only if its estimated wait fits: seconds, 'auto' (half the median "
+                          "time from slot to first token, or what ttft_slo_ms leaves), or None (max_queue alone)")
+    ttft_slo_ms: float | None = Field(None, gt=0, description="TTFT objective: with max_queue_wait_s 'auto', the "
+                                      "queue budget is this less the p90 time from slot to first token")
+    queue_timeout_s: float = Field(60, gt=0, description="longest wait in the queue before a 429")
+    retry_after_s: float = Field(1.0, gt=0, description="Retry-After of a 429 from a full queue before any "
+                                 "request has finished (later: the estimated wait)")
+    rate_limit_rps: float | None = Field(None, gt=0, description="per-tenant (API key) requests/s; None = off")
+    rate_limit_burst: int = Field(20, ge=1, description="token-bucket size per tenant")
+    drain_timeout_s: float = Field(30, ge=0, description="on SIGTERM: longest wait for in-flight requests")
+    log_requests: bool = Field(True, description="one JSON line per request on the 'kiln.requests' logger")
+
+
+# `kiln serve`'s defaults: slots = the engine's batch, a queue bounded by time (see above).
+SERVE_ADMISSION = AdmissionConfig(max_concurrency=None, max_queue=None, max_queue_wait_s="auto")
+UNSIZED_SLOTS = 32  # slots when max_concurrency is None and no engine batch size is known
+QUEUE_SHARE = 0.5  # the 'auto' budget as a share of the median slot-to-first-token time: TTFT <= 1.5x
+MIN_SAMPLES = 4  # finished requests before the estimates are trusted
+
+
+class SlotClock:
+    """What admitted requests measured, over the last `window` that succeeded: how long each held
+    its slot, and how long from its slot to its first token."""
+
+    def __init__(self, window: int = 64):
+        self.hold: deque[float] = deque(maxlen=window)
+        self.first: deque[float] = deque(maxlen=window)
+
+    def record(self, hold_s: float, first_s: float | None) -> None:
+        self.hold.append(hold_s)
+        if first_s is not None:
+            self.first.append(max(0.0, first_s))
+
+    def wait(self, position: int, slots: int, started: list[float], now: float) -> float | None:
+        """Seconds until the `position`-th waiting request gets a slot, given when the running
+        requests got theirs (`started`); None before MIN_SAMPLES. Each running request is
+        expected to hold its slot for the mean hold; the k-th waiting takes the k-th slot to free,
+        and every full round of slots beyond that costs one more hold."""
+        if len(self.hold) < MIN_SAMPLES:
+            return None
+        hold = statistics.fmean(self.hold)
+        frees = sorted(max(0.0, hold - (now - t)) for t in started)
+        frees += [0.0] * (slots - len(frees))  # a slot not taken frees at once
+        rounds, k = divmod(position - 1, slots)
+        return frees[k] + rounds * hold
+
+    def first_token(self, percentile: int) -> float | None:
+        if len(self.first) < MIN_SAMPLES:
+            return None
+        return statistics.quantiles(self.first, n=100, method="inclusive")[percentile - 1]
+
 
 GUARDED = ("/v1/completions", "/v1/chat/completions")
 STATS = web.RequestKey("kiln.stats", dict)  # handlers add ttft_ms, tpot_ms, tokens_in, tokens_out, ...
@@ -44,11 +123,23 @@ ARRIVAL = web.RequestKey("kiln.arrival", float)  # time.perf_counter() when the 
 log = logging.getLogger("kiln.requests")
 
 
+def bearer_key(authorization: str) -> bytes:
+    """The credentials of `Authorization: Bearer KEY` (b"" if none); the scheme is
+    case-insensitive (RFC 7235), so `bearer KEY` is the same key."""
+    scheme, _, key = authorization.strip().partition(" ")
+    return key.strip().encode() if scheme.lower() == "bearer" else b""
+
+
+def key_matches(authorization: str, keys: list[bytes]) -> bool:
+    """Whether the request's bearer key is one of `keys`: constant-time, every key compared."""
+    sent = bearer_key(authorization)
+    return bool(sent) and any([hmac.compare_digest(sent, key) for key in keys])
+
+
 def tenant_of(request: web.Request) -> str:
     """A stable tenant id: a short hash of the bearer key, else the peer address."""
-    scheme, _, key = request.headers.get("Authorization", "").strip().partition(" ")
-    if scheme.lower() == "bearer" and key.strip():  # the scheme is case-insensitive (RFC 7235)
-        return "key:" + hashlib.sha256(key.strip().encode()).hexdigest()[:12]
+    if key := bearer_key(request.headers.get("Authorization", "")):
+        return "key:" + hashlib.sha256(key).hexdigest()[:12]
     return f"ip:{request.remote or 'unknown'}"
 
 
@@ -81,22 +172,65 @@ class Admission:
 
     def __init__(self, config: AdmissionConfig, paths: tuple[str, ...] = GUARDED):
         self.config, self.paths = config, paths
+        self.slots = self.queue_cap = 0
+        self.size(None)
         self.running = 0  # admitted and not finished
         self.waiting = 0
         self.rejected: dict[str, int] = {"queue_full": 0, "rate_limited": 0, "draining": 0, "queue_timeout": 0}
         self.draining = False
+        self.clock = SlotClock()
+        self._started: dict[int, float] = {}  # running request -> when it got its slot
         self._slots: asyncio.Semaphore | None = None
         self._idle: asyncio.Event | None = None
+        self._cut: asyncio.Event | None = None
         self._buckets: dict[str, TokenBucket] = {}
         self._requests: Counter | None = None
 
+    def size(self, batch: int | None) -> None:
+        """Resolve the unset bounds against the engine's batch size (before the first request)."""
+        self.slots = self.config.max_concurrency or batch or UNSIZED_SLOTS
+        self.queue_cap = self.slots if self.config.max_queue is None else self.config.max_queue
+
+    def budget(self) -> float | None:
+        """Longest estimated wait a request may queue for (None: no time bound, or not measured yet)."""
+        cfg = self.config
+        if cfg.max_queue_wait_s != "auto":
+            return cfg.max_queue_wait_s
+        if cfg.ttft_slo_ms is not None:
+            p90 = self.clock.first_token(90)
+            return None if p90 is None else max(0.0, cfg.ttft_slo_ms / 1000 - p90)
+        p50 = self.clock.first_token(50)
+        return None if p50 is None else QUEUE_SHARE * p50
+
+    def estimated_wait(self, position: int | None = None) -> float | None:
+        """How long the `position`-th in line (default: a request arriving now) would wait for a
+        slot; None: not measured yet."""
+        if position is None and (self._slots is None or not self._slots.locked()):
+            return 0.0
+        return self.clock.wait(position or self.waiting + 1, self.slots, list(self._started.values()),
+                               time.perf_counter())
+
     def _refuse(self, request: web.Request, tenant: str, reason: str, status: int, message: str,
-                retry_after: float) -> web.Response:
+                retry_after: float, wait: float | None = None) -> web.Response:
         self.rejected[reason] += 1
-        self._count(status)
+        self.count(status)
         if self.config.log_requests:
-            self._log(request, tenant, status, request[ARRIVAL], {"reason": reason})
+            extra = {} if wait is None else {"estimated_wait_s": wait}
+            self._log(request, tenant, status, request[ARRIVAL], {"reason": reason, **extra})
         return _reject(status, message, retry_after, "overloaded" if status == 429 else "unavailable")
+
+    def _queue_refusal(self) -> tuple[str, float, float | None] | None:
+        """Why a request that found every slot taken may not wait (message, Retry-After, estimated
+        wait), or None."""
+        wait = self.estimated_wait(self.waiting + 1)
+        retry_after = self.config.retry_after_s if wait is None else round(wait)  # an estimate: nearest second
+        if self.waiting >= self.queue_cap:
+            return f"queue full ({self.waiting} waiting for {self.slots} slots)", retry_after, wait
+        budget = self.budget()
+        if wait is not None and budget is not None and wait > budget:
+            return (f"at capacity: {self.slots} running, {self.waiting} waiting; a slot would take ~{wait:.2f} s, "
+                    f"over the queue budget of {budget:.2f} s", retry_after, wait)
+        return None
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
@@ -105,7 +239,7 @@ class Admission:
         cfg = self.config
         request[ARRIVAL] = arrival = time.perf_counter()
         if self._slots is None:  # created on the serving loop
-            self._slots, self._idle = asyncio.Semaphore(cfg.max_concurrency), asyncio.Event()
+            self._slots, self._idle = asyncio.Semaphore(self.slots), asyncio.Event()
         tenant = tenant_of(request)
         if self.draining:
             return self._refuse(request, tenant, "draining", 503,
@@ -117,9 +251,9 @@ class Admission:
                                     f"rate limit of {cfg.rate_limit_rps:g} requests/s exceeded", wait)
         if not self._slots.locked():
             await self._slots.acquire()  # a free slot: returns at once, no other request can slip in
-        elif self.waiting >= cfg.max_queue:
-            return self._refuse(request, tenant, "queue_full", 429, f"queue full ({cfg.max_queue} waiting)",
-                                cfg.retry_after_s)
+        elif refusal := self._queue_refusal():
+            message, retry_after, wait = refusal
+            return self._refuse(request, tenant, "queue_full", 429, message, retry_after, wait)
         else:
             self.waiting += 1
             try:
@@ -131,7 +265,9 @@ class Admission:
                 self.waiting -= 1
         self.running += 1
         self._idle.clear()  # type: ignore[union-attr]
-        request[STATS] = stats = {"queue_ms": (time.perf_counter() - arrival) * 1000}
+        admitted = time.perf_counter()
+        self._started[id(request)] = admitted
+        request[STATS] = stats = {"queue_ms": (admitted - arrival) * 1000}
         status = 500
         try:
             response = await handler(request)
@@ -142,15 +278,21 @@ class Admission:
             raise
         finally:
             self._slots.release()
+            del self._started[id(request)]
             self.running -= 1
             if self.running == 0:
                 self._idle.set()  # type: ignore[union-attr]
-            self._count(status, stats.get("error"))
+            if status == 200 and "error" not in stats:
+                ttft = stats.get("ttft_ms")
+                self.clock.record(time.perf_counter() - admitted,
+                                  None if ttft is None else ttft / 1000 - (admitted - arrival))
+            self.count(status, stats.get("error"))
             if cfg.log_requests:
                 self._log(request, tenant, status, arrival, stats)
 
-    def _count(self, status: int, stream_error: str | None = None) -> None:
-        if self._requests is not None and status != 499:  # 499: the client left, nothing was answered
+    def count(self, status: int, stream_error: str | None = None) -> None:
+        """Count one finished request by outcome (also those refused before admission: 401, 503)."""
+        if self._requests is not None:
             failed = stream_error is not None and not stream_error.startswith("invalid_request_error")
             self._requests.labels(names.outcome(status, failed)).inc()
 
@@ -164,6 +306,18 @@ class Admission:
 
     def start_drain(self) -> None:
         self.draining = True
+
+    async def until_cut(self) -> None:
+        """Returns when the drain timed out: a handler still answering then ends its answer
+        (a final error event on a stream, a 503 otherwise) instead of being dropped mid-way."""
+        if self._cut is None:
+            self._cut = asyncio.Event()
+        await self._cut.wait()
+
+    def cut(self) -> None:
+        if self._cut is None:
+            self._cut = asyncio.Event()
+        self._cut.set()
 
     async def drain(self) -> bool:
         """What SIGTERM does: refuse new requests, wait up to drain_timeout_s for the admitted ones.
@@ -183,6 +337,13 @@ class Admission:
             lambda: self.waiting)
         Gauge(f"{prefix}_running", "requests admitted and not finished", registry=registry).set_function(
             lambda: self.running)
+        Gauge(f"{prefix}_slots", "requests that may run at once", registry=registry).set_function(lambda: self.slots)
+        Gauge(f"{prefix}_estimated_wait_seconds", "how long a request arriving now would wait for a slot (NaN "
+              "before enough requests finished)", registry=registry).set_function(
+            lambda: math.nan if (w := self.estimated_wait()) is None else w)
+        Gauge(f"{prefix}_queue_budget_seconds", "longest estimated wait a request may queue for (NaN: no time "
+              "bound or not measured yet)", registry=registry).set_function(
+            lambda: math.nan if (b := self.budget()) is None else b)
         refused = Gauge(f"{prefix}_rejected", "requests refused so far, by reason", ["reason"], registry=registry)
         for reason in self.rejected:
             refused.labels(reason).set_function(lambda r=reason: self.rejected[r])
@@ -217,7 +378,11 @@ def log_requests_to(target: str) -> None:
         logging.getLogger(name).setLevel(logging.INFO)
 
 
-CUT_AFTER_DRAIN_S = 0.25  # how long handlers still running after the drain timeout get before cancellation
+CUT_AFTER_DRAIN_S = 0.25  # how long handlers still running after the drain timeout get to end their answers
+
+
+class DrainCut(Exception):
+    """Raised in a handler whose answer the drain timeout cut short."""
 
 
 async def serve_until_drained(app: web.Application, admission: Admission, host: str, port: int,
@@ -245,5 +410,8 @@ async def serve_until_drained(app: web.Application, admission: Admission, host: 
         await stop.wait()
         drained = await admission.drain()
         logging.getLogger("kiln.serve").info(json.dumps({"event": "drained", "clean": drained}))
+        if not drained:
+            admission.cut()  # handlers still running end their answers now, within CUT_AFTER_DRAIN_S
+            await admission.wait_idle(CUT_AFTER_DRAIN_S)
     finally:
         await runner.cleanup()
