@@ -130,6 +130,7 @@ class LocalTarget(DeployTarget):
         self.arms: dict[str, Arm] = {}
         self.router: RouterProcess | None = None
         self.restarts: list[int | None] = []  # exit codes of routers that died and were replaced
+        self.restart_failures: list[str] = []  # restarts that failed (each retried, backing off to 2 s)
         self._reported = 0
         self._closing = threading.Event()
         self._lock = threading.Lock()
@@ -155,15 +156,23 @@ class LocalTarget(DeployTarget):
         return self
 
     def _watch(self) -> None:
-        while not self._closing.wait(0.05):
+        pause = 0.05
+        while not self._closing.wait(pause):
             with self._lock:
                 router = self.router
                 if router is None or router.alive() or self._closing.is_set():
                     continue
                 code = router.proc.returncode if router.proc else None
                 canary = self.arms.get("canary")
-                router.restart(router.config.model_copy(update={
-                    "stable_url": self.arms["stable"].url, "canary_url": canary.url if canary else None, "weight": 0}))
+                try:
+                    router.restart(router.config.model_copy(update={
+                        "stable_url": self.arms["stable"].url, "canary_url": canary.url if canary else None,
+                        "weight": 0}))
+                except Exception as e:  # noqa: BLE001 - a failed restart is retried, never the end of the watch
+                    self.restart_failures.append(f"{type(e).__name__}: {e}")
+                    pause = min(2.0, pause * 2)  # back off while it keeps failing
+                    continue
+                pause = 0.05
                 self.restarts.append(code)
 
     def describe(self) -> dict[str, Any]:

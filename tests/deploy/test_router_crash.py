@@ -126,3 +126,28 @@ def test_a_walk_whose_controller_died_is_rolled_back_from_its_state_file(tmp_pat
 def test_arms_run_under_the_interpreter_kiln_runs_under():
     command = kiln_serve("/engines/candidate").command
     assert command[:4] == [sys.executable, "-m", "kiln.pipeline", "serve"]
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_router_restart_is_retried_until_the_router_serves_again():
+    import urllib.request
+
+    with LocalTarget(BackendSpec(fake=fake()), BackendSpec(fake=fake()), CONFIG.router) as target:
+        router, real, calls = target.router, target.router.restart, []
+
+        def flaky(config):  # the first two restarts fail (a port race, a crash at start-up...)
+            calls.append(time.monotonic())
+            if len(calls) <= 2:
+                raise RuntimeError("router did not start")
+            real(config)
+
+        router.restart = flaky
+        os.kill(router.proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not target.restarts and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with urllib.request.urlopen(target.url + "/health", timeout=10) as r:
+            healthy = r.status
+    assert target.restart_failures == ["RuntimeError: router did not start"] * 2
+    assert len(target.restarts) == 1 and len(calls) == 3 and healthy == 200
+    assert calls[2] - calls[1] > calls[1] - calls[0] > 0.05  # backing off between tries
