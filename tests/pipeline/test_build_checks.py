@@ -3,6 +3,10 @@
 import json
 from pathlib import Path
 
+import pytest
+
+from kiln.pipeline.errors import BadInput
+from kiln.pipeline.stage_impl import read_prompts
 from tests.pipeline.conftest import kiln, write_recipe
 
 
@@ -40,3 +44,8 @@ def test_served_text_check_gates_a_run(tmp_path, tiny_model_dir):
     assert len(records) == 6 and len({r["prompt_tokens"] for r in records}) > 1
     assert all(r["baseline"] == r["candidate"] and len(r["candidate"]) == 6 for r in records)
     assert "baseline_text" in records[0] and "candidate_text" in records[0]
+
+
+def test_too_few_prompts_for_the_served_check_names_its_field(demo_data):
+    with pytest.raises(BadInput, match=r"evaluate\.quality\.served\.num_prompts asks for 1000000"):
+        read_prompts("demo", 10**6, "evaluate.quality.served.num_prompts")
