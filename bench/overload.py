@@ -14,8 +14,9 @@ Each variant is measured in two phases against the same server:
    requests (HTTP 200) that arrived after the first quarter (the queue has filled by then).
 
 Per round it records the ratio overload TTFT p50 / at-capacity TTFT p50 (the target: <= 1.5 for
-`default`), how many requests were refused, their Retry-After, and for refusals the server's
-estimated wait (from its request log) beside the real queue waits of admitted requests.
+`default`), how many requests were refused, their Retry-After and the server's estimated wait
+(from its request log), and for requests that queued, the wait that followed over the wait
+estimated when they arrived (1.0 = the estimate Retry-After is made of was right).
 Streams are 64-token prompts (token ids) and 32 greedy tokens, `ignore_eos`.
 
 Writes bench/results/overload.json (every round, medians with min-max, the machine's load) and
@@ -159,7 +160,9 @@ def measure(engine: Path, variant: str, batch: int, seconds: float, seed: int, w
         lines = [json.loads(x) for x in f if x.startswith("{")]
     served = [x for x in lines if x.get("status") == 200 and x.get("queue_ms") is not None]
     queued_ms = [x["queue_ms"] for x in served if x["queue_ms"] > 5]
-    estimates = [x["estimated_wait_s"] for x in lines if x.get("estimated_wait_s") is not None]
+    estimates = [x["estimated_wait_s"] for x in lines if x.get("status") == 429 and x.get("estimated_wait_s")]
+    # queued and admitted: the wait estimated on arrival against the wait that followed
+    told = [x["queue_ms"] / 1000 / x["estimated_wait_s"] for x in served if x.get("estimated_wait_s")]
     over_ttft = _p50([r["ttft"] for r in admitted])
     return {
         "variant": variant, "seed": seed, "capacity_rps": capacity_rps, "offered_rps": 3 * capacity_rps,
@@ -169,6 +172,7 @@ def measure(engine: Path, variant: str, batch: int, seconds: float, seed: int, w
         "retry_after_p50_s": _p50([float(r["retry_after"]) for r in refused if r.get("retry_after")]),
         "estimated_wait_p50_s": _p50(estimates),
         "queued_admitted": len(queued_ms), "queue_wait_p50_s": _p50(queued_ms) and _p50(queued_ms) / 1000,
+        "real_over_estimated_wait_p50": _p50(told),
         "machine": machine,
     }
 
@@ -206,7 +210,8 @@ def main() -> None:
         mine = [r for r in rows if r["variant"] == variant]
         summary[variant] = {k: _spread([r[k] for r in mine]) for k in
                             ("capacity_rps", "capacity_ttft_p50_s", "overload_ttft_p50_s", "ttft_ratio",
-                             "retry_after_p50_s", "estimated_wait_p50_s", "queue_wait_p50_s")}
+                             "retry_after_p50_s", "estimated_wait_p50_s", "queue_wait_p50_s",
+                             "real_over_estimated_wait_p50")}
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps({"batch": a.batch, "seconds": a.seconds, "rounds": a.rounds,
                                "prompt_tokens": PROMPT_TOKENS, "max_tokens": MAX_TOKENS,
@@ -214,11 +219,11 @@ def main() -> None:
                                "runs": rows, "summary": summary}, indent=1))
     tmp.replace(out)
     keys = ("capacity_rps", "capacity_ttft_p50_s", "overload_ttft_p50_s", "ttft_ratio", "retry_after_p50_s",
-            "estimated_wait_p50_s", "queue_wait_p50_s")
+            "estimated_wait_p50_s", "queue_wait_p50_s", "real_over_estimated_wait_p50")
     print(f"\nB = {a.batch}, {a.rounds} round(s) of {a.seconds:g} s phases; median [min, max] over rounds")
-    print(f"{'':>22}" + "".join(f"{v:>26}" for v in VARIANTS))
+    print(f"{'':>30}" + "".join(f"{v:>26}" for v in VARIANTS))
     for k in keys:
-        print(f"{k:>22}" + "".join(f"{summary[v][k]:>26}" for v in VARIANTS))
+        print(f"{k:>30}" + "".join(f"{summary[v][k]:>26}" for v in VARIANTS))
     loads = [r["machine"].get("cpu_pressure") for r in rows]
     print(f"cpu pressure per run: {', '.join('-' if x is None else f'{x:.2f}' for x in loads)}")
     print(f"wrote {out.relative_to(ROOT)}")

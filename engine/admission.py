@@ -249,12 +249,14 @@ class Admission:
             if wait := bucket.take():
                 return self._refuse(request, tenant, "rate_limited", 429,
                                     f"rate limit of {cfg.rate_limit_rps:g} requests/s exceeded", wait)
+        estimate = None
         if not self._slots.locked():
             await self._slots.acquire()  # a free slot: returns at once, no other request can slip in
         elif refusal := self._queue_refusal():
             message, retry_after, wait = refusal
             return self._refuse(request, tenant, "queue_full", 429, message, retry_after, wait)
         else:
+            estimate = self.estimated_wait(self.waiting + 1)
             self.waiting += 1
             try:
                 await asyncio.wait_for(self._slots.acquire(), cfg.queue_timeout_s)
@@ -268,6 +270,8 @@ class Admission:
         admitted = time.perf_counter()
         self._started[id(request)] = admitted
         request[STATS] = stats = {"queue_ms": (admitted - arrival) * 1000}
+        if estimate is not None:  # what it was told to expect, beside what it waited (queue_ms)
+            stats["estimated_wait_s"] = estimate
         status = 500
         try:
             response = await handler(request)
