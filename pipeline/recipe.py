@@ -113,6 +113,17 @@ class Recipe(Section):
                 f"engine.backend '{self.engine.backend}' converts the unquantized checkpoint and compresses it "
                 f"itself (its own precision option), so it cannot take optimize.method '{self.optimize.method}''s "
                 "quantized artifact: set optimize.method: none, or serve it on the torch backend")
+        backend = BACKENDS.get(self.engine.backend)
+        fmt = QUANTIZERS.get(self.optimize.method).artifact_format
+        if fmt not in backend.artifact_formats:
+            raise ValueError(f"optimize.method '{self.optimize.method}' writes a {fmt} artifact, which engine.backend "
+                             f"'{self.engine.backend}' cannot load: serve it on an engine that reads {fmt} "
+                             "(llama_cpp for gguf)")
+        if not backend.scores:  # perplexity always runs; agreement and lm-eval need scoring too
+            raise ValueError(
+                f"engine.backend '{self.engine.backend}' cannot score prompts (no log-likelihoods or next-token "
+                "distributions), and the quality checks (perplexity, agreement, lm-eval) need them: run the recipe "
+                "on another backend (docs/engines.md)")
         return self
 
     def digest(self) -> str:

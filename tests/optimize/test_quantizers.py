@@ -21,7 +21,7 @@ def _rel_error(a, b) -> float:
 
 
 def test_every_method_registers_on_import():
-    assert QUANTIZERS.names() == ["fp8", "gptq", "int4_awq", "int8_dynamic", "int8_weight_only", "none"]
+    assert QUANTIZERS.names() == ["fp8", "gguf", "gptq", "int4_awq", "int8_dynamic", "int8_weight_only", "none"]
     from pydantic import TypeAdapter
 
     union = TypeAdapter(QUANTIZERS.config_union())

@@ -1,0 +1,260 @@
+"""The `llama_cpp` backend: kiln starts llama.cpp's `llama-server` and drives it over HTTP.
+
+Build: the engine folder holds one GGUF file and the HF tokenizer files. A `gguf` artifact
+(optimize/gguf.py) is linked as it is; an unquantized safetensors checkpoint (the baseline) is
+converted at `precision` with the same converter and tokenizer check.
+Runtime: `llama-server` on 127.0.0.1 at a free port, `--parallel` slots with continuous batching
+(a request that arrives mid-decode takes a free slot at the server's next step), health-checked
+at start and stopped on `close`. Generation streams llama-server's native `/completion` with
+token-ID prompts and `return_tokens`, so token ids come back exactly; the streamed logprob of
+each token is llama.cpp's (`n_probs: 1`). Stop token ids are applied here (the server knows only
+stop strings): the stream is closed at the first one.
+
+Not supported: prompt log-likelihoods (`score`) and full next-token distributions. llama-server
+refuses `echo` on completions ("Only no echo is supported") and returns at most top-n
+probabilities of generated tokens, so perplexity, token agreement and lm-eval log-likelihood
+tasks cannot run through this backend; a recipe that asks for them is refused when validated
+(`scores = False`), and the methods raise `NotSupported`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
+
+from kiln.engine.base import (
+    BACKENDS,
+    REBUILD,
+    EngineBackend,
+    EngineConfig,
+    GenerationRequest,
+    Score,
+    TokenEvent,
+    check_request,
+)
+from kiln.engine.remote import RemoteEngine, RemoteEngineConfig, _check, _Failed
+from kiln.pipeline.errors import BadInput
+
+GGUF = "model.gguf"
+HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json", "chat_template.jinja", "tokenizer.model")
+
+
+class NotSupported(BadInput):
+    """The backend cannot compute what was asked (not a transient failure)."""
+
+
+class LlamaCppConfig(EngineConfig):
+    backend: Literal["llama_cpp"] = "llama_cpp"
+    precision: Literal["f32", "f16", "bf16"] = Field(
+        "f32", description="GGUF type when building from an unquantized checkpoint (a gguf artifact keeps its own)")
+    threads: int | None = Field(None, ge=1, description="llama-server --threads; None: all cores")
+    parallel: int = Field(4, ge=1, description="server slots: sequences decoded together (continuous batching)")
+    ctx_per_slot: int = Field(2048, ge=16, description="context tokens each slot holds (prompt + output)")
+    batch_size: int = Field(512, ge=1, description="llama-server --batch-size: prompt tokens per forward step")
+    startup_timeout_s: float = Field(120, gt=0)
+
+
+@BACKENDS.register("llama_cpp", LlamaCppConfig)
+class LlamaCppBackend(EngineBackend):
+    libraries: ClassVar[tuple[str, ...]] = ("gguf", "transformers")
+    artifact_formats: ClassVar[tuple[str, ...]] = ("safetensors", "gguf")
+    scores: ClassVar[bool] = False
+
+    def build(self, checkpoint: Path, out_dir: Path) -> dict[str, Any]:
+        from kiln.optimize import gguf
+        from kiln.pipeline.llama_cpp_build import VERSION
+
+        checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        source = checkpoint / gguf.GGUF_FILE
+        if source.is_file():
+            _link_or_copy(source, out_dir / GGUF)
+            kind = _artifact_type(checkpoint)
+        else:
+            if not any(checkpoint.glob("*.safetensors")):
+                raise BadInput(f"{checkpoint}: neither {gguf.GGUF_FILE} (optimize.method: gguf) nor *.safetensors "
+                               "weights: the llama_cpp engine builds from one of them.")
+            kind = self.config.precision  # type: ignore[attr-defined]
+            gguf.convert(checkpoint, out_dir / GGUF, kind)
+            gguf.check_tokenizer(out_dir / GGUF, checkpoint, list(gguf.SAMPLE_TEXT))
+        for name in HF_FILES:
+            if (checkpoint / name).is_file():
+                shutil.copy2(checkpoint / name, out_dir / name)
+        info = gguf.describe(out_dir / GGUF, kind)
+        return {"format": "gguf", "file": GGUF, "type": kind, "llama_cpp": VERSION,
+                "bits_per_weight": info["bits_per_weight"], "weight_bytes": info["file_bytes"],
+                "tokenizer_model": info["tokenizer_model"],
+                "build_seconds": round(time.perf_counter() - started, 1)}
+
+    @classmethod
+    def load(cls, engine_dir: Path, **options: Any) -> LlamaServerEngine:
+        from kiln.engine.loader import engine_config, read_manifest
+
+        manifest = read_manifest(engine_dir)
+        config = engine_config({**manifest, "config": {**manifest["config"], **options}})
+        path = Path(engine_dir) / manifest["build"]["file"]
+        if not path.is_file():
+            raise BadInput(f"{engine_dir}: {path.name} is missing. {REBUILD}")
+        engine = LlamaServerEngine.start(path, Path(engine_dir), config)
+        engine.manifest = manifest
+        return engine
+
+
+def _artifact_type(checkpoint: Path) -> str | None:
+    manifest = checkpoint / "kiln-artifact.json"
+    if manifest.is_file():
+        return json.loads(manifest.read_text()).get("type")  # optimize/gguf.py's manifest field
+    return None
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(exe: Path, gguf_path: Path, port: int, config: LlamaCppConfig) -> list[str]:
+    threads = config.threads or os.cpu_count() or 1
+    return [str(exe), "-m", str(gguf_path), "--host", "127.0.0.1", "--port", str(port),
+            "--parallel", str(config.parallel), "--ctx-size", str(config.parallel * config.ctx_per_slot),
+            "--batch-size", str(config.batch_size), "--threads", str(threads), "--threads-batch", str(threads),
+            "--cont-batching", "--no-webui", "--log-disable"]
+
+
+class LlamaServerEngine(RemoteEngine):
+    """A remote engine that owns the llama-server process it talks to."""
+
+    process: subprocess.Popen | None = None
+    server_log: Any = None
+    server_url: str = ""
+    max_positions: int = 2048
+
+    @classmethod
+    def start(cls, gguf_path: Path, tokenizer_dir: Path, config: LlamaCppConfig) -> LlamaServerEngine:
+        from kiln.pipeline.llama_cpp_build import binary
+
+        exe = binary("llama-server")
+        if exe is None:
+            raise BadInput("llama-server is not built on this machine: run `make install` "
+                           "(or `python -m kiln.pipeline.llama_cpp_build`) to build llama.cpp once.")
+        port = _free_port()
+        # A file, not a pipe (a full pipe would stall the server); it lives as long as the process.
+        log = tempfile.TemporaryFile()  # noqa: SIM115
+        process = subprocess.Popen(server_command(exe, gguf_path, port, config),
+                                   stdout=subprocess.DEVNULL, stderr=log)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_healthy(url, process, config.startup_timeout_s, log)
+            remote = RemoteEngineConfig(url=url, model=gguf_path.name, stream_token_ids=True)
+            engine = cls(remote, tokenizer_dir)
+        except BaseException:
+            process.kill()
+            process.wait(timeout=30)
+            raise
+        engine.process, engine.server_log = process, log
+        engine.server_url = url
+        engine.max_positions = config.ctx_per_slot
+        return engine
+
+    def add(self, request: GenerationRequest) -> int:
+        check_request(request, self.max_positions)
+        return super().add(request)
+
+    async def _stream(self, seq_id: int, r: GenerationRequest) -> None:
+        body: dict[str, Any] = {"prompt": list(r.prompt_ids), "n_predict": r.max_new_tokens, "stream": True,
+                                "return_tokens": True, "temperature": r.temperature, "top_p": r.top_p,
+                                "ignore_eos": r.ignore_eos, "n_probs": 1, "cache_prompt": True}
+        if r.seed is not None:
+            body["seed"] = r.seed
+        stops, produced = set(r.stop_ids), 0
+        try:
+            async with self._session.post(f"{self.server_url}/completion", json=body) as resp:
+                await _check(resp)
+                async for line in resp.content:
+                    if not line.startswith(b"data:"):
+                        continue
+                    chunk = json.loads(line[5:])
+                    now = time.perf_counter()
+                    ids = list(chunk.get("tokens") or [])
+                    probs = chunk.get("completion_probabilities") or []
+                    done = bool(chunk.get("stop"))
+                    for k, token in enumerate(ids):
+                        produced += 1
+                        lp = probs[k].get("logprob") if k < len(probs) else None
+                        last = token in stops or produced >= r.max_new_tokens
+                        finish = ("stop" if token in stops else "length") if last else (
+                            _finish(chunk) if done and k == len(ids) - 1 else None)
+                        self._events.put(TokenEvent(seq_id, int(token), now, lp, finish))
+                        if last:
+                            return  # leaving the block closes the connection: the server frees the slot
+                    if done:
+                        if not ids:  # the end came without a token (EOS is not streamed)
+                            eos = self.tokenizer.eos_token_id
+                            self._events.put(TokenEvent(seq_id, eos if eos is not None else 0, now, None,
+                                                        _finish(chunk)))
+                        return
+        except Exception as e:  # noqa: BLE001 - surfaced from step() on the caller's thread
+            self._events.put(_Failed(seq_id, e))
+
+    def score(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[Score]:
+        raise NotSupported("The llama_cpp engine cannot score prompt log-likelihoods: llama-server refuses echo "
+                           "(\"Only no echo is supported\"). Run perplexity and lm-eval log-likelihood tasks on "
+                           "another backend (docs/engines.md).")
+
+    def next_token_logprobs(self, ids: Sequence[list[int]]) -> list[Any]:
+        raise NotSupported("The llama_cpp engine cannot return full next-token distributions (llama-server "
+                           "returns top-n probabilities of generated tokens only): token agreement needs another "
+                           "backend (docs/engines.md).")
+
+    def close(self) -> None:
+        super().close()
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=30)
+        if self.server_log is not None:
+            self.server_log.close()
+
+
+def _finish(chunk: dict[str, Any]) -> str:
+    return "length" if chunk.get("stop_type") == "limit" else "stop"
+
+
+def _wait_healthy(url: str, process: subprocess.Popen, timeout_s: float, log: Any) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            log.seek(0)
+            err = log.read().decode(errors="replace")[-1500:]
+            raise RuntimeError(f"llama-server exited with code {process.returncode} while starting:\n{err}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"llama-server not healthy after {timeout_s:.0f} s at {url}")

@@ -1,0 +1,27 @@
+"""Shared by the llama.cpp tests: the build `make test` makes (`make llama-cpp`), or a clear stop.
+
+Under CI (`CI=true`) a missing build fails the test: `make test` always builds it first, so its
+absence there is a broken install, not something to skip. Elsewhere the tests skip with the
+command that builds it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def require_llama_cpp() -> None:
+    from kiln.pipeline.llama_cpp_build import binary, converter, install_dir
+
+    missing = [n for n in ("llama-server", "llama-quantize", "llama-tokenize") if binary(n) is None]
+    if converter() is None:
+        missing.append("convert_hf_to_gguf.py")
+    if not missing:
+        return
+    message = (f"llama.cpp is not built at {install_dir()} (missing {', '.join(missing)}): "
+               "run `make llama-cpp` (python -m kiln.pipeline.llama_cpp_build)")
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(message)
+    pytest.skip(message)

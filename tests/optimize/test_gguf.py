@@ -1,0 +1,73 @@
+"""The `gguf` method on the tiny Llama: conversion, llama-quantize types, manifests read from the
+file, and the tokenizer check (llama.cpp's tokenization against the HF tokenizer's)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kiln.optimize.checkpoint import param_count
+from kiln.optimize.gguf import Gguf, GgufConfig, check_tokenizer, describe
+from kiln.pipeline.errors import BadInput
+from tests.llama_cpp_build import require_llama_cpp
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built():
+    require_llama_cpp()
+
+
+@pytest.fixture(scope="module")
+def f32_artifact(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("gguf-f32")
+    fields = Gguf(GgufConfig(type="f32")).quantize(tiny_model_dir, out, None)
+    return out, fields
+
+
+def test_f32_manifest_from_the_file(f32_artifact, tiny_model_dir):
+    out, fields = f32_artifact
+    assert (out / "model.gguf").is_file() and (out / "tokenizer.json").is_file()
+    assert fields["type"] == "f32" and fields["bits_per_weight"] == 32.0
+    assert fields["tensor_types"] == {"F32": fields["tensor_types"]["F32"]}
+    assert fields["tensors_not_at_type"] == {}
+    assert fields["params"] == param_count(tiny_model_dir)
+    # The byte-level BPE vocabulary, checked against the HF tokenizer on the sample text.
+    assert fields["tokenizer_model"] == "gpt2"
+    assert fields["tokenizer_check"]["identical"] and fields["tokenizer_check"]["tokens"] > 100
+
+
+def test_unfixed_tokenizer_converts_to_spm_and_is_refused(tiny_model_dir, tmp_path):
+    """The converter run on the checkpoint as it is writes an SPM ('llama') vocabulary for the
+    demo's byte-level BPE tokenizer.json (it has byte_fallback and an SPM-style decoder); the
+    tokenizer check refuses that file."""
+    from kiln.pipeline.llama_cpp_build import converter
+
+    target = tmp_path / "raw.gguf"
+    subprocess.run([sys.executable, str(converter()), str(tiny_model_dir), "--outfile", str(target),
+                    "--outtype", "f32"], check=True, capture_output=True)
+    assert describe(target)["tokenizer_model"] == "llama"
+    with pytest.raises(BadInput, match="'llama'"):
+        check_tokenizer(target, tiny_model_dir, ["The quick brown fox jumps over the lazy dog."])
+
+
+@pytest.mark.parametrize(("kind", "main", "low", "high"), [("q8_0", "Q8_0", 8.0, 9.5), ("q4_K_M", "Q4_K", 4.0, 9.0)])
+def test_quantized_types(f32_artifact, tiny_model_dir, tmp_path, kind, main, low, high):
+    fields = Gguf(GgufConfig(type=kind, threads=1)).quantize(tiny_model_dir, tmp_path, None)
+    assert low <= fields["bits_per_weight"] <= high
+    assert fields["file_bytes"] < 0.5 * f32_artifact[1]["file_bytes"]
+    assert fields["tokenizer_model"] == "gpt2" and fields["tokenizer_check"]["identical"]
+    if kind == "q8_0":
+        assert fields["tensors_not_at_type"] == {}
+    else:
+        # hidden 128 is not a multiple of the 256-wide k-quant block: every matrix falls back,
+        # and the manifest names each with the type it got.
+        assert fields["tensors_not_at_type"]
+        assert main not in fields["tensors_not_at_type"].values()
+
+
+def test_needs_safetensors(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(BadInput):
+        Gguf(GgufConfig(type="f32")).quantize(tmp_path, tmp_path / "out", None)
