@@ -63,11 +63,9 @@ def smoke(engine: Engine, reference: Engine, prompts: Sequence[list[int]], n: in
     there, and per-token |delta log-prob| of the reference continuation; plus the totals."""
     got = batched_greedy(engine, prompts, n)
     want = [batched_greedy(reference, [p], n)[0] for p in prompts]  # one at a time: no batching to blame
-    pairs = [(list(p), w) for p, w in zip(prompts, want, strict=True)]
-    deltas = [np.abs(np.subtract(g.token_logprobs, r.token_logprobs))
-              for g, r in zip(engine.score(pairs), reference.score(pairs), strict=True)]
+    deltas = _logprob_deltas(engine, reference, [(list(p), w) for p, w in zip(prompts, want, strict=True)])
     rows = []
-    for p, g, w, d in zip(prompts, got, want, deltas, strict=True):
+    for p, g, w, d in zip(prompts, got, want, deltas or [None] * len(prompts), strict=True):
         matched = next((k for k, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), n))
         gap = None
         if matched < len(g):
@@ -76,12 +74,23 @@ def smoke(engine: Engine, reference: Engine, prompts: Sequence[list[int]], n: in
         # A divergence beyond a near-tie, or an engine that stopped early (no token to call a tie).
         defect = gap > TIE_TOLERANCE if gap is not None else matched < n
         rows.append({"prompt_tokens": len(p), "matched_tokens": matched, "tie_gap": gap, "defect": defect,
-                     "max_abs_logprob": float(d.max()), "reference": w, "engine": g})
-    all_d = np.concatenate(deltas)
+                     "max_abs_logprob": None if d is None else float(d.max()), "reference": w, "engine": g})
+    all_d = np.concatenate(deltas) if deltas else None
     return {"prompts": len(rows), "new_tokens": n, "identical": sum(r["matched_tokens"] == n for r in rows) / len(rows),
-            "max_abs_logprob": float(all_d.max()), "mean_abs_logprob": float(all_d.mean()),
+            "max_abs_logprob": None if all_d is None else float(all_d.max()),
+            "mean_abs_logprob": None if all_d is None else float(all_d.mean()),
             "defects": sum(r["defect"] for r in rows),
             "tie_tolerance": TIE_TOLERANCE, "per_prompt": rows}
+
+
+def _logprob_deltas(engine: Engine, reference: Engine, pairs: list) -> list[np.ndarray] | None:
+    """Per-token |delta log-prob| of each pair; None for an engine that cannot score (tokens only)."""
+    try:
+        got = engine.score(pairs)
+    except (NotImplementedError, KilnError):
+        return None
+    return [np.abs(np.subtract(g.token_logprobs, r.token_logprobs))
+            for g, r in zip(got, reference.score(pairs), strict=True)]
 
 
 def check_build(engine: Engine, reference: Engine, prompts: Sequence[list[int]], exact: bool,
@@ -96,9 +105,18 @@ def check_build(engine: Engine, reference: Engine, prompts: Sequence[list[int]],
             f"Engine build refused: {label} is unquantized, so its greedy tokens must equal the float32 torch "
             f"reference's, but {figures['defects']} of {figures['prompts']} smoke prompts diverge (first: a "
             f"{bad['prompt_tokens']}-token prompt at generated token {bad['matched_tokens']}, {why}; max |delta "
-            f"log-prob| {figures['max_abs_logprob']:.3g}). The backend or its conversion decodes wrongly: serve "
+            f"log-prob| {figures['max_abs_logprob']}). The backend or its conversion decodes wrongly: serve "
             "this model on engine.backend torch, or report the backend bug with these figures.")
     return figures
+
+
+def reference_checkpoint(artifact: Path, source: Path | str | None) -> Path:
+    """The checkpoint the reference loads: the artifact itself when it is Hugging Face safetensors,
+    else (a GGUF file, say) the unquantized source it was made from."""
+    artifact = Path(artifact)
+    if source is None or ((artifact / "config.json").is_file() and any(artifact.glob("*.safetensors"))):
+        return artifact
+    return Path(source)
 
 
 def reference_engine(checkpoint: Path, threads: int | None = None) -> Engine:

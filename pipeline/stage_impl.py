@@ -99,7 +99,8 @@ def engine(ctx: RunContext, role: str, art: ModelArtifact) -> Path:
         atomic_write_json(out / "parity.json", figures)
         summary = {k: v for k, v in figures.items() if k != "per_prompt"}
         return {"engine_dir": str(engine_dir), "parity": summary, "metrics": {
-            f"parity_{k}": summary[k] for k in ("identical", "max_abs_logprob", "mean_abs_logprob")}}
+            f"parity_{k}": summary[k] for k in ("identical", "max_abs_logprob", "mean_abs_logprob")
+            if summary[k] is not None}}
 
     # "parity" keys the stage, so an engine built before the smoke check existed is checked once.
     outcome = run_stage(ctx, "engine", role, {"backend": cfg.model_dump(mode="json"), "artifact": art.manifest["sha256"],
@@ -113,29 +114,32 @@ def _parity_smoke(ctx: RunContext, engine_dir: Path, art: ModelArtifact) -> dict
     checkpoint (kiln.evaluate.parity); an unquantized build that is not exact is refused here.
     None for a remote endpoint: nothing was built, and what it serves is not this checkpoint's to check."""
     from kiln.engine.loader import load_engine, read_manifest
-    from kiln.evaluate.parity import PROMPTS, check_build, reference_engine, unquantized
+    from kiln.evaluate import parity
 
     manifest = read_manifest(engine_dir)
     if manifest["backend"] == "remote":
         return None
     b = ctx.recipe.evaluate.benchmark
-    prompts = _prompts(b.prompts, min(PROMPTS, b.num_prompts), _tokenizer(engine_dir))
+    prompts = _prompts(b.prompts, min(parity.PROMPTS, b.num_prompts), _tokenizer(engine_dir))
     quantized = art.manifest.get("method", "none") != "none"
     engine = load_engine(engine_dir)
     # A float32 torch engine is the reference backend itself: it is checked against itself one
     # request at a time (its batching), without loading the checkpoint a second time.
     itself = manifest["backend"] == "torch" and manifest["config"].get("dtype") == "float32"
-    reference = engine if itself else reference_engine(art.path, getattr(ctx.recipe.engine, "threads", None))
+    checkpoint = parity.reference_checkpoint(art.path, art.manifest.get("source"))
+    reference = engine if itself else parity.reference_engine(checkpoint, getattr(ctx.recipe.engine, "threads", None))
     try:
         label = f"the {manifest['backend']} engine {engine_dir.name} ({_precision(manifest)})"
-        figures = check_build(engine, reference, prompts, unquantized(manifest, quantized), label)
+        figures = parity.check_build(engine, reference, prompts, parity.unquantized(manifest, quantized), label)
     finally:
         engine.close()
         if not itself:
             reference.close()
     figures["reference"] = "this engine, one request at a time" if itself else "torch float32, one request at a time"
+    if not itself and checkpoint != art.path:
+        figures["reference"] += f", on the source checkpoint {checkpoint}"
     ctx.console.print(f"  parity vs {figures['reference']}: {figures['identical']:.0%} of {figures['prompts']} greedy prompts "
-                      f"identical, max |delta log-prob| {figures['max_abs_logprob']:.2g}", markup=False)
+                      f"identical, max |delta log-prob| {figures['max_abs_logprob']}", markup=False)
     return figures
 
 

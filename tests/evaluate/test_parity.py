@@ -63,3 +63,25 @@ def test_an_unquantized_build_wrong_when_batched_is_refused(reference, tiny_mode
 ])
 def test_which_builds_must_be_exact(backend, config, quantized, exact):
     assert unquantized({"backend": backend, "config": config}, quantized) is exact
+
+
+def test_the_reference_loads_safetensors_or_the_source(tmp_path, tiny_model_dir):
+    from kiln.evaluate.parity import reference_checkpoint
+
+    assert reference_checkpoint(tiny_model_dir, "/elsewhere") == tiny_model_dir
+    gguf = tmp_path / "gguf"
+    gguf.mkdir()
+    (gguf / "config.json").write_text("{}")  # a GGUF artifact: config and tokenizer, no safetensors
+    assert reference_checkpoint(gguf, str(tiny_model_dir)) == tiny_model_dir
+
+
+class _TokensOnly(TorchEngine):
+    def score(self, pairs):
+        raise NotImplementedError
+
+
+def test_an_engine_that_cannot_score_is_checked_on_tokens(reference, tiny_model_dir, prompts):
+    engine = _TokensOnly(tiny_model_dir, TorchEngineConfig(threads=1))
+    figures = check_build(engine, reference, prompts, exact=True, label="tokens only")
+    engine.close()
+    assert figures["defects"] == 0 and figures["max_abs_logprob"] is None
