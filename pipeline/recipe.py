@@ -91,6 +91,15 @@ OptimizeConfig = QUANTIZERS.config_union()
 EngineSectionConfig = BACKENDS.config_union()
 
 
+class BaselineSection(Section):
+    """The arm the candidate is judged against: the checkpoint unchanged (optimize 'none')."""
+
+    engine: EngineSectionConfig | None = Field(  # type: ignore[valid-type]
+        None, description="how the baseline is served; unset: on the candidate's engine, so the gate isolates the "
+                          "quantization. Set it (e.g. {backend: torch}) to judge the whole tuned configuration "
+                          "against what a naive deployment serves")
+
+
 class Recipe(Section):
     """A kiln recipe. See recipes/ for examples and `kiln schema` for every field."""
 
@@ -101,6 +110,7 @@ class Recipe(Section):
     model: ModelSection = ModelSection()
     optimize: OptimizeConfig = Field(description="the candidate's quantization; the baseline is always 'none'")  # type: ignore[valid-type]
     engine: EngineSectionConfig = Field(default_factory=lambda: BACKENDS.config("torch")())  # type: ignore[valid-type]
+    baseline: BaselineSection = BaselineSection()
     evaluate: EvaluateSection = EvaluateSection()
     gate: GateSection
     tracking: TrackingSection = TrackingSection()
@@ -124,7 +134,22 @@ class Recipe(Section):
                 f"engine.backend '{self.engine.backend}' cannot score prompts (no log-likelihoods or next-token "
                 "distributions), and the quality checks (perplexity, agreement, lm-eval) need them: run the recipe "
                 "on another backend (docs/engines.md)")
+        if (base := self.baseline.engine) is not None:
+            backend = BACKENDS.get(base.backend)
+            if not backend.scores:
+                raise ValueError(f"baseline.engine.backend '{base.backend}' cannot score prompts, and the quality "
+                                 "checks compare the candidate's scores with the baseline's: serve the baseline on "
+                                 "another backend (torch is the reference)")
+            if QUANTIZERS.get("none").artifact_format not in backend.artifact_formats:
+                raise ValueError(f"baseline.engine.backend '{base.backend}' cannot load the unquantized checkpoint")
+            if base.tune is not None:
+                raise ValueError("baseline.engine.tune: the baseline is served as it is today, untuned; tune the "
+                                 "candidate's engine (engine.tune) instead")
         return self
+
+    def engine_for(self, role: str) -> Any:
+        """The serving config of an arm: the candidate's engine, or baseline.engine when set."""
+        return self.baseline.engine if role == "baseline" and self.baseline.engine is not None else self.engine
 
     def digest(self) -> str:
         """Content hash of the resolved recipe: keys runs and tags MLflow runs."""

@@ -74,9 +74,10 @@ def _calibration(ctx: RunContext, cfg: Any, model: ResolvedModel):
 
 
 def engine(ctx: RunContext, role: str, art: ModelArtifact) -> Path:
-    """The role's engine, built once per config and artifact.
+    """The role's engine, built once per config and artifact: `engine`, or for the baseline
+    `baseline.engine` when the recipe sets one (then the two arms may run on different backends).
 
-    With `engine.tune` set, both roles get the knobs tuned on the candidate (`tune_engine`): the
+    With `engine.tune` set, both roles on that engine get the knobs tuned on the candidate (`tune_engine`): the
     gate then compares the two models served the same way, so what it sees comes from the
     optimization, not from knobs that happen to suit one arm. Tuning the baseline separately
     would confound the two."""
@@ -84,7 +85,7 @@ def engine(ctx: RunContext, role: str, art: ModelArtifact) -> Path:
     from kiln.engine.tune import with_knobs
     from kiln.evaluate import parity
 
-    cfg = ctx.recipe.engine
+    cfg = ctx.recipe.engine_for(role)
     if cfg.tune:
         candidate = art if role == "candidate" else ModelArtifact(
             path=ctx.outcomes["optimize:candidate"].path / "model",
