@@ -16,11 +16,9 @@ serving throughout; only the requests the dead router had accepted fail.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +28,7 @@ from kiln.deploy.base import DeployTarget, Observations, observations_from
 from kiln.deploy.config import RouterConfig, RouterOptions, Section
 from kiln.deploy.router_process import RouterProcess
 from kiln.engine.fake import FakeEngineConfig, FakeServer
+from kiln.engine.remote import free_port, wait_healthy
 from kiln.pipeline.errors import BadInput, KilnError
 
 
@@ -73,34 +72,13 @@ class Arm:
         self.handle = None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise KilnError(f"backend for {url} exited with code {proc.returncode} before it was healthy")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise KilnError(f"backend {url} was not healthy (GET /health 200) within {timeout_s:g} s")
-
-
 def start_arm(spec: BackendSpec, api_key: str | None) -> Arm:
     if spec.fake is not None:
         return Arm((server := FakeServer(spec.fake, api_key=api_key).__enter__()).url, server)
     if spec.url is not None:
-        wait_healthy(spec.url.rstrip("/"), spec.health_timeout_s)
+        wait_healthy(spec.url.rstrip("/"), spec.health_timeout_s, name="backend")
         return Arm(spec.url.rstrip("/"))
-    port = _free_port()
+    port = free_port()
     cmd = [part.replace("{port}", str(port)) for part in spec.command or []]
     try:
         proc = subprocess.Popen(cmd)
@@ -108,7 +86,7 @@ def start_arm(spec: BackendSpec, api_key: str | None) -> Arm:
         raise BadInput(f"backend command {cmd[0]!r} cannot start: {e}. Check the command (e.g. 'kiln serve').") from None
     arm = Arm(f"http://127.0.0.1:{port}", proc)
     try:
-        wait_healthy(arm.url, spec.health_timeout_s, proc)
+        wait_healthy(arm.url, spec.health_timeout_s, proc, "backend")
     except KilnError:
         arm.stop()
         raise

@@ -22,11 +22,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -43,7 +41,7 @@ from kiln.engine.base import (
     TokenEvent,
     check_request,
 )
-from kiln.engine.remote import RemoteEngine, RemoteEngineConfig, _check, _Failed
+from kiln.engine.remote import RemoteEngine, RemoteEngineConfig, _check, _Failed, free_port, wait_healthy
 from kiln.pipeline.errors import BadInput
 
 GGUF = "model.gguf"
@@ -127,12 +125,6 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def server_command(exe: Path, gguf_path: Path, port: int, config: LlamaCppConfig) -> list[str]:
     threads = config.threads or os.cpu_count() or 1
     return [str(exe), "-m", str(gguf_path), "--host", "127.0.0.1", "--port", str(port),
@@ -155,16 +147,16 @@ class LlamaServerEngine(RemoteEngine):
 
         exe = binary("llama-server")
         if exe is None:
-            raise BadInput("llama-server is not built on this machine: run `make install` "
+            raise BadInput("llama-server is not built on this machine: run `make llama-cpp` "
                            "(or `python -m kiln.pipeline.llama_cpp_build`) to build llama.cpp once.")
-        port = _free_port()
+        port = free_port()
         # A file, not a pipe (a full pipe would stall the server); it lives as long as the process.
         log = tempfile.TemporaryFile()  # noqa: SIM115
         process = subprocess.Popen(server_command(exe, gguf_path, port, config),
                                    stdout=subprocess.DEVNULL, stderr=log)
         url = f"http://127.0.0.1:{port}"
         try:
-            _wait_healthy(url, process, config.startup_timeout_s, log)
+            wait_healthy(url, config.startup_timeout_s, process, "llama-server", log)
             remote = RemoteEngineConfig(url=url, model=gguf_path.name, stream_token_ids=True)
             engine = cls(remote, tokenizer_dir)
         except BaseException:
@@ -241,20 +233,3 @@ class LlamaServerEngine(RemoteEngine):
 
 def _finish(chunk: dict[str, Any]) -> str:
     return "length" if chunk.get("stop_type") == "limit" else "stop"
-
-
-def _wait_healthy(url: str, process: subprocess.Popen, timeout_s: float, log: Any) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            log.seek(0)
-            err = log.read().decode(errors="replace")[-1500:]
-            raise RuntimeError(f"llama-server exited with code {process.returncode} while starting:\n{err}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"llama-server not healthy after {timeout_s:.0f} s at {url}")

@@ -13,8 +13,11 @@ import itertools
 import json
 import os
 import queue
+import socket
+import subprocess
 import threading
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +26,36 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator
 
 from kiln.engine.base import BACKENDS, Engine, EngineBackend, EngineConfig, GenerationRequest, Score, TokenEvent
-from kiln.pipeline.errors import BadInput
+from kiln.pipeline.errors import BadInput, KilnError
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface, for a server kiln starts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout_s: float, process: subprocess.Popen | None = None, name: str = "server",
+                 log: Any = None, poll_s: float = 0.2) -> None:
+    """Return once GET `url`/health answers 200. KilnError if `process` exits first (with the
+    tail of its `log` file, when given) or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            tail = ""
+            if log is not None:
+                log.seek(0)
+                tail = ":\n" + log.read().decode(errors="replace")[-1500:]
+            raise KilnError(f"{name} at {url} exited with code {process.returncode} before it was healthy{tail}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(poll_s)
+    raise KilnError(f"{name} at {url} was not healthy (GET /health 200) within {timeout_s:g} s")
 
 
 class RemoteEngineConfig(EngineConfig):

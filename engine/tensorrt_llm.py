@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -28,7 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kiln.engine.base import BACKENDS, EngineBackend, EngineConfig
-from kiln.engine.remote import RemoteEngine, RemoteEngineConfig
+from kiln.engine.remote import RemoteEngine, RemoteEngineConfig, free_port, wait_healthy
 from kiln.pipeline.errors import BadInput
 from kiln.pipeline.files import atomic_write_text
 
@@ -121,12 +118,6 @@ class TensorRTLLMBackend(EngineBackend):
         return engine
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class TrtllmServeEngine(RemoteEngine):
     """A remote engine that owns the trtllm-serve process it talks to."""
 
@@ -139,13 +130,13 @@ class TrtllmServeEngine(RemoteEngine):
             raise BadInput("trtllm-serve not found on PATH: TensorRT-LLM is not installed in this "
                            "environment. Install it on the GPU host, or serve the model there and "
                            "point a `remote` engine at it.")
-        port = _free_port()
+        port = free_port()
         cmd = [exe, checkpoint, "--backend", "pytorch", "--extra_llm_api_options", str(serve_config),
                "--host", "127.0.0.1", "--port", str(port)]
         process = subprocess.Popen(cmd)
         url = f"http://127.0.0.1:{port}"
         try:
-            _wait_healthy(url, process, timeout_s)
+            wait_healthy(url, timeout_s, process, "trtllm-serve", poll_s=2)
         except BaseException:
             process.terminate()
             process.wait(timeout=60)
@@ -165,18 +156,3 @@ class TrtllmServeEngine(RemoteEngine):
                 self.process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.process.kill()
-
-
-def _wait_healthy(url: str, process: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"trtllm-serve exited with code {process.returncode} while starting")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(2)
-    raise RuntimeError(f"trtllm-serve not healthy after {timeout_s:.0f} s at {url}")

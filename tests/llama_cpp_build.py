@@ -1,13 +1,10 @@
 """Shared by the llama.cpp tests: the build `make test` makes (`make llama-cpp`), or a clear stop.
 
-Under CI (`CI=true`) a missing build fails the test: `make test` always builds it first, so its
-absence there is a broken install, not something to skip. Elsewhere the tests skip with the
-command that builds it.
+A missing build fails the test, never skips it: `make test` always builds it first, so its
+absence is a broken install (the failure names the command that builds it).
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
@@ -22,6 +19,4 @@ def require_llama_cpp() -> None:
         return
     message = (f"llama.cpp is not built at {install_dir()} (missing {', '.join(missing)}): "
                "run `make llama-cpp` (python -m kiln.pipeline.llama_cpp_build)")
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail(message)
-    pytest.skip(message)
+    pytest.fail(message)
