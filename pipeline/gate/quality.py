@@ -1,23 +1,31 @@
 """Quality checks on paired per-sample results: non-inferiority with a margin.
 
 Baseline and candidate are joined on doc id. Accuracy-like 0/1 items use an exact McNemar test;
-continuous items (per-document NLL for perplexity) a seeded paired bootstrap. A check passes only
-when the confidence bound on the drop is inside the margin (kiln.evaluate.stats.non_inferiority).
+perplexity the per-document log-ratios (the wider of a t and a bootstrap-t interval, and no pass
+on fewer than MIN_PERPLEXITY_DOCUMENTS documents); other continuous items a seeded paired
+bootstrap. A check passes only when the confidence bound on the drop is inside the margin
+(kiln.evaluate.stats.non_inferiority).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field, model_validator
 
-from kiln.pipeline.gate.base import CHECKS, Check, CheckConfig, CheckResult, Evidence
+from kiln.pipeline.gate.base import CHECKS, Check, CheckConfig, CheckResult, Evidence, Verdict
 from kiln.pipeline.gate.performance import bounded_verdict
 from kiln.pipeline.metrics import metric
 
 BOOTSTRAP_ITERATIONS = 10_000
 SEED = 0
+# Fewer perplexity documents than this cannot pass: with most documents a little worse and a few
+# much worse, a small sample often holds none of the bad few, and then every interval (t,
+# bootstrap-t, BCa, percentile) is short and passes a candidate sitting on the margin far more
+# often than the 2.5% a 95% interval claims. bench/ppl_calibration.py measures it; docs/quality.md.
+MIN_PERPLEXITY_DOCUMENTS = 24
 
 
 class QualityCheckConfig(CheckConfig):
@@ -38,20 +46,30 @@ def joined(candidate: Evidence, baseline: Evidence, key: str) -> tuple[list[str]
 
 def compare(name: str, candidate: Evidence, baseline: Evidence, confidence: float, relative: bool = False) -> Any:
     """`kiln.evaluate.stats.Comparison` of one quality metric, paired on doc id: perplexity from
-    per-document NLL and token counts (bootstrap), 0/1 items by exact McNemar, other scores by bootstrap."""
+    per-document NLL and token counts (`stats.paired_log_ratio`), 0/1 items by exact McNemar, other
+    scores by bootstrap."""
     from kiln.evaluate import stats
 
     if name == "perplexity":
         _, b_nll, c_nll = joined(candidate, baseline, "nll")
         _, tokens, _ = joined(candidate, baseline, "tokens")
-        return stats.paired_bootstrap(b_nll, c_nll, denom=tokens, transform=np.exp, relative=relative,
-                                      confidence=confidence, iterations=BOOTSTRAP_ITERATIONS, seed=SEED,
-                                      metric="perplexity")
+        return stats.paired_log_ratio(b_nll, c_nll, tokens, relative=relative, confidence=confidence,
+                                      iterations=BOOTSTRAP_ITERATIONS, seed=SEED, metric="perplexity")
     _, b, cand = joined(candidate, baseline, name)
     if not relative and set(np.unique(np.concatenate([b, cand]))) <= {0.0, 1.0}:
         return stats.mcnemar_exact(b.astype(bool), cand.astype(bool), confidence, metric=name)
     return stats.paired_bootstrap(b, cand, relative=relative, confidence=confidence,
                                   iterations=BOOTSTRAP_ITERATIONS, seed=SEED, metric=name)
+
+
+def too_few_documents(ni: Any, n: int) -> Any:
+    """A perplexity pass on fewer than MIN_PERPLEXITY_DOCUMENTS documents, turned Inconclusive: the
+    interval's upper end is not trusted there. A Failed verdict stands (its lower end is)."""
+    needed = max(MIN_PERPLEXITY_DOCUMENTS, ni.items_needed or 0)
+    reason = (f"{n} documents are too few to pass: below {MIN_PERPLEXITY_DOCUMENTS} a sample often misses the "
+              f"few documents a candidate damages most, and the interval then passes a regression "
+              f"(bench/ppl_calibration.py); about {needed} items would decide it. {ni.reason}")
+    return dataclasses.replace(ni, verdict=Verdict.INCONCLUSIVE, reason=reason, items_needed=needed)
 
 
 def paired_metrics(candidate: Evidence, baseline: Evidence) -> list[str]:
@@ -69,6 +87,8 @@ class QualityCheck(Check):
         m = metric(c.metric, f"gate check {c.label}")
         cmp = compare(c.metric, candidate, baseline, self.confidence, c.relative)
         ni = stats.non_inferiority(cmp, c.margin, m.higher_is_better)
+        if c.metric == "perplexity" and cmp.n < MIN_PERPLEXITY_DOCUMENTS and ni.verdict is Verdict.SUCCESSFUL:
+            ni = too_few_documents(ni, cmp.n)
         unit = " (relative)" if c.relative else ""
         return self.result(ni.verdict, observed=cmp.candidate, baseline=cmp.baseline,
                            threshold=f"drop ≤ {c.margin:g}{unit}", ci=(cmp.ci_low, cmp.ci_high),

@@ -16,6 +16,7 @@ from kiln.evaluate.stats import (
     mcnemar_exact,
     non_inferiority,
     paired_bootstrap,
+    paired_log_ratio,
     tango_interval,
     unpaired_test,
 )
@@ -89,8 +90,8 @@ def test_tango_interval_covers_the_true_difference():
     rng = np.random.default_rng(7)
     p_base, p_lost, p_won = 0.7, 0.06, 0.10
     truth = (1 - p_base) * p_won - p_base * p_lost
-    hits = [(lambda c: c.ci_low <= truth <= c.ci_high)(mcnemar_exact(*paired_binary(rng, 150, p_base, p_lost, p_won)))
-            for _ in range(1000)]
+    cis = [mcnemar_exact(*paired_binary(rng, 150, p_base, p_lost, p_won)) for _ in range(1000)]
+    hits = [c.ci_low <= truth <= c.ci_high for c in cis]
     assert 0.93 <= np.mean(hits) <= 0.975  # nominal 0.95; Monte Carlo se ~0.007
 
 
@@ -170,6 +171,63 @@ def test_equal_candidate_is_never_failed(seed):
     assert non_inferiority(twin, 0.02, higher_is_better=True).verdict == Verdict.SUCCESSFUL
 
 
+# --- perplexity: paired log-ratio -----------------------------------------------------------
+
+
+def ppl_docs(rng, n, log_ratio, spread, tokens=None):
+    tokens = np.full(n, 255.0) if tokens is None else tokens
+    base_nll = tokens * rng.normal(3.5, 0.4, n)
+    return base_nll, base_nll + tokens * (log_ratio + spread * rng.normal(0, 1, n)), tokens
+
+
+def test_log_ratio_point_values_and_student_t_part():
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(40, 256, 30).astype(float)
+    base, cand, _ = ppl_docs(rng, 30, 0.03, 0.02, tokens)
+    got = paired_log_ratio(base, cand, tokens)
+    r = (cand.sum() - base.sum()) / tokens.sum()
+    assert got.baseline == pytest.approx(math.exp(base.sum() / tokens.sum()))
+    assert got.difference == pytest.approx(math.expm1(r)) and got.extra["log_ratio"] == pytest.approx(r)
+    # Each end is at least as far out as the Student-t interval with the ratio estimator's SE.
+    se = math.sqrt(np.sum((cand - base - r * tokens) ** 2) * 30 / 29) / tokens.sum()
+    half = stats.t.ppf(0.975, 29) * se
+    assert got.ci_low <= math.expm1(r - half) + 1e-12 and got.ci_high >= math.expm1(r + half) - 1e-12
+    # Equal token counts: that SE is the ordinary one of the per-document log-ratios.
+    base, cand, tokens = ppl_docs(rng, 30, 0.03, 0.02)
+    ratios = (cand - base) / tokens
+    assert paired_log_ratio(base, cand, tokens).extra["log_ratio_se"] == pytest.approx(ratios.std(ddof=1) / math.sqrt(30))
+
+
+def bootstrap_t_upper(ratios, seed, iterations=20_000):
+    """An independent bootstrap-t upper end on the mean (equal token counts), resampling by index."""
+    n, m, se = ratios.size, ratios.mean(), ratios.std(ddof=1) / math.sqrt(ratios.size)
+    x = ratios[np.random.default_rng(seed).integers(0, n, (iterations, n))]
+    t = (x.mean(1) - m) / (x.std(1, ddof=1) / math.sqrt(n))
+    return m - np.quantile(t[np.isfinite(t)], 0.025) * se
+
+
+def test_log_ratio_follows_skew_with_bootstrap_t():
+    rng = np.random.default_rng(9)
+    tokens = np.full(40, 255.0)
+    base = tokens * rng.normal(3.5, 0.4, 40)
+    ratios = 0.01 + np.where(rng.random(40) < 0.2, 0.15, 0.0) + rng.normal(0, 0.003, 40)  # a few much worse
+    got = paired_log_ratio(base, base + tokens * ratios, tokens)
+    t_high = ratios.mean() + stats.t.ppf(0.975, 39) * ratios.std(ddof=1) / math.sqrt(40)
+    assert math.log1p(got.ci_high) > t_high  # the right-skewed side reaches further than t's
+    assert math.log1p(got.ci_high) == pytest.approx(bootstrap_t_upper(ratios, 1), rel=0.02)
+
+
+def test_log_ratio_identical_arms_and_bad_input():
+    rng = np.random.default_rng(1)
+    base, _, tokens = ppl_docs(rng, 24, 0.0, 0.0)
+    same = paired_log_ratio(base, base.copy(), tokens)
+    assert (same.ci_low, same.ci_high, same.p_value, same.difference) == (0.0, 0.0, 1.0, 0.0)
+    with pytest.raises(BadInput, match="tokens"):
+        paired_log_ratio(base, base, None)
+    with pytest.raises(BadInput, match="denom"):
+        paired_log_ratio(base, base, np.zeros(24))
+
+
 def test_paired_sees_what_unpaired_misses():
     rng = np.random.default_rng(5)
     difficulty = rng.normal(0.5, 0.25, 400)  # items differ a lot; both models see the same items
@@ -211,6 +269,33 @@ def test_items_needed_follows_the_square_root_law():
     verdict = non_inferiority(make(0.03, 0.01, 0.05), 0.02, higher_is_better=False)
     assert verdict.verdict == Verdict.INCONCLUSIVE and verdict.items_needed == 400
     assert non_inferiority(make(0.02, 0.0, 0.04), 0.02, higher_is_better=False).items_needed is None
+
+
+def test_items_needed_with_no_discordant_pair_scales_like_one_over_n():
+    # The demo's tiny eval: 10 word-swap items, no discordant pair, margin 0.03. The 1/sqrt(n) law
+    # said 856; the Tango interval of 0 discordant items shrinks like z^2 / n.
+    base = np.ones(10, bool)
+    base[[2, 5]] = False
+    verdict = non_inferiority(mcnemar_exact(base, base.copy()), 0.03, higher_is_better=True)
+    assert verdict.verdict == Verdict.INCONCLUSIVE and verdict.items_needed == 125
+    decide = [non_inferiority(mcnemar_exact(np.ones(m, bool), np.ones(m, bool)), 0.03, True).verdict for m in (124, 125)]
+    assert decide == [Verdict.INCONCLUSIVE, Verdict.SUCCESSFUL]
+
+
+@pytest.mark.parametrize(("won", "lost", "n", "margin"), [(1, 3, 20, 0.05), (2, 2, 40, 0.03), (0, 5, 60, 0.05)])
+def test_items_needed_for_mcnemar_is_where_the_scaled_counts_decide(won, lost, n, margin):
+    base, cand = np.ones(n, bool), np.ones(n, bool)
+    cand[:lost] = False
+    base[lost:lost + won] = False
+    verdict = non_inferiority(mcnemar_exact(base, cand), margin, higher_is_better=True)
+    assert verdict.verdict == Verdict.INCONCLUSIVE
+    m, heading_pass = verdict.items_needed, verdict.drop < margin
+
+    def decides(items):
+        low, high = sorted(-v for v in tango_interval(won * items / n, lost * items / n, items))
+        return high <= margin if heading_pass else low > margin
+
+    assert decides(m) and not decides(m - 1)
 
 
 def test_verdict_edges_and_errors():

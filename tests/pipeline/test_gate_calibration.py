@@ -1,0 +1,68 @@
+"""The perplexity check's error rates by simulation, through the real judge() (issue #18).
+
+A 95% gate claims each wrong call at most 2.5% of the time. bench/ppl_calibration.py measures the
+full table (shapes x document counts); these few hundred seeded trials fail if it regresses.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from kiln.pipeline.gate.base import Evidence, Verdict
+from kiln.pipeline.gate.policy import GateSection, judge
+from kiln.pipeline.gate.quality import MIN_PERPLEXITY_DOCUMENTS
+
+TOKENS = 255
+MARGIN = 0.05
+POLICY = GateSection.model_validate({"checks": [
+    {"kind": "quality", "metric": "perplexity", "margin": MARGIN, "relative": True}]})
+
+
+def evidence(rng, n, log_ratio, spread, skewed=False):
+    """Per-document NLL with the given per-token log-ratio; skewed: one document in five much worse."""
+    if skewed:
+        bad = (rng.random(n) < 0.2).astype(float)
+        z = ((bad - 0.2) / 0.4 + 0.3 * rng.normal(0, 1, n)) / math.sqrt(1.09)
+    else:
+        z = rng.normal(0, 1, n)
+    base_nll = TOKENS * rng.normal(4.0, 0.3, n)
+    cand_nll = base_nll + TOKENS * (log_ratio + spread * z)
+    b, c = Evidence("baseline"), Evidence("candidate")
+    for ev, nll in ((b, base_nll), (c, cand_nll)):
+        ev.samples["nll"] = {str(i): float(v) for i, v in enumerate(nll)}
+        ev.samples["tokens"] = {str(i): TOKENS for i in range(n)}
+    return c, b
+
+
+@pytest.mark.parametrize(("n", "trials"), [(8, 200), (MIN_PERPLEXITY_DOCUMENTS, 400)])
+def test_a_candidate_on_the_margin_rarely_passes_under_skewed_damage(n, trials):
+    # Most documents a little worse, a few much worse, corpus ratio exactly +5%. The method before
+    # this test (percentile bootstrap, no minimum) passed it 4.25% of these 400 trials at 24
+    # documents and about 15% at 8 (bench/ppl_calibration.py has the whole table).
+    rng = np.random.default_rng(20261201)
+    verdicts = [judge(POLICY, *evidence(rng, n, math.log1p(MARGIN), 0.02, skewed=True)).results[0].verdict
+                for _ in range(trials)]
+    passed, failed = verdicts.count(Verdict.SUCCESSFUL), verdicts.count(Verdict.FAILED)
+    slack = 2 * math.sqrt(0.025 * 0.975 / trials)  # two Monte Carlo standard errors at 2.5%
+    assert passed / trials <= 0.025 + slack, passed
+    assert failed / trials <= 0.025 + slack, failed  # not worse than the margin: failing it is wrong too
+
+
+def test_too_few_documents_cannot_pass_but_can_fail():
+    rng = np.random.default_rng(3)
+    n = 4
+    good = judge(POLICY, *evidence(rng, n, 0.0, 0.005)).results[0]
+    assert good.verdict is Verdict.INCONCLUSIVE and good.drop_ci[1] < MARGIN  # the interval alone would pass
+    assert good.items_needed == MIN_PERPLEXITY_DOCUMENTS
+    assert f"{n} documents are too few" in good.reason
+    assert f"about {MIN_PERPLEXITY_DOCUMENTS} items would decide it" in good.reason
+    broken = judge(POLICY, *evidence(rng, n, 0.5, 0.02)).results[0]  # +65% on every document
+    assert broken.verdict is Verdict.FAILED
+
+
+def test_enough_documents_decide_a_good_candidate():
+    rng = np.random.default_rng(4)
+    for _ in range(20):
+        r = judge(POLICY, *evidence(rng, MIN_PERPLEXITY_DOCUMENTS, 0.0, 0.02)).results[0]
+        assert r.verdict is Verdict.SUCCESSFUL, r.reason
