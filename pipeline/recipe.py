@@ -100,6 +100,25 @@ class BaselineSection(Section):
                           "against what a naive deployment serves")
 
 
+class CandidateSection(Section):
+    """One candidate serving configuration: its quantization, its engine and the engine's knobs."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="names the candidate in the report and MLflow")
+    optimize: OptimizeConfig = Field(description="the candidate's quantization (none: the engine compresses it itself)")  # type: ignore[valid-type]
+    engine: EngineSectionConfig = Field(default_factory=lambda: BACKENDS.config("torch")())  # type: ignore[valid-type]
+
+
+
+class SearchSection(Section):
+    """How `kiln run` picks among `candidates`: the best objective among those every check passes."""
+
+    objective: Literal["decode_tok_s", "ttft_ms"] = Field(
+        "decode_tok_s", description="what the winner is best at, from the decode benchmark's paired ratio to the "
+                                    "baseline: decode_tok_s (higher is better) or ttft_ms (lower is better)")
+    budget_s: float | None = Field(None, gt=0, description="stop starting candidate stages after this many seconds; "
+                                                           "a candidate not finished by then cannot win")
+
+
 class Recipe(Section):
     """A kiln recipe. See recipes/ for examples and `kiln schema` for every field."""
 
@@ -108,32 +127,46 @@ class Recipe(Section):
     runner: Literal["cpu", "gpu"] | None = Field(
         None, description="where CI runs this recipe; default: gpu for GPU-only engines, else cpu")
     model: ModelSection = ModelSection()
-    optimize: OptimizeConfig = Field(description="the candidate's quantization; the baseline is always 'none'")  # type: ignore[valid-type]
+    optimize: OptimizeConfig | None = Field(  # type: ignore[valid-type]
+        None, description="the one candidate's quantization (or list several under `candidates`); the baseline is "
+                          "always 'none'")
     engine: EngineSectionConfig = Field(default_factory=lambda: BACKENDS.config("torch")())  # type: ignore[valid-type]
+    candidates: list[CandidateSection] | None = Field(
+        None, min_length=1, description="several candidate serving configurations, each judged against the baseline "
+                                        "by the gate; the search keeps the best (`search.objective`) that passes")
+    search: SearchSection = SearchSection()
     baseline: BaselineSection = BaselineSection()
     evaluate: EvaluateSection = EvaluateSection()
     gate: GateSection
     tracking: TrackingSection = TrackingSection()
     deploy: DeployConfig = DeployConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_form(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "candidates" in data:
+            both = [k for k in ("optimize", "engine") if k in data]
+            if both:
+                raise ValueError(f"{' and '.join(both)}: a recipe with `candidates` sets each candidate's optimize "
+                                 "and engine inside its entry; move them there")
+        elif isinstance(data, dict) and "optimize" not in data:
+            raise ValueError("optimize: required (the candidate's quantization, e.g. {method: int8_weight_only}), "
+                             "or list several serving configurations under `candidates`")
+        return data
+
     @model_validator(mode="after")
     def _engine_takes_the_artifact(self) -> Recipe:
-        if self.optimize.method != "none" and not BACKENDS.get(self.engine.backend).takes_quantized:
-            raise ValueError(
-                f"engine.backend '{self.engine.backend}' converts the unquantized checkpoint and compresses it "
-                f"itself (its own precision option), so it cannot take optimize.method '{self.optimize.method}''s "
-                "quantized artifact: set optimize.method: none, or serve it on the torch backend")
-        backend = BACKENDS.get(self.engine.backend)
-        fmt = QUANTIZERS.get(self.optimize.method).artifact_format
-        if fmt not in backend.artifact_formats:
-            raise ValueError(f"optimize.method '{self.optimize.method}' writes a {fmt} artifact, which engine.backend "
-                             f"'{self.engine.backend}' cannot load: serve it on an engine that reads {fmt} "
-                             "(llama_cpp for gguf)")
-        if not backend.scores:  # perplexity always runs; agreement and lm-eval need scoring too
-            raise ValueError(
-                f"engine.backend '{self.engine.backend}' cannot score prompts (no log-likelihoods or next-token "
-                "distributions), and the quality checks (perplexity, agreement, lm-eval) need them: run the recipe "
-                "on another backend (docs/engines.md)")
+        if self.candidates is None:
+            _check_arm(self.optimize, self.engine, "")
+        else:
+            names = [c.name for c in self.candidates]
+            if dup := sorted({n for n in names if names.count(n) > 1}):
+                raise ValueError(f"candidates: names must differ; {', '.join(dup)} appears more than once")
+            for i, c in enumerate(self.candidates):
+                _check_arm(c.optimize, c.engine, f"candidates.{i}.")
+                if c.engine.tune is not None:
+                    raise ValueError(f"candidates.{i}.engine.tune: knob tuning runs on a single-candidate recipe "
+                                     "(optimize + engine); in a search, list each knob setting as its own candidate")
         if (base := self.baseline.engine) is not None:
             backend = BACKENDS.get(base.backend)
             if not backend.scores:
@@ -151,9 +184,46 @@ class Recipe(Section):
         """The serving config of an arm: the candidate's engine, or baseline.engine when set."""
         return self.baseline.engine if role == "baseline" and self.baseline.engine is not None else self.engine
 
+    def arms(self) -> list[tuple[str, Recipe]]:
+        """(name, single-candidate recipe) per candidate. A search recipe's baseline defaults to the
+        checkpoint on the reference torch backend: what a naive deployment serves."""
+        if self.candidates is None:
+            return [("candidate", self)]
+        base = self.baseline.engine or BACKENDS.config("torch")()
+        return [(c.name, self.model_copy(update={"optimize": c.optimize, "engine": c.engine, "candidates": None,
+                                                 "baseline": BaselineSection(engine=base)}))
+                for c in self.candidates]
+
+    def single(self, command: str) -> Recipe:
+        """The recipe itself when it has one candidate; a search recipe is refused by `command`."""
+        if self.candidates is not None:
+            raise BadInput(f"{command} takes a recipe with one candidate (optimize + engine); this one lists "
+                           f"{len(self.candidates)} under `candidates`")
+        return self
+
     def digest(self) -> str:
         """Content hash of the resolved recipe: keys runs and tags MLflow runs."""
         return hash_of(self.model_dump(mode="json"))
+
+
+def _check_arm(optimize: Any, engine: Any, where: str) -> None:
+    """One candidate's quantization and engine fit each other; `where` prefixes the field paths."""
+    backend = BACKENDS.get(engine.backend)
+    if optimize.method != "none" and not backend.takes_quantized:
+        raise ValueError(
+            f"{where}engine.backend '{engine.backend}' converts the unquantized checkpoint and compresses it "
+            f"itself (its own precision option), so it cannot take {where}optimize.method '{optimize.method}''s "
+            "quantized artifact: set optimize.method: none, or serve it on the torch backend")
+    fmt = QUANTIZERS.get(optimize.method).artifact_format
+    if fmt not in backend.artifact_formats:
+        raise ValueError(f"{where}optimize.method '{optimize.method}' writes a {fmt} artifact, which "
+                         f"{where}engine.backend '{engine.backend}' cannot load: serve it on an engine that reads "
+                         f"{fmt} (llama_cpp for gguf)")
+    if not backend.scores:  # perplexity always runs; agreement and lm-eval need scoring too
+        raise ValueError(
+            f"{where}engine.backend '{engine.backend}' cannot score prompts (no log-likelihoods or next-token "
+            "distributions), and the quality checks (perplexity, agreement, lm-eval) need them: run the recipe "
+            "on another backend (docs/engines.md)")
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

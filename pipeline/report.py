@@ -69,6 +69,7 @@ class Sections:
     """What the report shows beside the checks and metrics; every part optional."""
 
     plots: dict[str, Path] = field(default_factory=dict)  # title -> PNG under the run dir
+    search: dict[str, Any] | None = None  # search_record(): the winner and one row per candidate
     load: dict[str, Any] | None = None  # the load stage's result
     lineage: list[dict[str, str]] = field(default_factory=list)
     comparisons: list[Any] = field(default_factory=list)  # kiln.evaluate.stats.Comparison, one per paired metric
@@ -81,7 +82,8 @@ def tables(outcome: GateOutcome, evidence: dict[str, Evidence], sections: Sectio
     metric_rows = [[n, _fmt(base.get(n)), _fmt(cand.get(n)), METRICS[n].unit if n in METRICS else ""] for n in names]
     memory = [[MEMORY_COST[n], _amount(n, base.get(n)), _amount(n, cand.get(n)),
                _fmt(cand[n] / base[n]) if base.get(n) and n in cand else "—"] for n in MEMORY_COST if n in names]
-    out: list[Table] = [("Checks", CHECK_HEADER, check_rows(outcome.results)),
+    out: list[Table] = _search_tables(sections.search) if sections.search else []
+    out += [("Checks", CHECK_HEADER, check_rows(outcome.results)),
                         ("Quality, paired item by item", COMPARISON_HEADER, comparison_rows(sections.comparisons))]
     out += _load_tables(sections.load or {"per_role": {}})
     out += [("Memory and cost", ["figure", "baseline", "candidate", "candidate / baseline"], memory),
@@ -89,6 +91,73 @@ def tables(outcome: GateOutcome, evidence: dict[str, Evidence], sections: Sectio
             ("Lineage", ["step", "key", "MLflow run", "detail"],
              [[r["step"], r["key"], r["mlflow_run"], r["detail"]] for r in sections.lineage])]
     return [t for t in out if t[2]]
+
+
+SEARCH_HEADER = ["candidate", "engine", "optimize", "verdict", "speed-up [95% CI]", "perplexity change [CI]",
+                 "serving size", "why"]
+
+
+def _speedup(fig: dict[str, float] | None) -> str:
+    return "—" if not fig else f"{fig['ratio']:.2f}x [{fig['low']:.2f}, {fig['high']:.2f}]"
+
+
+def _search_tables(record: dict[str, Any]) -> list[Table]:
+    """The winner and why, then every candidate: how it did and where it stopped."""
+    rows = []
+    for c in record["candidates"]:
+        ppl = c["perplexity"]
+        rows.append([("🏆 " if c["name"] == record["winner"] else "") + c["name"], c["engine"], c["optimize"],
+                     c["verdict"] or "—", _speedup(c["confirmed"] or c["screened"]) + (" (confirmed)" if c["confirmed"] else ""),
+                     "—" if not ppl else f"{ppl['change']:+.2%} [{ppl['low']:+.2%}, {ppl['high']:+.2%}]",
+                     _amount("size_bytes", c["serving_bytes"]),
+                     c["eliminated"] or ("winner" if c["name"] == record["winner"] else "passed every check")])
+    return [("Search", ["what", "result"], [["winner", record["winner"] or "none: no candidate passed every check"],
+                                            ["why", record["why"]], ["statistics", record["statistics"]]]),
+            ("Candidates", SEARCH_HEADER, rows)]
+
+
+def search_record(arms: list[Any], winner: Any, policy: Any) -> dict[str, Any]:
+    """search.json: what the report's search tables and the Pareto plot are drawn from."""
+    from kiln.pipeline.evidence import evidence_from_run
+
+    objective = arms[0].ctx.recipe.search.objective
+    rows = []
+    for arm in arms:
+        ppl = None
+        if arm.engines and (arm.ctx.run_dir / "stages" / "quality-candidate.json").exists():
+            found = [c for c in comparisons(evidence_from_run(arm.ctx.run_dir), 0.95) if c.metric == "perplexity"]
+            if found:
+                ppl = {"change": found[0].difference, "low": found[0].ci_low, "high": found[0].ci_high}
+        rows.append({"name": arm.name, "engine": _serving(arm.ctx.recipe.engine), "optimize": arm.ctx.recipe.optimize.method,
+                     "verdict": arm.outcome.verdict.value if arm.outcome else None, "eliminated": arm.eliminated,
+                     "reached": arm.reached, "screened": arm.screened, "confirmed": arm.confirmed,
+                     "perplexity": ppl, "serving_bytes": serving_bytes(arm)})
+    won = winner is not None and winner.eliminated is None
+    best = winner.confirmed or winner.screened if won else None
+    why = (f"the highest {objective} speed-up over the baseline among the candidates that passed every check: "
+           f"{_speedup(best)}" + (", measured again after it was picked" if winner.confirmed else "")) if won else \
+        "every candidate failed a check, was undecided, or ran out of the search budget (see why)"
+    statistics = (f"{len(arms)} candidate(s), each check at {policy.confidence:.2%} confidence "
+                  f"(gate.confidence {arms[0].ctx.recipe.gate.confidence:.0%} shared by the candidates, Bonferroni), "
+                  "so the chance of promoting any candidate truly past a margin stays at the single-candidate rate")
+    return {"objective": objective, "winner": winner.name if won else None, "why": why, "statistics": statistics,
+            "confidence": policy.confidence, "candidates": rows}
+
+
+def _serving(cfg: Any) -> str:
+    precision = next((str(v) for k in ("dtype", "weights", "quantization") if (v := getattr(cfg, k, None))), "")
+    return f"{cfg.backend} {precision}".strip()
+
+
+def serving_bytes(arm: Any) -> float | None:
+    """What the candidate serves from on disk: its engine folder when the engine holds converted
+    weights (OpenVINO, CTranslate2, GGUF), else the artifact it loads (torch)."""
+    from kiln.pipeline.files import dir_size
+
+    if not arm.engines:
+        return None
+    size = dir_size(arm.engines["candidate"])
+    return size if size > 1 << 20 or arm.artifact is None else arm.artifact.manifest.get("size_bytes")
 
 
 def _load_tables(load: dict[str, Any]) -> list[Table]:
@@ -200,9 +269,11 @@ def comparisons(evidence: dict[str, Evidence], confidence: float) -> list[Any]:
     return out
 
 
-def publish(ctx: Any, outcome: GateOutcome, evidence: dict[str, Evidence], artifact: Any) -> Path:
+def publish(ctx: Any, outcome: GateOutcome, evidence: dict[str, Evidence], artifact: Any,
+            search: tuple[list[Any], Any, Any] | None = None) -> Path:
+    """The report, its plots and the registry version. `search`: (arms, winner, policy) of a search run."""
     from kiln.pipeline import model_registry
-    from kiln.pipeline.report_plots import gather
+    from kiln.pipeline.report_plots import gather, pareto
 
     registered = model_registry.register(ctx, artifact)
     version = registered.to_dict()
@@ -215,13 +286,19 @@ def publish(ctx: Any, outcome: GateOutcome, evidence: dict[str, Evidence], artif
     sections = Sections(plots=gather(ctx.run_dir, outcome.results, checks, load.path if load else None),
                         load=load.result if load else None, lineage=lineage(ctx, outcome, version),
                         comparisons=comparisons(evidence, ctx.recipe.gate.confidence))
+    if search:
+        sections.search = search_record(*search)
+        atomic_write_json(ctx.run_dir / "search.json", sections.search)
+        if plot := pareto(sections.search, ctx.run_dir / "plots" / "search_pareto.png"):
+            sections.plots = {"quality change against speed-up, every candidate": plot, **sections.plots}
     atomic_write_json(ctx.run_dir / "comparisons.json", [c.to_dict() for c in sections.comparisons])
     md = markdown(ctx.recipe.name, outcome, evidence, links, sections)
     atomic_write_text(ctx.run_dir / "report.md", md)
     atomic_write_text(ctx.run_dir / "report.html", html_page(f"kiln: {ctx.recipe.name}", outcome, evidence, sections))
     atomic_write_json(ctx.run_dir / "registry.json", version)
     atomic_write_json(ctx.run_dir / "lineage.json", sections.lineage)
-    for f in ("report.md", "report.html", "verdict.json", "comparisons.json", "registry.json", "lineage.json"):
+    for f in ("report.md", "report.html", "verdict.json", "comparisons.json", "registry.json", "lineage.json",
+              *(["search.json"] if search else [])):
         ctx.tracker.log_artifacts(ctx.parent_run, ctx.run_dir / f)
     if sections.plots:
         ctx.tracker.log_artifacts(ctx.parent_run, ctx.run_dir / "plots", "plots")

@@ -53,6 +53,35 @@ def quality_deltas(results: Sequence[CheckResult], checks: Mapping[str, Any], pa
     return path
 
 
+def pareto(search: Mapping[str, Any], path: Path) -> Path | None:
+    """Every candidate that reached the benchmark: perplexity change (worse ↑) against speed-up,
+    coloured by verdict, the winner ringed; the front is the upper left to lower right edge."""
+    points = [(c, c["confirmed"] or c["screened"], c["perplexity"]) for c in search["candidates"]]
+    points = [(c, s, q) for c, s, q in points if s and q]
+    if not points:
+        return None
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
+    for c, speed, ppl in points:
+        color = VERDICT_COLORS.get(c["verdict"] or "Error", "#6e7781")
+        ax.errorbar([speed["ratio"]], [100 * ppl["change"]], fmt="o", color=color, capsize=4,
+                    xerr=[[speed["ratio"] - speed["low"]], [speed["high"] - speed["ratio"]]],
+                    yerr=[[100 * (ppl["change"] - ppl["low"])], [100 * (ppl["high"] - ppl["change"])]])
+        if c["name"] == search["winner"]:
+            ax.plot([speed["ratio"]], [100 * ppl["change"]], "o", markersize=16, fillstyle="none", color=color)
+        ax.annotate(c["name"], (speed["ratio"], 100 * ppl["change"]), textcoords="offset points", xytext=(6, 6), fontsize=8)
+    ax.axvline(1.0, color="#888", linewidth=0.8)
+    ax.axhline(0.0, color="#888", linewidth=0.8)
+    ax.set_xlabel(f"speed-up over the baseline ({search['objective']}), 95% interval")
+    ax.set_ylabel("perplexity change, % (worse ↑)")
+    ax.set_title("the search: every candidate against the baseline", fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return path
+
+
 def gather(run_dir: Path, results: Sequence[CheckResult], checks: Mapping[str, Any],
            load_dir: Path | None) -> dict[str, Path]:
     """Every report figure as title -> PNG under `run_dir/plots`: quality deltas, then load plots."""

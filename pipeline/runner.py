@@ -11,6 +11,7 @@ import logging
 import os
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -96,16 +97,50 @@ def run_pipeline(recipe: Recipe, recipe_path: Path, runs_root: Path, console: An
     try:
         model = resolve_model(recipe.model.path, ctx.cache)
         stage_impl.check_inputs(ctx)
-        arts = stage_impl.optimize_both(ctx, model)
-        engines = {role: stage_impl.engine(ctx, role, art) for role, art in arts.items()}
-        stage_impl.evaluate(ctx, engines)
-        outcome, evidence = stage_impl.gate(ctx)
-        report.publish(ctx, outcome, evidence, arts["candidate"])
+        if recipe.candidates is None:
+            arts = stage_impl.optimize_both(ctx, model)
+            engines = {role: stage_impl.engine(ctx, role, art) for role, art in arts.items()}
+            stage_impl.evaluate(ctx, engines)
+            outcome, evidence = stage_impl.gate(ctx)
+            report.publish(ctx, outcome, evidence, arts["candidate"])
+        else:
+            outcome = _search(ctx, model)
     except BaseException as e:
         _finish(ctx, "FAILED" if not isinstance(e, KeyboardInterrupt) else "KILLED", None)
         raise
     _finish(ctx, "FINISHED", outcome)
     return outcome, ctx.run_dir
+
+
+def _search(ctx: RunContext, model: Any) -> GateOutcome:
+    """Every candidate judged, the winner (or, with none, the one that got furthest) laid out in
+    the run folder as a single-candidate run is, so `kiln show`, `kiln serve RUN` and the report
+    read it the same way; each candidate keeps its own folder under candidates/."""
+    import shutil
+
+    from kiln.pipeline import report, search, stage_impl
+
+    winner, arms, policy = search.run_search(ctx, model)
+    top = search.shown(arms, winner)
+    for record in sorted((top.ctx.run_dir / "stages").glob("*.json")):
+        shutil.copyfile(record, ctx.run_dir / "stages" / record.name)
+    ctx.outcomes.update(top.ctx.outcomes)
+    atomic_write_json(ctx.run_dir / "search.json", report.search_record(arms, winner, policy))
+    if top.artifact is None:  # no candidate could even be built: nothing to judge or register
+        raise search.NothingBuilt("no candidate could be built:\n" + "\n".join(f"  {a.name}: {a.eliminated}" for a in arms))
+    winner_ctx = replace(ctx, recipe=top.ctx.recipe)
+    # Without a winner, the report is about the candidate that got furthest, judged on the checks
+    # its phases decided: a check it never reached is not an error of the gate.
+    decided = policy if top is winner else (search.up_to(policy, top.reached or "build") or policy)
+    if top is not winner:
+        note = f"; no candidate passed every check, shown: {top.name}, which got furthest ({top.eliminated})"
+    elif winner.eliminated:  # the confirmation undid the screening
+        note = f"; {winner.name} won the screening, then {winner.eliminated}"
+    else:
+        note = ""
+    outcome, evidence = stage_impl.gate(winner_ctx, decided, note)
+    report.publish(winner_ctx, outcome, evidence, top.artifact, search=(arms, winner, policy))
+    return outcome
 
 
 def _finish(ctx: RunContext, status: str, outcome: GateOutcome | None) -> None:

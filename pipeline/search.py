@@ -11,7 +11,27 @@ of N noisy measurements, biased upward; it is measured again, fresh, before the 
 
 from __future__ import annotations
 
-from kiln.pipeline.gate.policy import GateSection
+import math
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kiln.optimize.base import ModelArtifact
+from kiln.pipeline.errors import BadInput, ExitCode, KilnError
+from kiln.pipeline.gate.base import Evidence, Verdict
+from kiln.pipeline.gate.policy import GateOutcome, GateSection, judge
+from kiln.pipeline.metrics import LOAD_PREFIX, METRICS
+from kiln.pipeline.stages import RunContext, run_tags
+
+
+class NothingBuilt(KilnError):
+    """Every candidate's build was refused (it does not fit, its engine failed the parity check):
+    the gate fails (exit 1), with each candidate's reason."""
+
+    exit_code = ExitCode.GATE_FAILED
 
 
 def family_confidence(confidence: float, candidates: int) -> float:
@@ -28,3 +48,193 @@ def for_family(policy: GateSection, candidates: int) -> GateSection:
               if c.confidence is not None else c for c in policy.checks]
     return policy.model_copy(update={"confidence": family_confidence(policy.confidence, candidates),
                                      "checks": checks})
+
+
+PHASES = ("build", "quality", "speed", "rest")  # cheap checks first; a candidate that failed one stops there
+
+
+def phase_of(check: Any) -> str:
+    """The phase whose stages decide `check`: the build (size), perplexity and agreement (quality),
+    the decode benchmark (speed), or the served text, lm-eval tasks and the load stage (rest)."""
+    kind, name = check.kind, check.metric
+    if kind == "size":
+        return "build"
+    if kind == "quality":
+        return "quality" if name == "perplexity" else "rest"
+    if kind == "agreement":
+        return "rest" if name.startswith("served_") else "quality"
+    if kind == "performance":
+        return "rest" if name.startswith(LOAD_PREFIX) else "speed"
+    return "rest"
+
+
+def up_to(policy: GateSection, phase: str) -> GateSection | None:
+    """The checks decided by `phase` and the phases before it; None when there is none yet."""
+    done = PHASES[: PHASES.index(phase) + 1]
+    checks = [c for c in policy.checks if phase_of(c) in done]
+    return policy.model_copy(update={"checks": checks}) if checks else None
+
+
+@dataclass
+class Arm:
+    """One candidate in the search: its own run folder (stages/ as a single-candidate run lays it
+    out), its MLflow child run, and where it stands."""
+
+    name: str
+    ctx: RunContext
+    mlflow_run: str
+    artifact: ModelArtifact | None = None
+    engines: dict[str, Path] = field(default_factory=dict)
+    outcome: GateOutcome | None = None
+    eliminated: str | None = None  # why it stopped, in the report's words
+    reached: str = ""  # the last phase it ran
+    screened: dict[str, float] | None = None  # objective speed-up before the confirmation
+    confirmed: dict[str, float] | None = None
+
+
+def speedup(evidence: dict[str, Evidence], objective: str) -> dict[str, float] | None:
+    """The candidate's speed-up over the baseline on `objective`: the geometric mean of the paired
+    per-repeat ratios with its t-interval at 95% (ttft_ms inverted, so higher is always better)."""
+    from kiln.pipeline.gate.performance import t_interval
+
+    cand = np.asarray(evidence["candidate"].repeats.get(objective, []), dtype=float)
+    base = np.asarray(evidence["baseline"].repeats.get(objective, []), dtype=float)
+    n = min(len(cand), len(base))
+    if n < 2:
+        return None
+    log_ratio = np.log(cand[:n] / base[:n]) * (1 if METRICS[objective].higher_is_better else -1)
+    mean, lo, hi = (math.exp(v) for v in t_interval(log_ratio, 0.95))
+    return {"ratio": mean, "low": lo, "high": hi, "pairs": n}
+
+
+def run_search(ctx: RunContext, model: Any) -> tuple[Arm | None, list[Arm], GateSection]:
+    """Every candidate through the phases, breadth first (all builds, then all cheap checks, …),
+    each judged at the family's confidence; the winner's speed measured again, fresh."""
+    from kiln.pipeline import stage_impl
+    from kiln.pipeline.evidence import evidence_from_run
+
+    recipe, started = ctx.recipe, time.monotonic()
+    views = recipe.arms()
+    policy = for_family(recipe.gate, len(views))
+    arms = [_arm(ctx, name, view) for name, view in views]
+    ctx.console.print(f"[bold]search[/bold]: {len(arms)} candidates against the baseline, each judged at "
+                      f"{policy.confidence:.2%} confidence (the family's {recipe.gate.confidence:.0%} shared by "
+                      f"{len(arms)}), best {recipe.search.objective} among those that pass every check")
+    shared = stage_impl.LazyEngines({}, _load)
+    try:
+        for phase in PHASES:
+            for arm in (a for a in arms if a.eliminated is None):
+                if recipe.search.budget_s is not None and time.monotonic() - started > recipe.search.budget_s:
+                    arm.eliminated = f"the search budget ({recipe.search.budget_s:g} s) ran out before its {phase} stages"
+                    continue
+                _run_phase(arm, phase, model, shared)
+                arm.reached = phase
+                if phase == "speed" and arm.eliminated is None:  # shown for every candidate that ran it
+                    arm.screened = speedup(evidence_from_run(arm.ctx.run_dir), recipe.search.objective)
+                if arm.eliminated is None and (partial := up_to(policy, phase)) is not None:
+                    evidence = evidence_from_run(arm.ctx.run_dir)
+                    arm.outcome = judge(partial, evidence["candidate"], evidence["baseline"])
+                    if arm.outcome.verdict is not Verdict.SUCCESSFUL:
+                        failed = [r.name for r in arm.outcome.results if r.verdict is not Verdict.SUCCESSFUL]
+                        arm.eliminated = f"{arm.outcome.verdict.value} after its {phase} stages: {', '.join(failed)}"
+                ctx.console.print(f"  {arm.name}: {arm.eliminated or 'passes every check so far'}", markup=False)
+        passing = [a for a in arms if a.eliminated is None and a.screened is not None]
+        winner = max(passing, key=lambda a: a.screened["ratio"]) if passing else None
+        if winner is not None and len(arms) > 1:
+            _confirm(winner, shared, policy)
+    finally:
+        shared.close()
+    for arm in arms:
+        _close_arm(ctx, arm, winner)
+    return winner, arms, policy
+
+
+def _arm(ctx: RunContext, name: str, view: Any) -> Arm:
+    tags = {"kiln.stage": "candidate", "kiln.candidate": name, **run_tags(ctx)}
+    run_id = ctx.tracker.start(f"candidate {name}", tags, parent=ctx.parent_run)
+    folder = ctx.run_dir / "candidates" / name
+    (folder / "stages").mkdir(parents=True)
+    sub = replace(ctx, recipe=view, run_dir=folder, parent_run=run_id, outcomes={}, arm=name)
+    return Arm(name, sub, run_id)
+
+
+def _load(engine_dir: Path) -> Any:
+    from kiln.engine.loader import load_engine
+
+    return load_engine(engine_dir)
+
+
+def _run_phase(arm: Arm, phase: str, model: Any, shared: Any) -> None:
+    """One phase of one candidate; a build the candidate cannot get (it does not fit, its engine
+    refuses the parity check) eliminates it, not the search."""
+    from kiln.pipeline import stage_impl
+
+    ctx = arm.ctx
+    if phase == "build":
+        try:
+            arts = stage_impl.optimize_both(ctx, model)
+            arm.engines = {role: stage_impl.engine(ctx, role, art) for role, art in arts.items()}
+            arm.artifact = arts["candidate"]
+        except BadInput:
+            raise
+        except KilnError as e:
+            arm.eliminated = f"its build was refused: {e}"
+        return
+    loaded = _engines(arm, shared)
+    try:
+        stage_impl.evaluate(ctx, arm.engines, phases=(phase,), loaded=loaded)
+    finally:
+        if "candidate" in loaded:  # one candidate in memory at a time; the baseline stays loaded
+            loaded.pop("candidate").close()
+
+
+def _engines(arm: Arm, shared: Any) -> Any:
+    """The arm's engines for the stages: the one baseline engine all arms share, and its own."""
+    from kiln.pipeline import stage_impl
+
+    shared.dirs["baseline"] = arm.engines["baseline"]
+    return stage_impl.LazyEngines(arm.engines, lambda d: shared["baseline"] if d == arm.engines["baseline"] else _load(d))
+
+
+def _confirm(winner: Arm, shared: Any, policy: GateSection) -> None:
+    """The winner's decode benchmark again, as a new stage: the maximum of N screening measurements
+    is biased upward; this one was not picked for being high. The verdict reads it."""
+    from kiln.pipeline import stage_impl
+    from kiln.pipeline.evidence import evidence_from_run
+
+    winner.ctx.console.print(f"[bold]confirm[/bold] {winner.name}: a fresh decode benchmark, "
+                             "the screening one was the best of several")
+    loaded = _engines(winner, shared)
+    try:
+        stage_impl.benchmark(winner.ctx, loaded, winner.engines, confirmation=True)
+    finally:
+        if "candidate" in loaded:
+            loaded.pop("candidate").close()
+    evidence = evidence_from_run(winner.ctx.run_dir)
+    winner.confirmed = speedup(evidence, winner.ctx.recipe.search.objective)
+    winner.outcome = judge(policy, evidence["candidate"], evidence["baseline"])
+    if winner.outcome.verdict is not Verdict.SUCCESSFUL:
+        failed = [r.name for r in winner.outcome.results if r.verdict is not Verdict.SUCCESSFUL]
+        winner.eliminated = f"{winner.outcome.verdict.value} on its confirmation benchmark: {', '.join(failed)}"
+
+
+def _close_arm(ctx: RunContext, arm: Arm, winner: Arm | None) -> None:
+    status = "winner" if arm is winner and arm.eliminated is None else ("eliminated" if arm.eliminated else "passed")
+    tags = {"kiln.search": status, **({"kiln.eliminated": arm.eliminated[:4000]} if arm.eliminated else {}),
+            **({"kiln.verdict": arm.outcome.verdict.value} if arm.outcome else {})}
+    metrics = {f"{k}.{part}": v for k, fig in (("screening_speedup", arm.screened), ("confirmed_speedup", arm.confirmed))
+               if fig for part, v in fig.items()}
+    ctx.tracker.log(arm.mlflow_run, metrics=metrics, tags=tags)
+    ctx.tracker.end(arm.mlflow_run)
+
+
+def shown(arms: list[Arm], winner: Arm | None) -> Arm:
+    """The arm the run's report is about: the winner, else the one that got furthest (ties: the
+    faster at screening, then the recipe's order)."""
+    if winner is not None:
+        return winner
+    built = [a for a in arms if a.engines]
+    if not built:
+        return arms[0]
+    return max(built, key=lambda a: (PHASES.index(a.reached) if a.reached else -1,
+                                     a.screened["ratio"] if a.screened else 0.0, -arms.index(a)))

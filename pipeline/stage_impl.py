@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 from pathlib import Path
@@ -174,29 +175,40 @@ def _text_path(spec: str) -> Path:
     return path
 
 
-def evaluate(ctx: RunContext, engines: dict[str, Path]) -> None:
-    """Quality of each arm, agreement between them, the interleaved benchmark, then load over HTTP."""
+PHASES = ("quality", "speed", "rest")
+
+
+def evaluate(ctx: RunContext, engines: dict[str, Path], phases: tuple[str, ...] = PHASES,
+             loaded: LazyEngines | None = None) -> None:
+    """Quality of each arm and agreement between them (quality), the interleaved decode benchmark
+    (speed), then the served text, lm-eval tasks and load over HTTP (rest): the cheap checks first,
+    so a search stops a candidate that failed one before its expensive stages."""
     from kiln.engine.loader import load_engine
     from kiln.evaluate.quality.base import documents
 
     q = ctx.recipe.evaluate.quality
-    loaded = LazyEngines(engines, load_engine)
-    docs = documents(_tokenizer(engines["baseline"]), _text_path(q.perplexity.text).read_text(),
-                     q.perplexity.seq_len, q.perplexity.max_documents)
-    text_inputs = {"text": q.perplexity.text, "docs_hash": hash_of(docs)}
-    for role in engines:
-        _perplexity(ctx, role, loaded, engines[role], docs, text_inputs)
-    if q.agreement:
-        _agreement(ctx, loaded, engines, docs, text_inputs)
-    if q.served:
-        _served(ctx, loaded, engines, q.served)
-    if q.lmeval:
+    own = loaded is None
+    loaded = LazyEngines(engines, load_engine) if loaded is None else loaded
+    if "quality" in phases:
+        docs = documents(_tokenizer(engines["baseline"]), _text_path(q.perplexity.text).read_text(),
+                         q.perplexity.seq_len, q.perplexity.max_documents)
+        text_inputs = {"text": q.perplexity.text, "docs_hash": hash_of(docs)}
         for role in engines:
-            _lmeval(ctx, role, loaded, engines[role], q.lmeval)
-    _benchmark(ctx, loaded, engines)
-    if ctx.recipe.evaluate.load:
-        _load(ctx, loaded, engines)
-    loaded.close()
+            _perplexity(ctx, role, loaded, engines[role], docs, text_inputs)
+        if q.agreement:
+            _agreement(ctx, loaded, engines, docs, text_inputs)
+    if "speed" in phases:
+        benchmark(ctx, loaded, engines)
+    if "rest" in phases:
+        if q.served:
+            _served(ctx, loaded, engines, q.served)
+        if q.lmeval:
+            for role in engines:
+                _lmeval(ctx, role, loaded, engines[role], q.lmeval)
+        if ctx.recipe.evaluate.load:
+            _load(ctx, loaded, engines)
+    if own:
+        loaded.close()
 
 
 class LazyEngines(dict):
@@ -216,11 +228,17 @@ class LazyEngines(dict):
 
 
 def _tokenizer(engine_dir: Path) -> Any:
-    from transformers import AutoTokenizer
-
     from kiln.engine.loader import read_manifest
 
-    return AutoTokenizer.from_pretrained(read_manifest(engine_dir)["source"]["path"])
+    return _tokenizer_at(str(read_manifest(engine_dir)["source"]["path"]))
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer_at(path: str) -> Any:
+    """One tokenizer per checkpoint and process (~2 s each to load; a search asks for it per stage)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 def _perplexity(ctx: RunContext, role: str, loaded: LazyEngines, engine_dir: Path, docs, text_inputs) -> None:
@@ -289,7 +307,9 @@ def _served(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], cfg:
                "config": cfg.model_dump(mode="json"), "prompts": hash_of(prompts)}, compute)
 
 
-def _benchmark(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path]) -> None:
+def benchmark(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], confirmation: bool = False) -> None:
+    """The interleaved decode benchmark. `confirmation`: a second, fresh measurement of a search's
+    winner (its own stage key), which then stands as the run's benchmark."""
     from kiln.engine.cache import hardware_fingerprint
     from kiln.evaluate.decode_bench import interleaved
 
@@ -314,7 +334,7 @@ def _benchmark(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path]) -
     run_stage(ctx, "benchmark", "pair",
               {"engines": {r: p.name for r, p in engines.items()}, "config": b.model_dump(mode="json"),
                "hardware": hardware_fingerprint(), "prompts": hash_of(prompts), "pairing": "per-prompt",
-               "records": "contention"},
+               "records": "contention", **({"confirmation": 1} if confirmation else {})},
               compute)
 
 
@@ -372,9 +392,12 @@ def check_inputs(ctx: RunContext) -> None:
         read_prompts(ev.benchmark.prompts, ev.quality.served.num_prompts, "evaluate.quality.served.num_prompts")
 
 
-def gate(ctx: RunContext) -> tuple[GateOutcome, dict[str, Evidence]]:
+def gate(ctx: RunContext, policy: Any = None, note: str = "") -> tuple[GateOutcome, dict[str, Evidence]]:
+    """The recipe's gate (a search passes its family-corrected policy) on the run's evidence;
+    `note` (how the search ended) joins the rule."""
     evidence = evidence_from_run(ctx.run_dir)
-    outcome = judge(ctx.recipe.gate, evidence["candidate"], evidence["baseline"])
+    outcome = judge(policy or ctx.recipe.gate, evidence["candidate"], evidence["baseline"])
+    outcome.rule += note
     run_id = ctx.tracker.start("gate", {"kiln.stage": "gate", "kiln.role": "candidate", **run_tags(ctx),
                                         "kiln.verdict": outcome.verdict.value}, parent=ctx.parent_run)
     atomic_write_json(ctx.run_dir / "verdict.json", outcome.to_dict())

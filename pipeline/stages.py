@@ -45,6 +45,7 @@ class RunContext:
     console: Any
     fresh: set[str] = field(default_factory=set)
     outcomes: dict[str, StageOutcome] = field(default_factory=dict)
+    arm: str = ""  # a search's candidate: names it in every stage's label
 
 
 @dataclass
@@ -81,7 +82,7 @@ def run_stage(ctx: RunContext, stage: str, role: str, inputs: dict[str, Any],
     """
     key = hash_of({"stage": stage, "format": STAGE_FORMAT, "inputs": inputs})
     path = ctx.cache / "stages" / stage / key
-    label = f"{stage}[{role}]"
+    label = f"{ctx.arm + ': ' if ctx.arm else ''}{stage}[{role}]"
 
     def waiting() -> None:
         ctx.console.print(f"[dim]… {escape(label)}: another kiln run is computing it; waiting[/dim]")
