@@ -51,13 +51,15 @@ def quantize_worker(model: Path, spec: dict, out: Path) -> dict:
     from kiln.optimize.checkpoint import read_config
     from kiln.optimize.memory import plan_memory
     from kiln.pipeline.files import atomic_dir
+    from kiln.pipeline.stage_impl import calibration_text
 
     config = TypeAdapter(QUANTIZERS.config_union()).validate_python(spec)
     quantizer = QUANTIZERS.create(config)
     quantizer.check(read_config(model))
     plan = plan_memory(read_config(model), config)
     start = time.perf_counter()
-    calibration = build_calibration(config.calibration, model) if quantizer.needs_calibration else None
+    calibration = build_calibration(config.calibration, model, calibration_text(config.calibration.dataset)) \
+        if quantizer.needs_calibration else None
     calib_s = time.perf_counter() - start
     with atomic_dir(out) as scratch:
         fields = quantizer.quantize(model, scratch, calibration)

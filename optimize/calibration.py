@@ -39,10 +39,11 @@ class CalibrationConfig(BaseModel):
 
 
 def resolve_dataset(dataset: str) -> Path:
+    """A local calibration file, checked. 'demo' is resolved by the pipeline, which hands the file
+    to `build_calibration`: a quantizer knows no demo."""
     if dataset == "demo":
-        from kiln.pipeline.demo import prepare_demo_data
-
-        return prepare_demo_data().calibration_text
+        raise BadInput(f"{FIELD}.dataset: 'demo' names the pipeline's demo text; resolve it first "
+                       "(kiln.pipeline.stage_impl does) and pass the file as build_calibration(text=...)")
     path = Path(dataset).expanduser()
     if not path.is_file():
         raise BadInput(f"{FIELD}.dataset: {dataset} is not a file. Give 'demo' or a local .txt / .jsonl file.")
@@ -78,11 +79,12 @@ def tokenizer_identity(tokenizer_dir: Path) -> str:
     return h.hexdigest()
 
 
-def build_calibration(config: CalibrationConfig, tokenizer_dir: Path) -> Calibration:
-    """Tokenize the calibration text into `config.samples` chunks of `config.seq_len` tokens."""
+def build_calibration(config: CalibrationConfig, tokenizer_dir: Path, text: Path | None = None) -> Calibration:
+    """Tokenize the calibration text (`text`, the file the pipeline resolved `config.dataset` to, or
+    the local file it names) into `config.samples` chunks of `config.seq_len` tokens."""
     from transformers import AutoTokenizer
 
-    path = resolve_dataset(config.dataset)
+    path = Path(text) if text is not None else resolve_dataset(config.dataset)
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False)
     ids = tok(load_text(path), add_special_tokens=False)["input_ids"]
     # Start each chunk with BOS when the tokenizer adds one: that is what the model sees at inference.

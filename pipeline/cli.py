@@ -60,8 +60,8 @@ def validate(recipe: RecipeArg, set_: SetOpt = []) -> None:  # noqa: B006 - type
     from kiln.pipeline.recipe import load_recipe
 
     r = load_recipe(recipe, set_)
-    console.print(f"[green]✓[/green] {recipe}: valid ({r.name}, optimize={r.optimize.method}, "
-                  f"engine={r.engine.backend}, {len(r.gate.checks)} gate checks)")
+    arms = ", ".join(f"{name}: optimize={view.optimize.method}, engine={view.engine.backend}" for name, view in r.arms())
+    console.print(f"[green]✓[/green] {recipe}: valid ({r.name}, {arms}, {len(r.gate.checks)} gate checks)")
 
 
 @app.command()

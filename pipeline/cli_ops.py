@@ -169,7 +169,7 @@ def tune(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
     from kiln.pipeline.runner import _finish, start_run
     from kiln.pipeline.stage_impl import quantize, tune_engine
 
-    r = load_recipe(recipe, set_)
+    r = load_recipe(recipe, set_).single("kiln tune")
     if r.engine.tune is None:
         raise BadInput(f"{recipe}: engine.tune is not set; add `tune: {{space: {{max_batch_size: [1, 4, 8]}}}}` "
                        "under engine (see recipes/demo-tune.yaml).")
@@ -313,7 +313,7 @@ def plan_memory_cmd(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
     from kiln.pipeline.model_source import cache_root, resolve_model
     from kiln.pipeline.recipe import load_recipe
 
-    r = load_recipe(recipe, set_)
+    r = load_recipe(recipe, set_).single("kiln plan-memory")
     model = resolve_model(r.model.path, cache_root())
     plan = plan_memory(model.config, r.optimize, context=context, batch=batch, kv_dtype=kv_dtype)
     console.print(plan.table())

@@ -68,10 +68,22 @@ def _plan_memory(ctx: RunContext, cfg: Any, model: ResolvedModel) -> Any:
 
 def _calibration(ctx: RunContext, cfg: Any, model: ResolvedModel):
     """Calibration samples, refused if they overlap the text the candidate is evaluated on."""
-    from kiln.optimize.calibration import build_calibration, check_disjoint, resolve_dataset
+    from kiln.optimize.calibration import build_calibration, check_disjoint
 
-    check_disjoint(resolve_dataset(cfg.calibration.dataset), _text_path(ctx.recipe.evaluate.quality.perplexity.text))
-    return build_calibration(cfg.calibration, model.path)
+    text = calibration_text(cfg.calibration.dataset)
+    check_disjoint(text, _text_path(ctx.recipe.evaluate.quality.perplexity.text))
+    return build_calibration(cfg.calibration, model.path, text)
+
+
+def calibration_text(dataset: str) -> Path:
+    """The calibration file a recipe names: 'demo' (kiln's Austen calibration text) or a local file."""
+    from kiln.optimize.calibration import resolve_dataset
+
+    if dataset == "demo":
+        from kiln.pipeline.demo import prepare_demo_data
+
+        return Path(prepare_demo_data().calibration_text)
+    return resolve_dataset(dataset)
 
 
 def engine(ctx: RunContext, role: str, art: ModelArtifact) -> Path:
