@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict
 
-from kiln.engine.tune import TuneConfig, check_space
 from kiln.pipeline.registry import Registry
 
 MANIFEST = "kiln-engine.json"
@@ -28,18 +27,10 @@ REBUILD = ("Engines are built by a run's engine stage: rebuild with `kiln run RE
 
 
 class EngineConfig(BaseModel):
+    """A backend's config: its knobs. Searching them (the recipe's `tune`) is evaluate/tune.py's."""
+
     model_config = ConfigDict(extra="forbid")
     backend: str
-    # Dropped from dumps when unset, so an untuned config (and so its engine cache key) reads as
-    # it did before tuning existed, and a trial's config hashes like a hand-written one.
-    tune: TuneConfig | None = Field(None, exclude_if=lambda v: v is None,
-                                    description="search these knobs for the most goodput under an SLO (engine/tune.py)")
-
-    @model_validator(mode="after")
-    def _tune_space(self) -> EngineConfig:
-        if self.tune is not None:
-            check_space(self)
-        return self
 
 
 @dataclass(frozen=True)

@@ -160,7 +160,7 @@ def _exit_now() -> None:
 def tune(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
          runs: RunsOpt = Path("runs"),
          fresh: Annotated[bool, typer.Option(help="tune again even if this search already ran")] = False) -> None:
-    """Tune the recipe's engine knobs (`engine.tune`) on its candidate: every trial, the Pareto front, the winner.
+    """Tune the recipe's engine knobs (`tune`) on its candidate: every trial, the Pareto front, the winner.
 
     The same cached stage `kiln run` uses, so a later `kiln run` builds the winner without re-tuning.
     """
@@ -170,9 +170,9 @@ def tune(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
     from kiln.pipeline.stage_impl import quantize, tune_engine
 
     r = load_recipe(recipe, set_).single("kiln tune")
-    if r.engine.tune is None:
-        raise BadInput(f"{recipe}: engine.tune is not set; add `tune: {{space: {{max_batch_size: [1, 4, 8]}}}}` "
-                       "under engine (see recipes/demo-tune.yaml).")
+    if r.tune is None:
+        raise BadInput(f"{recipe}: tune is not set; add `tune: {{space: {{max_batch_size: [1, 4, 8]}}}}` "
+                       "beside engine (see recipes/demo-tune.yaml).")
     ctx = start_run(r, recipe, runs, console, {"tune"} if fresh else set())
     try:
         art = quantize(ctx, "candidate", r.optimize, resolve_model(r.model.path, ctx.cache))

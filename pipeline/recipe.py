@@ -20,6 +20,7 @@ from kiln.engine.base import BACKENDS
 from kiln.evaluate.perf.config import PerformanceConfig
 from kiln.evaluate.quality.lmeval import LmEvalConfig
 from kiln.evaluate.quality.served import ServedConfig
+from kiln.evaluate.tune import TuneConfig, check_space
 from kiln.optimize.base import QUANTIZERS
 from kiln.pipeline import yaml_input
 from kiln.pipeline.errors import BadInput
@@ -131,6 +132,8 @@ class Recipe(Section):
         None, description="the one candidate's quantization (or list several under `candidates`); the baseline is "
                           "always 'none'")
     engine: EngineSectionConfig = Field(default_factory=lambda: BACKENDS.config("torch")())  # type: ignore[valid-type]
+    tune: TuneConfig | None = Field(None, description="search the engine's knobs for the most goodput under an SLO "
+                                                      "(evaluate/tune.py); `engine.tune` is read as this too")
     candidates: list[CandidateSection] | None = Field(
         None, min_length=1, description="several candidate serving configurations, each judged against the baseline "
                                         "by the gate; the search keeps the best (`search.objective`) that passes")
@@ -144,12 +147,16 @@ class Recipe(Section):
     @model_validator(mode="before")
     @classmethod
     def _one_form(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "candidates" in data:
-            both = [k for k in ("optimize", "engine") if k in data]
+        if isinstance(data, dict):
+            data = _tune_beside_engine(data)
+        if isinstance(data, dict) and data.get("candidates") is not None:
+            # A resolved recipe (run_dir/recipe.yaml) holds optimize: null and the default engine: it reloads.
+            default_engine = BACKENDS.config("torch")().model_dump(mode="json")
+            both = [k for k, unset in (("optimize", None), ("engine", default_engine)) if data.get(k, unset) != unset]
             if both:
                 raise ValueError(f"{' and '.join(both)}: a recipe with `candidates` sets each candidate's optimize "
                                  "and engine inside its entry; move them there")
-        elif isinstance(data, dict) and "optimize" not in data:
+        elif isinstance(data, dict) and data.get("optimize") is None:
             raise ValueError("optimize: required (the candidate's quantization, e.g. {method: int8_weight_only}), "
                              "or list several serving configurations under `candidates`")
         return data
@@ -164,9 +171,11 @@ class Recipe(Section):
                 raise ValueError(f"candidates: names must differ; {', '.join(dup)} appears more than once")
             for i, c in enumerate(self.candidates):
                 _check_arm(c.optimize, c.engine, f"candidates.{i}.")
-                if c.engine.tune is not None:
-                    raise ValueError(f"candidates.{i}.engine.tune: knob tuning runs on a single-candidate recipe "
-                                     "(optimize + engine); in a search, list each knob setting as its own candidate")
+            if self.tune is not None:
+                raise ValueError("tune: knob tuning runs on a single-candidate recipe (optimize + engine); in a "
+                                 "search, list each knob setting as its own candidate")
+        if self.tune is not None:
+            check_space(self.engine, self.tune)
         if (base := self.baseline.engine) is not None:
             backend = BACKENDS.get(base.backend)
             if not backend.scores:
@@ -175,9 +184,6 @@ class Recipe(Section):
                                  "another backend (torch is the reference)")
             if QUANTIZERS.get("none").artifact_format not in backend.artifact_formats:
                 raise ValueError(f"baseline.engine.backend '{base.backend}' cannot load the unquantized checkpoint")
-            if base.tune is not None:
-                raise ValueError("baseline.engine.tune: the baseline is served as it is today, untuned; tune the "
-                                 "candidate's engine (engine.tune) instead")
         return self
 
     def engine_for(self, role: str) -> Any:
@@ -204,6 +210,26 @@ class Recipe(Section):
     def digest(self) -> str:
         """Content hash of the resolved recipe: keys runs and tags MLflow runs."""
         return hash_of(self.model_dump(mode="json"))
+
+
+def _tune_beside_engine(data: dict[str, Any]) -> dict[str, Any]:
+    """`engine.tune` (where recipes wrote it before tuning moved out of engine/) read as the
+    recipe's `tune`; a baseline's or a search candidate's is refused with the reason."""
+    baseline = data.get("baseline")
+    if isinstance(baseline, dict) and isinstance(baseline.get("engine"), dict) and "tune" in baseline["engine"]:
+        raise ValueError("baseline.engine.tune: the baseline is served as it is today, untuned; tune the "
+                         "candidate's engine (tune) instead")
+    for i, c in enumerate(data.get("candidates") or []):
+        if isinstance(c, dict) and isinstance(c.get("engine"), dict) and "tune" in c["engine"]:
+            raise ValueError(f"candidates.{i}.engine.tune: knob tuning runs on a single-candidate recipe "
+                             "(optimize + engine); in a search, list each knob setting as its own candidate")
+    engine = data.get("engine")
+    if isinstance(engine, dict) and "tune" in engine:
+        if "tune" in data:
+            raise ValueError("engine.tune and tune: set the search space once, as tune (beside engine)")
+        engine = dict(engine)
+        data = {**data, "engine": engine, "tune": engine.pop("tune")}
+    return data
 
 
 def _check_arm(optimize: Any, engine: Any, where: str) -> None:

@@ -90,16 +90,16 @@ def engine(ctx: RunContext, role: str, art: ModelArtifact) -> Path:
     """The role's engine, built once per config and artifact: `engine`, or for the baseline
     `baseline.engine` when the recipe sets one (then the two arms may run on different backends).
 
-    With `engine.tune` set, both roles on that engine get the knobs tuned on the candidate (`tune_engine`): the
+    With `tune` set, both roles on that engine get the knobs tuned on the candidate (`tune_engine`): the
     gate then compares the two models served the same way, so what it sees comes from the
     optimization, not from knobs that happen to suit one arm. Tuning the baseline separately
     would confound the two."""
     from kiln.engine.cache import build_engine
-    from kiln.engine.tune import with_knobs
     from kiln.evaluate import parity
+    from kiln.evaluate.tune import with_knobs
 
     cfg = ctx.recipe.engine_for(role)
-    if cfg.tune:
+    if ctx.recipe.tune and cfg is ctx.recipe.engine:  # a baseline on its own engine is served untuned
         candidate = art if role == "candidate" else ModelArtifact(
             path=ctx.outcomes["optimize:candidate"].path / "model",
             manifest=ctx.outcomes["optimize:candidate"].result["manifest"])
@@ -163,15 +163,16 @@ def _precision(manifest: dict[str, Any]) -> str:
 
 
 def tune_engine(ctx: RunContext, art: ModelArtifact) -> StageOutcome:
-    """Search `engine.tune` on `art`, once per run; a cached stage, so re-running does not re-tune.
-    Every trial is logged as a child of the stage's MLflow run."""
-    from kiln.engine.tune import log_trials, tune, tune_inputs
+    """Search the recipe's `tune` space on `art`, once per run; a cached stage, so re-running does
+    not re-tune. Every trial is logged as a child of the stage's MLflow run."""
+    from kiln.evaluate.tune import log_trials, tune, tune_inputs
 
     if "tune:candidate" in ctx.outcomes:
         return ctx.outcomes["tune:candidate"]
-    cfg, sha = ctx.recipe.engine, art.manifest["sha256"]
-    outcome = run_stage(ctx, "tune", "candidate", tune_inputs(cfg, sha),
-                        lambda out: tune(cfg, art.path, sha, ctx.cache, out, log=lambda s: ctx.console.print(s, markup=False)))
+    cfg, space, sha = ctx.recipe.engine, ctx.recipe.tune, art.manifest["sha256"]
+    outcome = run_stage(ctx, "tune", "candidate", tune_inputs(cfg, space, sha),
+                        lambda out: tune(cfg, space, art.path, sha, ctx.cache, out,
+                                         log=lambda s: ctx.console.print(s, markup=False)))
     log_trials(ctx.tracker, outcome.mlflow_run, outcome.result, outcome.reused)
     return outcome
 

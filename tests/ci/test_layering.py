@@ -14,11 +14,7 @@ FORBIDDEN = {
     "optimize": ("kiln.engine", "kiln.evaluate", "kiln.deploy", "kiln.pipeline.demo"),  # the pipeline resolves data
     "evaluate": ("kiln.deploy",),
 }
-# Known and not yet fixed: `engine.tune` (a field of every backend's config) carries the load that
-# measures a trial, and its search runs that load. Moving the search to evaluate/ needs the recipe's
-# engine section to hold `tune` beside the backend config instead of inside it.
-KNOWN = {"engine/tune.py: kiln.evaluate.perf.concurrent", "engine/tune.py: kiln.evaluate.perf.config",
-         "engine/tune.py: kiln.evaluate.perf.runner"}
+KNOWN: set[str] = set()  # exceptions, each with its reason; none now (tuning moved to evaluate/tune.py)
 
 
 def kiln_imports(path: Path) -> set[str]:

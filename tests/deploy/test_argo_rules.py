@@ -154,7 +154,7 @@ def test_render_refuses_what_argo_rejects_naming_the_recipe_field():
 
 
 def test_kiln_deploy_render_exits_2_naming_the_field(tmp_path):
-    recipe = yaml.safe_load((REPO / "recipes" / "demo.yaml").read_text())
+    recipe = yaml.safe_load((REPO / "recipes" / "demo-int8.yaml").read_text())
     recipe["deploy"] = {"steps": [{"weight": 50, "max_duration_s": 60}]}
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))

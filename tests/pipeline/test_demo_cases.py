@@ -1,6 +1,6 @@
 """The gate's outcomes on the demo model, run as a user runs them (`kiln run recipes/…`):
 
-- demo.yaml, a good candidate (int8 weight-only): Successful, exit 0, every check with its evidence;
+- demo-int8.yaml, a good candidate (int8 weight-only): Successful, exit 0, every check with its evidence;
 - demo-broken.yaml (W8A8-dynamic on every Linear, lm_head included): exit 1, every quality check Failed;
 - demo-tiny-eval.yaml (the good candidate on 10 word-swap items, 4 documents): exit 3, Inconclusive
   with the number of items that would decide it;
@@ -49,7 +49,7 @@ def _checks(verdict) -> dict[str, dict]:
 
 def test_good_candidate_is_successful_with_evidence(run):
     # Decode speed is measured now, on this machine's current load, not taken from an older cache entry.
-    proc, verdict, report = run("good", "demo.yaml", "--fresh", "benchmark")
+    proc, verdict, report = run("good", "demo-int8.yaml", "--fresh", "benchmark")
     checks = _checks(verdict)
     assert proc.returncode == ExitCode.PASSED, report
     assert {c["verdict"] for c in checks.values()} == {"Successful"} and len(checks) == 6
@@ -83,7 +83,7 @@ def test_tiny_eval_set_is_inconclusive_with_items_needed(run):
 
 
 def test_baseline_as_candidate_flags_no_quality_check(run):
-    proc, verdict, report = run("equal", "demo.yaml", "--set", "optimize.method=none")
+    proc, verdict, report = run("equal", "demo-int8.yaml", "--set", "optimize.method=none")
     checks = _checks(verdict)
     assert {n: checks[n]["verdict"] for n in QUALITY} == dict.fromkeys(QUALITY, "Successful"), report
     assert checks["quality:perplexity"]["ci"] == [0.0, 0.0] and checks["agreement:top1_agreement"]["observed"] == 1.0

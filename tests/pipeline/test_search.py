@@ -167,3 +167,11 @@ def test_a_search_no_candidate_passes_is_a_gate_failure_not_an_error(search_run,
     verdict = json.loads((run_dir / "verdict.json").read_text())
     assert {c["verdict"] for c in verdict["checks"]} <= {"Successful", "Failed", "Inconclusive"}, verdict
     assert "no candidate passed every check" in verdict["rule"]
+
+
+def test_a_resolved_search_recipe_reloads():
+    """run_dir/recipe.yaml is the resolved recipe: optimize null, the default engine, every candidate."""
+    raw = {k: v for k, v in TINY_RECIPE.items() if k not in ("optimize", "engine")}
+    r = Recipe.model_validate({**raw, "model": {"path": "demo"}, "candidates": CANDIDATES})
+    again = Recipe.model_validate(yaml.safe_load(yaml.safe_dump(r.model_dump(mode="json"))))
+    assert again == r and [name for name, _ in again.arms()] == [c["name"] for c in CANDIDATES]

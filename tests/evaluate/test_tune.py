@@ -13,7 +13,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 from rich.console import Console
 
-from kiln.engine.tune import Trial, mark, pareto_front, settings, with_knobs
+from kiln.evaluate.tune import TuneConfig, Trial, mark, pareto_front, settings, with_knobs
 from kiln.pipeline.errors import BadInput, KilnError
 from kiln.pipeline.recipe import Recipe, load_recipe
 from tests.pipeline.conftest import kiln
@@ -32,7 +32,7 @@ def _recipe(tmp_path: Path, engine: dict, **extra) -> Path:
 
 @pytest.mark.parametrize(("engine", "expected"), [
     ({"backend": "torch", "tune": {"space": {"thread": [1, 2]}}},
-     ["engine: ", "tune.space.thread: not a knob of the torch backend", "Did you mean 'threads'?",
+     ["tune.space.thread: not a knob of the torch backend", "Did you mean 'threads'?",
       "max_batch_size", "score_batch_tokens"]),
     # a knob of another backend is not one of this backend's
     ({"backend": "torch", "tune": {"space": {"kv_cache_precision": ["u8"]}}},
@@ -41,7 +41,7 @@ def _recipe(tmp_path: Path, engine: dict, **extra) -> Path:
      ["tune.space.threads: 0 is not a valid value", "greater than or equal to 1"]),
     ({"backend": "openvino", "tune": {"space": {"weights": ["int8", "int3"]}}},
      ["tune.space.weights: 'int3' is not a valid value", "'int4'"]),
-    ({"backend": "torch", "tune": {"space": {"threads": []}}}, ["engine.tune.space", "at least one value"]),
+    ({"backend": "torch", "tune": {"space": {"threads": []}}}, ["tune.space", "at least one value"]),
     ({"backend": "torch", "tune": {"space": {"backend": ["openvino"]}}}, ["tune.space.backend: not a knob"]),
 ])
 def test_bad_search_space_names_the_knob_and_the_fix(tmp_path, engine, expected):
@@ -54,28 +54,28 @@ def test_bad_search_space_names_the_knob_and_the_fix(tmp_path, engine, expected)
 def test_space_over_another_backends_knobs_validates():
     r = Recipe.model_validate({"name": "t", "optimize": {"method": "none"}, "gate": GATE, "engine": {
         "backend": "openvino", "tune": {"space": {"weights": ["int8", "int4"], "kv_cache_precision": ["f32", "u8"]}}}})
-    assert r.engine.tune.space["kv_cache_precision"] == ["f32", "u8"]
+    assert r.tune.space["kv_cache_precision"] == ["f32", "u8"]
 
 
 def test_grid_or_seeded_subset_in_grid_order():
-    from kiln.engine.hf_torch import TorchEngineConfig
-
     space = {"threads": [1, 2], "max_batch_size": [1, 4, 8]}
     grid = [{"threads": t, "max_batch_size": b} for t in (1, 2) for b in (1, 4, 8)]
-    assert settings(TorchEngineConfig(tune={"space": space, "max_trials": 6})) == grid
-    subset = settings(TorchEngineConfig(tune={"space": space, "max_trials": 4, "seed": 3}))
+    assert settings(TuneConfig(space=space, max_trials=6)) == grid
+    subset = settings(TuneConfig(space=space, max_trials=4, seed=3))
     assert len(subset) == 4 and all(s in grid for s in subset)
     assert [grid.index(s) for s in subset] == sorted(grid.index(s) for s in subset)
-    assert settings(TorchEngineConfig(tune={"space": space, "max_trials": 4, "seed": 3})) == subset
+    assert settings(TuneConfig(space=space, max_trials=4, seed=3)) == subset
 
 
-def test_untuned_configs_hash_as_before_and_trials_like_hand_written_ones():
+def test_engine_tune_reads_as_tune_and_trials_hash_like_hand_written_configs():
     from kiln.engine.cache import engine_key
     from kiln.engine.hf_torch import TorchEngineConfig
 
-    assert "tune" not in TorchEngineConfig(threads=2).model_dump(mode="json")
-    tuned = TorchEngineConfig(dtype="float32", tune={"space": {"max_batch_size": [1, 4]}})
-    trial = with_knobs(tuned, {"max_batch_size": 4})
+    r = Recipe.model_validate({"name": "t", "optimize": {"method": "none"}, "gate": GATE, "engine": {
+        "backend": "torch", "dtype": "float32", "tune": {"space": {"max_batch_size": [1, 4]}}}})
+    assert r.tune.space == {"max_batch_size": [1, 4]} and r.engine == TorchEngineConfig(dtype="float32")
+    assert "tune" not in r.engine.model_dump(mode="json")  # the engine's cache key is an untuned config's
+    trial = with_knobs(r.engine, {"max_batch_size": 4})
     assert trial == TorchEngineConfig(dtype="float32", max_batch_size=4)
     assert engine_key(trial, "sha", {}, None) == engine_key(TorchEngineConfig(max_batch_size=4), "sha", {}, None)
 
@@ -106,10 +106,11 @@ def test_winner_is_most_goodput_then_throughput():
 
 def test_a_setting_that_cannot_be_built_is_a_failed_trial(tmp_path):
     from kiln.engine.hf_torch import TorchEngineConfig
-    from kiln.engine.tune import run_trial
+    from kiln.evaluate.perf.config import PerformanceConfig
+    from kiln.evaluate.tune import run_trial
 
-    config = TorchEngineConfig(tune={"space": {"max_batch_size": [2]}, "load": LOAD})
-    trial = run_trial(config, {"max_batch_size": 2}, tmp_path, "sha", tmp_path / "cache")
+    load = PerformanceConfig.model_validate(LOAD)
+    trial = run_trial(TorchEngineConfig(), load, {"max_batch_size": 2}, tmp_path, "sha", tmp_path / "cache")
     assert trial.error.startswith("BadInput: ") and "no config.json" in trial.error
     assert set(trial.metrics) == {"wall_s"} and not trial.winner
 
@@ -218,4 +219,4 @@ def test_cli_prints_the_trials_table_from_the_cached_search(tuned):
 
 def test_cli_refuses_a_recipe_without_a_search(tmp_path):
     proc = kiln("tune", str(_recipe(tmp_path, {"backend": "torch"})), cwd=tmp_path)
-    assert proc.returncode == 2 and "engine.tune is not set" in proc.stderr
+    assert proc.returncode == 2 and "tune is not set" in proc.stderr

@@ -1,10 +1,12 @@
 """Engine tuning: search a backend's knobs for the config that serves the most goodput within the SLO.
 
-`engine.tune` names a search space over fields of the backend's own config
+The recipe's `tune` section (beside `engine`, which it tunes) names a search space over fields of
+the backend's own config
 (`space: {threads: [1, 2], max_batch_size: [1, 4, 8]}`) and the load each trial serves. A trial
 builds its engine through the content-addressed cache (a config seen before costs nothing),
 serves it in-process over the OpenAI API (`ServerThread`) and drives it with the benchmark
 harness over real HTTP, so it measures what a client sees, queueing and streaming included.
+It lives in evaluate/, not engine/: an engine is measured from outside.
 
 Objective: goodput (requests/s that met both the TTFT and the TPOT SLO of `load.slo`), ties
 broken by output-token throughput. Goodput rather than throughput, because batching until every
@@ -64,15 +66,15 @@ class TuneConfig(BaseModel):
         return v
 
 
-def check_space(config: BaseModel) -> None:
+def check_space(config: BaseModel, tune: TuneConfig) -> None:
     """Every knob a field of this backend's config, every value one that config accepts.
 
-    Called by `EngineConfig`'s validator, so a bad space fails `kiln validate`, not trial 5.
+    Called by the recipe's validator, so a bad space fails `kiln validate`, not trial 5.
     """
     cls = type(config)
-    knobs = sorted(set(cls.model_fields) - {"backend", "tune"})
-    base = config.model_dump(exclude={"tune"})
-    for knob, values in config.tune.space.items():  # type: ignore[attr-defined]
+    knobs = sorted(set(cls.model_fields) - {"backend"})
+    base = config.model_dump()
+    for knob, values in tune.space.items():
         if knob not in knobs:
             raise ValueError(f"tune.space.{knob}: not a knob of the {config.backend} backend."  # type: ignore[attr-defined]
                              f"{did_you_mean(knob, knobs)}")
@@ -84,9 +86,9 @@ def check_space(config: BaseModel) -> None:
                                  f"({e.errors()[0]['msg']})") from None
 
 
-def settings(config: Any) -> list[dict[str, Any]]:
+def settings(tune: TuneConfig) -> list[dict[str, Any]]:
     """The knob settings to try: the whole grid, or `max_trials` of it drawn with `seed`, in grid order."""
-    space, tune = config.tune.space, config.tune
+    space = tune.space
     grid = [dict(zip(space, combo)) for combo in itertools.product(*space.values())]
     if len(grid) > tune.max_trials:
         grid = [grid[i] for i in sorted(random.Random(tune.seed).sample(range(len(grid)), tune.max_trials))]
@@ -94,19 +96,18 @@ def settings(config: Any) -> list[dict[str, Any]]:
 
 
 def with_knobs(config: Any, knobs: dict[str, Any]) -> Any:
-    """The backend config with `knobs` set and no search space: what a trial, or the winner, builds.
-
-    Without `tune` it hashes like a hand-written config, so the winner's engine is the one its
-    trial already built."""
-    return type(config).model_validate({**config.model_dump(exclude={"tune"}), **knobs})
+    """The backend config with `knobs` set: what a trial, or the winner, builds. It hashes like a
+    hand-written config, so the winner's engine is the one its trial already built."""
+    return type(config).model_validate({**config.model_dump(), **knobs})
 
 
-def tune_inputs(config: Any, checkpoint_hash: str) -> dict[str, Any]:
+def tune_inputs(config: Any, tune: TuneConfig, checkpoint_hash: str) -> dict[str, Any]:
     """What a tuning result depends on (its cache key): the search, the model, the libraries, the hardware."""
     from kiln.engine.base import BACKENDS
     from kiln.engine.cache import hardware_fingerprint, library_versions
 
-    return {"engine": config.model_dump(mode="json"), "artifact": checkpoint_hash, "hardware": hardware_fingerprint(),
+    return {"engine": {**config.model_dump(mode="json"), "tune": tune.model_dump(mode="json")},
+            "artifact": checkpoint_hash, "hardware": hardware_fingerprint(),
             "versions": library_versions(getattr(BACKENDS.get(config.backend), "libraries", ()))}
 
 
@@ -121,7 +122,8 @@ class Trial:
     winner: bool = False
 
 
-def run_trial(config: Any, knobs: dict[str, Any], checkpoint: Path, checkpoint_hash: str, cache: Path) -> Trial:
+def run_trial(config: Any, load: PerformanceConfig, knobs: dict[str, Any], checkpoint: Path, checkpoint_hash: str,
+              cache: Path) -> Trial:
     """Build (or reuse) the engine with `knobs`, serve it, run the tuning load against it over HTTP."""
     from kiln.engine.cache import build_engine
     from kiln.engine.server_thread import ServerThread
@@ -135,7 +137,7 @@ def run_trial(config: Any, knobs: dict[str, Any], checkpoint: Path, checkpoint_h
         server = ServerThread(engine_dir, api_key=key)
         try:
             server.start(wait_ready=600)
-            summary = run_load(server.url, config.tune.load, api_key=key).summary
+            summary = run_load(server.url, load, api_key=key).summary
         finally:
             server.stop()
         flat = summary.flat()
@@ -164,7 +166,7 @@ def mark(trials: list[Trial]) -> Trial:
     """Set each trial's Pareto and winner flags; return the winner (most goodput, then throughput)."""
     done = [t for t in trials if t.error is None]
     if not done:
-        raise KilnError("engine.tune: every trial failed:\n" + "\n".join(f"  {label(t.knobs)}: {t.error}" for t in trials))
+        raise KilnError("tune: every trial failed:\n" + "\n".join(f"  {label(t.knobs)}: {t.error}" for t in trials))
     front = pareto_front([(t.metrics["output_token_throughput"], t.metrics["tpot_p95_ms"]) for t in done])
     for t, on in zip(done, front):
         t.pareto = on
@@ -177,21 +179,21 @@ def label(knobs: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in knobs.items())
 
 
-def tune(config: Any, checkpoint: Path, checkpoint_hash: str, cache: Path, out: Path,
+def tune(config: Any, space: TuneConfig, checkpoint: Path, checkpoint_hash: str, cache: Path, out: Path,
          log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run every trial of `config.tune`, write the trials table and the Pareto plot into `out`,
-    and return the result: every trial, the winner's knobs, and the winner's numbers as metrics."""
-    todo = settings(config)
+    """Run every trial of `space` on the backend `config`, write the trials table and the Pareto plot
+    into `out`, and return the result: every trial, the winner's knobs, the winner's numbers as metrics."""
+    todo = settings(space)
     trials = []
     for i, knobs in enumerate(todo, 1):
-        trial = run_trial(config, knobs, checkpoint, checkpoint_hash, cache)
+        trial = run_trial(config, space.load, knobs, checkpoint, checkpoint_hash, cache)
         log(f"  trial {i}/{len(todo)} {label(knobs)}: " + (trial.error or _brief(trial)))
         trials.append(trial)
     winner = mark(trials)
     headline = ("goodput", "output_token_throughput", "ttft_p95_ms", "tpot_p95_ms")
     result = {"metrics": {"tune.trials": len(trials), "tune.failed": sum(t.error is not None for t in trials),
                           **{f"tune.{k}": winner.metrics[k] for k in headline}},
-              "winner": winner.knobs, "slo": config.tune.load.slo.model_dump(),
+              "winner": winner.knobs, "slo": space.load.slo.model_dump(),
               "trials": [asdict(t) for t in trials]}
     atomic_write_text(Path(out) / "trials.md", trials_table(result) + "\n")
     pareto_plot(trials, Path(out) / "pareto.png")
