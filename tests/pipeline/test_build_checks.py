@@ -1,5 +1,6 @@
 """`kiln run` with the served-text check on, and the parity smoke check every engine build gets."""
 
+import io
 import json
 from pathlib import Path
 
@@ -49,3 +50,43 @@ def test_served_text_check_gates_a_run(tmp_path, tiny_model_dir):
 def test_too_few_prompts_for_the_served_check_names_its_field(demo_data):
     with pytest.raises(BadInput, match=r"evaluate\.quality\.served\.num_prompts asks for 1000000"):
         read_prompts("demo", 10**6, "evaluate.quality.served.num_prompts")
+
+
+def test_a_recipe_whose_candidate_decodes_wrongly_when_batched_fails_the_run(tmp_path, tiny_model_dir, monkeypatch):
+    """The CTranslate2 cohort defect, kept reachable: the candidate's engine (int8 weight-only on
+    torch) is exact alone and off by one token whenever two requests share a step. Token agreement
+    scores one request at a time and cannot see it; the served text under load must."""
+    from rich.console import Console
+
+    from kiln.engine import loader
+    from kiln.pipeline.recipe import load_recipe
+    from kiln.pipeline.runner import run_pipeline
+    from tests.evaluate.broken_engine import BatchBrokenEngine
+    from tests.pipeline.conftest import fresh_cache
+
+    real, loaded = loader.load_engine, []
+
+    def load(engine_dir, **options):
+        manifest = loader.read_manifest(engine_dir)
+        checkpoint = Path(manifest["build"]["checkpoint"])
+        artifact = json.loads((checkpoint / "kiln-artifact.json").read_text())
+        if manifest["backend"] != "torch" or artifact["method"] == "none":  # the baseline serves soundly
+            return real(engine_dir, **options)
+        engine = BatchBrokenEngine(checkpoint, loader.engine_config(manifest))
+        engine.manifest = manifest
+        loaded.append(engine)
+        return engine
+
+    monkeypatch.setattr(loader, "load_engine", load)
+    monkeypatch.setenv("KILN_CACHE", str(fresh_cache(tmp_path / "cache")))  # nothing reused from a sound engine
+    recipe = write_recipe(
+        tmp_path / "broken.yaml", tiny_model_dir, name="tiny-batch-broken", evaluate__quality__lmeval=None,
+        evaluate__quality__served={"num_prompts": 6, "max_new_tokens": 6, "concurrency": 3},
+        evaluate__quality__perplexity__max_documents=6, tracking={"uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
+        gate__checks=[{"kind": "agreement", "metric": "top1_agreement", "min": 0.5},
+                      {"kind": "agreement", "metric": "served_prefix", "min": 0.3}])
+    outcome, _ = run_pipeline(load_recipe(recipe), recipe, tmp_path / "runs", Console(file=io.StringIO()))
+    checks = {r.name: r.verdict.value for r in outcome.results}
+    assert checks == {"agreement:top1_agreement": "Successful", "agreement:served_prefix": "Failed"}, outcome.to_dict()
+    assert outcome.verdict.value == "Failed" and int(outcome.exit_code) == 1
+    assert any(e.crowded_steps for e in loaded)  # the broken engine served, and was batched
