@@ -60,7 +60,8 @@ def validate(recipe: RecipeArg, set_: SetOpt = []) -> None:  # noqa: B006 - type
     from kiln.pipeline.recipe import load_recipe
 
     r = load_recipe(recipe, set_)
-    arms = ", ".join(f"{name}: optimize={view.optimize.method}, engine={view.engine.backend}" for name, view in r.arms())
+    arms = ", ".join([f"{name}: optimize={view.optimize.method}, engine={view.engine.backend}" for name, view in r.arms()]
+                     + [f"{c.name}: the registry's champion" for c in r.candidates or [] if c.champion])
     console.print(f"[green]✓[/green] {recipe}: valid ({r.name}, {arms}, {len(r.gate.checks)} gate checks)")
 
 

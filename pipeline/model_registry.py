@@ -26,6 +26,7 @@ CHALLENGER, CHAMPION = "challenger", "champion"
 STATE = "kiln.registration"  # "incomplete" until complete() ran
 ARTIFACT_SHA, RECIPE_HASH = "kiln.artifact_sha256", "kiln.recipe_hash"
 PREVIOUS = "kiln.previous_champion"
+SERVING = "kiln.serving"  # {optimize, engine} as judged: a search serves the champion this way
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,11 @@ def complete(ctx: Any, version: Version, outcome: Any, extra_tags: dict[str, str
 
 
 def _name(ctx: Any) -> str:
-    return ctx.recipe.tracking.registered_model or ctx.recipe.name
+    return registered_name(ctx.recipe)
+
+
+def registered_name(recipe: Any) -> str:
+    return recipe.tracking.registered_model or recipe.name
 
 
 def _locked(ctx: Any, name: str) -> Any:

@@ -102,11 +102,28 @@ class BaselineSection(Section):
 
 
 class CandidateSection(Section):
-    """One candidate serving configuration: its quantization, its engine and the engine's knobs."""
+    """One candidate serving configuration: its quantization and its engine, or the registry's champion."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="names the candidate in the report and MLflow")
-    optimize: OptimizeConfig = Field(description="the candidate's quantization (none: the engine compresses it itself)")  # type: ignore[valid-type]
-    engine: EngineSectionConfig = Field(default_factory=lambda: BACKENDS.config("torch")())  # type: ignore[valid-type]
+    champion: bool = Field(False, description="the registered model's current champion, as it was judged: its "
+                                              "recorded optimize and engine, its artifact from the registry (so a "
+                                              "change is judged against production); left out while there is none")
+    optimize: OptimizeConfig | None = Field(  # type: ignore[valid-type]
+        None, description="the candidate's quantization (none: the engine compresses it itself)")
+    engine: EngineSectionConfig | None = Field(None, description="default: torch")  # type: ignore[valid-type]
+
+    @model_validator(mode="after")
+    def _configured_or_champion(self) -> CandidateSection:
+        if self.champion:
+            if self.optimize is not None or self.engine is not None:
+                raise ValueError("a champion candidate is served as the registry recorded it: leave out its "
+                                 "optimize and engine")
+            return self
+        if self.optimize is None:
+            raise ValueError("optimize: required (the candidate's quantization), or champion: true")
+        if self.engine is None:
+            self.engine = BACKENDS.config("torch")()
+        return self
 
 
 
@@ -170,7 +187,10 @@ class Recipe(Section):
             if dup := sorted({n for n in names if names.count(n) > 1}):
                 raise ValueError(f"candidates: names must differ; {', '.join(dup)} appears more than once")
             for i, c in enumerate(self.candidates):
-                _check_arm(c.optimize, c.engine, f"candidates.{i}.")
+                if not c.champion:
+                    _check_arm(c.optimize, c.engine, f"candidates.{i}.")
+            if sum(c.champion for c in self.candidates) > 1:
+                raise ValueError("candidates: the registry has one champion; list it once")
             if self.tune is not None:
                 raise ValueError("tune: knob tuning runs on a single-candidate recipe (optimize + engine); in a "
                                  "search, list each knob setting as its own candidate")
@@ -198,7 +218,23 @@ class Recipe(Section):
         base = self.baseline.engine or BACKENDS.config("torch")()
         return [(c.name, self.model_copy(update={"optimize": c.optimize, "engine": c.engine, "candidates": None,
                                                  "baseline": BaselineSection(engine=base)}))
-                for c in self.candidates]
+                for c in self.candidates if not c.champion]
+
+    def with_champion(self, serving: dict[str, Any] | None) -> Recipe:
+        """The recipe with its champion candidate served as `serving` ({optimize, engine}, as the
+        registry recorded it) in its place, or left out when there is no champion yet."""
+        if self.candidates is None or not any(c.champion for c in self.candidates):
+            return self
+        listed = []
+        for c in self.candidates:
+            if not c.champion:
+                listed.append(c)
+            elif serving is not None:
+                listed.append(CandidateSection.model_validate({"name": c.name, **serving}))
+        if not listed:
+            raise BadInput("candidates: the only candidate is the champion and the registry has none yet; "
+                           "list a serving configuration to judge, or promote a version first (kiln promote)")
+        return self.model_copy(update={"candidates": listed})
 
     def single(self, command: str) -> Recipe:
         """The recipe itself when it has one candidate; a search recipe is refused by `command`."""

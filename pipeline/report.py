@@ -269,6 +269,22 @@ def comparisons(evidence: dict[str, Evidence], confidence: float) -> list[Any]:
     return out
 
 
+def serving_tag(ctx: Any) -> dict[str, str]:
+    """How the candidate was served, as the registry records it (optimize as written, the engine's
+    config as built, tuned knobs included): a later search serves the champion exactly so."""
+    import json
+
+    from kiln.engine.loader import read_manifest
+    from kiln.pipeline.model_registry import SERVING
+
+    engine = ctx.outcomes.get("engine:candidate")
+    if engine is None:
+        return {}
+    serving = {"optimize": ctx.recipe.optimize.model_dump(mode="json"),
+               "engine": read_manifest(Path(engine.result["engine_dir"]))["config"]}
+    return {SERVING: json.dumps(serving, sort_keys=True)}
+
+
 def publish(ctx: Any, outcome: GateOutcome, evidence: dict[str, Evidence], artifact: Any,
             search: tuple[list[Any], Any, Any] | None = None) -> Path:
     """The report, its plots and the registry version. `search`: (arms, winner, policy) of a search run."""
@@ -306,5 +322,5 @@ def publish(ctx: Any, outcome: GateOutcome, evidence: dict[str, Evidence], artif
     # The version links back along the chain in the UI; set last: only a finished run's version reads as finished.
     lineage_tags = {"kiln.lineage." + step["step"].replace("[", ".").rstrip("]"): f"{step['key']} (run {step['mlflow_run']})"
                     for step in sections.lineage[:-1]}
-    model_registry.complete(ctx, registered, outcome, lineage_tags)
+    model_registry.complete(ctx, registered, outcome, {**lineage_tags, **serving_tag(ctx)})
     return ctx.run_dir / "report.md"

@@ -11,6 +11,7 @@ of N noisy measurements, biased upward; it is measured again, fresh, before the 
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -19,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from kiln.optimize.base import ModelArtifact
+from kiln.optimize.base import QUANTIZERS, ModelArtifact
 from kiln.pipeline.errors import BadInput, ExitCode, KilnError
 from kiln.pipeline.gate.base import Evidence, Verdict
 from kiln.pipeline.gate.policy import GateOutcome, GateSection, judge
 from kiln.pipeline.metrics import LOAD_PREFIX, METRICS
-from kiln.pipeline.stages import RunContext, run_tags
+from kiln.pipeline.stages import RunContext, run_stage, run_tags
 
 
 class NothingBuilt(KilnError):
@@ -90,6 +91,40 @@ class Arm:
     reached: str = ""  # the last phase it ran
     screened: dict[str, float] | None = None  # objective speed-up before the confirmation
     confirmed: dict[str, float] | None = None
+    champion: Champion | None = None  # served from the registry's champion version
+
+
+@dataclass(frozen=True)
+class Champion:
+    """The registry's champion version: how it is served, and where its artifact is."""
+
+    name: str
+    version: str
+    sha256: str
+    source: str
+    serving: dict[str, Any]
+
+
+def find_champion(ctx: RunContext) -> Champion | None:
+    """The champion of the recipe's registered model, if the recipe lists it and one is recorded.
+    A version registered before kiln recorded serving configurations cannot be served as judged:
+    it is left out, and the run says so."""
+    if not any(c.champion for c in ctx.recipe.candidates or []):
+        return None
+    from kiln.pipeline.model_registry import ARTIFACT_SHA, CHAMPION, SERVING, registered_name
+
+    client, name = ctx.tracker.client, registered_name(ctx.recipe)
+    try:
+        mv = client.get_model_version_by_alias(name, CHAMPION)
+    except Exception:  # noqa: BLE001 - MLflow raises its own types for "no such model" and "no such alias"
+        mv = None
+    if mv is None or SERVING not in mv.tags or ARTIFACT_SHA not in mv.tags:
+        why = "it has no champion yet" if mv is None else f"v{mv.version} has no recorded serving configuration"
+        ctx.console.print(f"[yellow]search[/yellow]: the champion candidate is left out: registered model "
+                          f"'{name}': {why}", markup=True)
+        return None
+    return Champion(name, str(mv.version), mv.tags[ARTIFACT_SHA], client.get_model_version_download_uri(name, mv.version),
+                    json.loads(mv.tags[SERVING]))
 
 
 def speedup(evidence: dict[str, Evidence], objective: str) -> dict[str, float] | None:
@@ -113,10 +148,15 @@ def run_search(ctx: RunContext, model: Any) -> tuple[Arm | None, list[Arm], Gate
     from kiln.pipeline import stage_impl
     from kiln.pipeline.evidence import evidence_from_run
 
-    recipe, started = ctx.recipe, time.monotonic()
+    started = time.monotonic()
+    champion = find_champion(ctx)
+    recipe = ctx.recipe.with_champion(champion.serving if champion else None)
     views = recipe.arms()
     policy = for_family(recipe.gate, len(views))
     arms = [_arm(ctx, name, view) for name, view in views]
+    for arm in arms:
+        if champion and any(c.champion and c.name == arm.name for c in ctx.recipe.candidates):
+            arm.champion = champion
     ctx.console.print(f"[bold]search[/bold]: {len(arms)} candidates against the baseline, each judged at "
                       f"{policy.confidence:.2%} confidence (the family's {recipe.gate.confidence:.0%} shared by "
                       f"{len(arms)}), best {recipe.search.objective} among those that pass every check")
@@ -172,7 +212,9 @@ def _run_phase(arm: Arm, phase: str, model: Any, shared: Any) -> None:
     ctx = arm.ctx
     if phase == "build":
         try:
-            arts = stage_impl.optimize_both(ctx, model)
+            arts = stage_impl.optimize_both(ctx, model) if arm.champion is None else {
+                "baseline": stage_impl.quantize(ctx, "baseline", QUANTIZERS.config("none")(), model),
+                "candidate": champion_artifact(ctx, arm.champion)}
             arm.engines = {role: stage_impl.engine(ctx, role, art) for role, art in arts.items()}
             arm.artifact = arts["candidate"]
         except BadInput:
@@ -186,6 +228,33 @@ def _run_phase(arm: Arm, phase: str, model: Any, shared: Any) -> None:
     finally:
         if "candidate" in loaded:  # one candidate in memory at a time; the baseline stays loaded
             loaded.pop("candidate").close()
+
+
+def champion_artifact(ctx: RunContext, champion: Champion) -> ModelArtifact:
+    """The champion's artifact, downloaded from the tracking server's store once (a stage keyed by
+    its hash) and checked against the hash the registry recorded."""
+    import mlflow.artifacts
+
+    from kiln.pipeline.files import read_json, sha256_tree
+
+    def compute(out: Path) -> dict[str, Any]:
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=champion.source, dst_path=str(out),
+                                                         tracking_uri=ctx.tracker.uri))
+        if local != out / "model":
+            local.rename(out / "model")
+        manifest = read_json(out / "model" / "kiln-artifact.json")
+        (out / "model" / "kiln-artifact.json").unlink()
+        got = sha256_tree(out / "model")
+        if got != champion.sha256:
+            raise KilnError(f"{champion.name} v{champion.version}: the artifact downloaded from {champion.source} "
+                            f"hashes to {got[:12]}, not the {champion.sha256[:12]} the registry recorded")
+        (out / "model" / "kiln-artifact.json").write_text(json.dumps(manifest))
+        return {"metrics": {"size_bytes": manifest["size_bytes"]}, "manifest": manifest}
+
+    o = run_stage(ctx, "optimize", "candidate", {"champion": {"name": champion.name, "version": champion.version,
+                                                              "sha256": champion.sha256}},
+                  compute, artifacts=("model/kiln-artifact.json",), portable=False)
+    return ModelArtifact(path=o.path / "model", manifest=o.result["manifest"])
 
 
 def _engines(arm: Arm, shared: Any) -> Any:

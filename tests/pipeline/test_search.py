@@ -175,3 +175,48 @@ def test_a_resolved_search_recipe_reloads():
     r = Recipe.model_validate({**raw, "model": {"path": "demo"}, "candidates": CANDIDATES})
     again = Recipe.model_validate(yaml.safe_load(yaml.safe_dump(r.model_dump(mode="json"))))
     assert again == r and [name for name, _ in again.arms()] == [c["name"] for c in CANDIDATES]
+
+
+def test_the_champion_is_a_candidate_served_as_it_was_judged(search_run, tmp_path):
+    """After `kiln promote`, a search listing `champion: true` serves the registry's champion (its
+    recorded engine, its artifact downloaded from the store) beside the new candidates."""
+    import mlflow
+
+    work = search_run["work"]
+    client = mlflow.MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    winner = client.get_model_version_by_alias("tiny-search", "challenger")
+    serving = json.loads(winner.tags["kiln.serving"])
+    assert serving["engine"]["backend"] == "ctranslate2" and serving["optimize"]["method"] == "none"
+    assert kiln("promote", "tiny-search", str(winner.version), cwd=work).returncode == 0
+    raw = yaml.safe_load(search_run["recipe"].read_text())
+    raw["candidates"] = [{"name": "prod", "champion": True}, CANDIDATES[0]]
+    recipe = tmp_path / "against-prod.yaml"
+    recipe.write_text(yaml.safe_dump(raw))
+    proc = kiln("run", str(recipe), cwd=work)
+    assert proc.returncode in (0, 1, 3), proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = max((work / "runs").iterdir(), key=lambda p: p.stat().st_mtime)
+    rows = {c["name"]: c for c in json.loads((run_dir / "search.json").read_text())["candidates"]}
+    assert set(rows) == {"prod", "torch-int8"} and rows["prod"]["engine"] == "ctranslate2 int8_float32"
+    optimize = json.loads((run_dir / "candidates" / "prod" / "stages" / "optimize-candidate.json").read_text())
+    inputs = json.loads((Path(optimize["path"]) / "manifest.json").read_text())["inputs"]
+    assert inputs == {"champion": {"name": "tiny-search", "version": str(winner.version),
+                                   "sha256": winner.tags["kiln.artifact_sha256"]}}
+    engine = json.loads((run_dir / "candidates" / "prod" / "stages" / "engine-candidate.json").read_text())
+    first = json.loads((search_run["run_dir"] / "candidates" / "ct2-int8" / "stages" / "engine-candidate.json").read_text())
+    assert engine["key"] == first["key"]  # the same engine, built from the same artifact and config
+
+
+def test_a_champion_candidate_without_a_champion_is_left_out(tmp_path):
+    from kiln.pipeline.errors import BadInput
+
+    raw = {k: v for k, v in TINY_RECIPE.items() if k not in ("optimize", "engine")}
+    r = Recipe.model_validate({**raw, "model": {"path": "demo"},
+                               "candidates": [{"name": "prod", "champion": True}, CANDIDATES[0]]})
+    assert [n for n, _ in r.with_champion(None).arms()] == ["torch-int8"]
+    served = r.with_champion({"optimize": {"method": "none"}, "engine": {"backend": "torch", "threads": 1}})
+    assert [(n, v.engine.threads) for n, v in served.arms()] == [("prod", 1), ("torch-int8", 2)]
+    alone = Recipe.model_validate({**raw, "model": {"path": "demo"}, "candidates": [{"name": "prod", "champion": True}]})
+    with pytest.raises(BadInput, match="promote a version first"):
+        alone.with_champion(None)
+    with pytest.raises(ValueError, match="leave out its optimize and engine"):
+        Recipe.model_validate({**raw, "candidates": [{"name": "p", "champion": True, "optimize": {"method": "none"}}]})
