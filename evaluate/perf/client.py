@@ -38,7 +38,7 @@ class RequestRecord:
 
     request_id: str
     scheduled: float  # when the load shape said to send it
-    sent: float = 0.0  # when the client actually sent it (lateness is measured, not hidden)
+    sent: float = 0.0  # when its bytes went to the socket; 0 if they never did (lateness is measured, not hidden)
     chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk with output
     done: float | None = None
     input_tokens: int | None = None
@@ -78,8 +78,8 @@ class RequestRecord:
         return {
             "request_id": self.request_id,
             "scheduled": self.scheduled - t0,
-            "sent": self.sent - t0,
-            "queue_time": self.queue_time,
+            "sent": self.sent - t0 if self.sent else None,
+            "queue_time": self.queue_time if self.sent else None,
             "ttft": self.ttft,
             "itl": self.itl,
             "tpot": self.tpot,
@@ -169,10 +169,13 @@ class StreamClient:
         assert self.http is not None
         payload = json.dumps({"model": self.model, **body}, separators=(",", ":")).encode()
         sse = _SSE(rec)
+
+        def sent(now: float) -> None:  # the real send: after any wait for a connection, not when the task began
+            rec.sent = now
+
         try:
-            rec.sent = time.perf_counter()
             async with asyncio.timeout(self.timeout_s):
-                status = await self.http.post(self.path, payload, sse.feed)
+                status = await self.http.post(self.path, payload, sse.feed, sent)
             rec.output_tokens = sse.usage_tokens if sse.usage_tokens is not None else len(rec.chunk_times)
             if status != 200:
                 rec.error = f"HTTP {status}: {sse.head.decode(errors='replace')[:200]}"

@@ -2,13 +2,15 @@
 
 Open loop: each request's body is built before its send time, the sender sleeps to the absolute
 send time (never accumulating sleeps, so drift cannot build up), then hands the request to its
-own task. How late each send was is recorded in the request (queue time), not hidden.
+own task. When its bytes really went to the socket is recorded in the request, so how late each
+send was (send lag) is measured, not hidden.
 
 Bounds: the stage sends for `duration_s` or `max_requests`, whichever comes first, then waits up
 to `drain_timeout_s` for requests in flight (they are not cancelled: cancelling them is what
 makes other generators under-count throughput). An open-loop stage stops early under
 `SaturationRule` (see config.py); its in-flight requests are then cancelled and the summary says
-why it stopped.
+why it stopped and whom that blames: the server (in flight grew while sends were on time) or the
+client (sends fell behind).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 from kiln.evaluate.perf.base import Stage
 from kiln.evaluate.perf.client import RequestRecord, StreamClient
 from kiln.evaluate.perf.config import PerformanceConfig, SaturationRule, Trim
-from kiln.evaluate.perf.metrics import Summary, summarize
+from kiln.evaluate.perf.metrics import CLIENT_LIMITED, OVER_SATURATED, Summary, summarize
 from kiln.evaluate.perf.workload import Workload
 
 
@@ -40,8 +42,21 @@ class StageResult:
 @dataclass
 class _State:
     in_flight: set[asyncio.Task] = field(default_factory=set)
-    lateness: float = 0.0
     stop_reason: str | None = None
+    checked: int = 0  # records before this index have been sent (or given up) and their lag seen
+
+
+def _lag_since_last_check(records: list[RequestRecord], state: _State) -> float:
+    """The largest send lag since the last check, in seconds. A request not yet sent counts as
+    late as it is now: a client too busy to send never reports a late send otherwise."""
+    now, lag = time.perf_counter(), 0.0
+    while state.checked < len(records):
+        rec = records[state.checked]
+        if not rec.sent and rec.done is None:
+            return max(lag, now - rec.scheduled)
+        lag = max(lag, (rec.sent or rec.done or now) - rec.scheduled)
+        state.checked += 1
+    return lag
 
 
 async def _sleep_until(target: float) -> None:
@@ -82,7 +97,6 @@ async def _open_loop(
         rec = RequestRecord(f"{salt}-{i}", scheduled=t0 + offset, input_tokens=n_in)
         records.append(rec)
         _launch(client, rec, body, state)
-        state.lateness = time.perf_counter() - rec.scheduled
     raise RuntimeError("arrivals ran out before the stage ended")  # shapes yield endless arrivals
 
 
@@ -117,24 +131,35 @@ async def _closed_loop(
     return sent_until
 
 
-async def _watch(rule: SaturationRule, warm_until: float, state: _State) -> None:
-    """The over-saturation rule (documented on SaturationRule)."""
+async def _watch(rule: SaturationRule, warm_until: float, records: list[RequestRecord], state: _State) -> None:
+    """The early-stop rule and whom it blames (documented on SaturationRule)."""
     counts: list[int] = []
+    lags: list[float] = []  # the largest send lag in each check interval, seconds
     while not state.stop_reason:
         await asyncio.sleep(rule.check_interval_s)
-        if state.lateness > rule.max_lateness_s:
+        lags.append(_lag_since_last_check(records, state))
+        if lags[-1] > rule.max_lateness_s:
             state.stop_reason = (
-                f"client fell {state.lateness:.2f} s behind schedule (client saturated; target rate not sent)"
+                f"{CLIENT_LIMITED}: sends fell {lags[-1]:.2f} s behind schedule; "
+                "the client could not send the target rate, so this says nothing about the server"
             )
+            return
         if time.perf_counter() < warm_until:
             continue
         counts.append(len(state.in_flight))
         recent = counts[-(rule.rising_checks + 1) :]
         rising = len(recent) == rule.rising_checks + 1 and all(b > a for a, b in zip(recent, recent[1:]))
         if rising and recent[-1] >= max(rule.min_in_flight, rule.growth * max(counts[0], 1)):
-            state.stop_reason = (
-                f"over-saturated: requests in flight rose from {counts[0]} to {recent[-1]}, "
+            late_ms = 1000 * max(lags[-(rule.rising_checks + 1) :])
+            grew = (
+                f"requests in flight rose from {counts[0]} to {recent[-1]}, "
                 f"up at each of the last {rule.rising_checks} checks"
+            )
+            state.stop_reason = (
+                f"{CLIENT_LIMITED}: sends ran up to {late_ms:.0f} ms behind schedule while {grew}; "
+                "the client could not send the target rate, so this says nothing about the server"
+                if late_ms > rule.send_lag_tolerance_ms
+                else f"{OVER_SATURATED}: {grew}, while sends were on time (at most {late_ms:.0f} ms late)"
             )
 
 
@@ -159,7 +184,9 @@ async def run_stage(
     t0 = time.perf_counter() + 0.01
     watcher = None
     if stage.open_loop and cfg.saturation.enabled:
-        watcher = asyncio.get_running_loop().create_task(_watch(cfg.saturation, t0 + cfg.warmup.seconds, state))
+        watcher = asyncio.get_running_loop().create_task(
+            _watch(cfg.saturation, t0 + cfg.warmup.seconds, records, state)
+        )
     drive = _open_loop if stage.open_loop else _closed_loop
     end = await drive(client, stage, work, cfg, salt, t0, records, state)
     if state.stop_reason:
@@ -183,5 +210,6 @@ async def run_stage(
         concurrency=stage.concurrency,
         price_per_hour=cfg.price_per_hour,
         stopped_early=state.stop_reason,
+        saturation=cfg.saturation,
     )
     return StageResult(stage.label, t0, window, records, summary)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from urllib.parse import urlsplit
 
 BodyCallback = Callable[[bytes, float], None]
+SentCallback = Callable[[float], None]
 
 
 class HTTPError(Exception):
@@ -157,9 +158,12 @@ class StreamingHTTP:
         _, conn = await loop.create_connection(_Conn, self.host, self.port, ssl=self.ssl)
         return conn
 
-    async def post(self, path: str, body: bytes, on_body: BodyCallback) -> int:
+    async def post(self, path: str, body: bytes, on_body: BodyCallback, on_sent: SentCallback | None = None) -> int:
         """Send; returns the status once the body has ended. Retries once on a stale pooled
-        connection that closed before answering (the server's idle timeout)."""
+        connection that closed before answering (the server's idle timeout).
+
+        `on_sent(perf_counter)` is called when the request's bytes are handed to the socket (again
+        on a retry): the real send time, after any wait for a new connection."""
         request = (
             f"POST {self.prefix}{path} HTTP/1.1\r\n{self.fixed}Content-Length: {len(body)}\r\n\r\n"
         ).encode() + body
@@ -172,6 +176,8 @@ class StreamingHTTP:
             conn = conn or await self._connect()
             done = conn.start(on_body)
             conn.transport.write(request)  # type: ignore[union-attr]
+            if on_sent is not None:
+                on_sent(time.perf_counter())
             try:
                 status = await done
             except HTTPError:

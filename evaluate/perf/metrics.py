@@ -9,8 +9,15 @@ The measurement window is [warm-up end, cool-down start]. Within it:
   (the window opens no earlier than the first completion; see `flow_window`).
   Load keeps running before and after the window, so nothing in flight at its edges is lost:
   the ~1.8% undercount of generators that divide finished requests by the whole run is gone;
-- achieved rate is the rate requests were actually *sent* in the window (from their spacing),
-  to put beside the target rate.
+- achieved rate is the rate requests were actually *sent* in the window: from the spacing of
+  the moments their bytes went to the socket (never their scheduled times, nor completions), to
+  put beside the target rate;
+- send lag (actual send - scheduled send; p50, p99, max) says whether the client kept to the
+  schedule. An open-loop stage is `limited_by` "client" when its p99 lag exceeds the tolerance
+  (`SaturationRule.send_lag_tolerance_ms`) or it stopped because the client fell behind, and
+  "server" when it stopped because requests in flight kept growing while sends were on time.
+  A client-limited stage measured the client, not the server: the knee finder skips it and a
+  search must not rank on it (`client_limited`).
 
 Goodput is the rate of requests that met the SLO on both TTFT and TPOT (DistServe's honest
 throughput). Percentiles use numpy's default (linear interpolation).
@@ -20,16 +27,20 @@ from __future__ import annotations
 
 import bisect
 import collections
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from kiln.evaluate.perf.client import RequestRecord
-from kiln.evaluate.perf.config import SLO
+from kiln.evaluate.perf.config import SLO, SaturationRule
 
 PERCENTILES = (50, 90, 95, 99)
+CLIENT, SERVER = "client", "server"  # the values of Summary.limited_by
+# How an early-stop reason starts says whom it blames; the driver writes them, `limited_by` reads them.
+CLIENT_LIMITED = "client-limited"
+OVER_SATURATED = "over-saturated"
 
 
 def describe_ms(values_s: Sequence[float]) -> dict[str, float]:
@@ -70,6 +81,8 @@ class Summary:
     cost_per_1m_output_tokens: float | None = None
     stopped_early: str | None = None
     error_summary: str | None = None
+    limited_by: str | None = None  # open loop: "client" (sends fell behind), "server" (in flight grew), None
+    send_lag_ms: dict[str, float] = field(default_factory=dict)  # actual - scheduled send: p50, p99, max
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -84,7 +97,7 @@ class Summary:
             if isinstance(v, int | float) and v is not None and not isinstance(v, bool)
         }
         out["error_rate"] = self.error_rate
-        for name in ("ttft", "tpot", "itl", "e2e", "queue"):
+        for name in ("ttft", "tpot", "itl", "e2e", "queue", "send_lag"):
             for stat, v in getattr(self, f"{name}_ms").items():
                 out[f"{name}_{stat}_ms"] = v
         return out
@@ -124,8 +137,12 @@ def summarize(
     concurrency: int | None = None,
     price_per_hour: float | None = None,
     stopped_early: str | None = None,
+    saturation: SaturationRule | None = None,
 ) -> Summary:
-    """Aggregate one stage over its measurement `window` (perf_counter seconds)."""
+    """Aggregate one stage over its measurement `window` (perf_counter seconds).
+
+    `saturation` gives the send-lag tolerance that marks an open-loop stage client-limited
+    (default: the config's default rule)."""
     w0, w1 = window
     span = max(w1 - w0, 1e-9)
     f0, f1 = flow_window(records, window)
@@ -138,6 +155,8 @@ def summarize(
     tpot = [r.tpot for r in ok if r.tpot is not None]
     good = [r for r in ok if r.ttft * 1000 <= slo.ttft_p95_ms and (r.tpot is None or r.tpot * 1000 <= slo.tpot_p95_ms)]
     tokens_per_s = sum(_tokens_in(r, f0, f1) for r in records) / flow_span
+    lag = send_lag_ms(inside)
+    tolerance_ms = (saturation or SaturationRule()).send_lag_tolerance_ms
     summary = Summary(
         label=label,
         window_s=span,
@@ -163,6 +182,8 @@ def summarize(
         else None,
         stopped_early=stopped_early,
         error_summary=_most_common_error(failed),
+        limited_by=limited_by(target_rate is not None, lag, stopped_early, tolerance_ms),
+        send_lag_ms=lag,
     )
     summary.slo_met = (
         bool(ok)
@@ -181,6 +202,38 @@ def achieved_rate(sent: Sequence[float]) -> float:
     if len(sent) < 2:
         return float("nan")
     return (len(sent) - 1) / (max(sent) - min(sent))
+
+
+def send_lag_ms(records: Sequence[RequestRecord]) -> dict[str, float]:
+    """Actual send - scheduled send, in ms: p50, p99, max. A request whose bytes never went out
+    counts as late as when it was given up (a lower bound on its lag)."""
+    lags = [(r.sent or r.done) - r.scheduled for r in records if r.sent or r.done is not None]
+    if not lags:
+        return {"p50": float("nan"), "p99": float("nan"), "max": float("nan")}
+    a = np.asarray(lags, dtype=float) * 1000
+    return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "max": float(a.max())}
+
+
+def limited_by(
+    open_loop: bool, lag_ms: Mapping[str, float], stopped_early: str | None, tolerance_ms: float
+) -> str | None:
+    """Who set the pace of an open-loop stage: "client" when its sends fell behind schedule (p99
+    lag over `tolerance_ms`, or it stopped for that), "server" when it stopped because requests in
+    flight kept growing while sends were on time, else None. Closed loop: None (it sends when free)."""
+    if not open_loop:
+        return None
+    reason = stopped_early or ""
+    if reason.startswith(CLIENT_LIMITED) or lag_ms.get("p99", 0.0) > tolerance_ms:
+        return CLIENT
+    return SERVER if reason.startswith(OVER_SATURATED) else None
+
+
+def client_limited(summary: Summary | Mapping[str, Any]) -> bool:
+    """True when a stage measured the client's limit, not the server's: never rank a candidate on it.
+
+    Takes a `Summary` or its dict (a stage as result.json stores it)."""
+    value = summary.get("limited_by") if isinstance(summary, Mapping) else summary.limited_by
+    return value == CLIENT
 
 
 def _most_common_error(failed: list[RequestRecord]) -> str | None:
@@ -204,10 +257,13 @@ def find_knee(summaries: Sequence[Summary], factor: float = 1.5, stat: str = "p5
     Queueing shows first in TTFT. The median is the default because one stall of a shared
     machine can move a short stage's p95 by itself; the tail is in the plots. The unloaded value
     is the synchronous stage's TTFT when there is one, else the lowest rate's. A stage that
-    stopped early (over-saturated) is past the knee whatever its numbers. None when there are
-    fewer than two open-loop stages or even the lowest rate is past it.
+    stopped early (over-saturated) is past the knee whatever its numbers. A client-limited stage
+    is skipped: its load was not what was asked, so it says nothing about the server. None when
+    there are fewer than two open-loop stages the client sent on time, or even the lowest rate is
+    past the knee.
     """
-    open_loop = sorted((s for s in summaries if s.target_rate), key=lambda s: s.target_rate or 0)
+    skipped = sum(1 for s in summaries if s.target_rate and client_limited(s))
+    open_loop = sorted((s for s in summaries if s.target_rate and not client_limited(s)), key=lambda s: s.target_rate)
     if len(open_loop) < 2:
         return None
     unloaded = [s.ttft_ms[stat] for s in summaries if s.concurrency == 1 and s.completed]
@@ -223,4 +279,7 @@ def find_knee(summaries: Sequence[Summary], factor: float = 1.5, stat: str = "p5
             )
         knee = s
     assert knee is not None
-    return Knee(knee.target_rate or 0.0, knee.label, baseline, "latency stayed flat up to the highest rate tried")
+    tried = "the highest rate tried"
+    if skipped:
+        tried = f"the highest rate sent on time ({skipped} client-limited stage(s) skipped)"
+    return Knee(knee.target_rate or 0.0, knee.label, baseline, f"latency stayed flat up to {tried}")
