@@ -168,15 +168,8 @@ class TorchEngine(Engine):
         self._mask = torch.cat([self._mask, torch.ones(len(self._batch), 1, dtype=torch.long)], dim=1)
         out = self.model(input_ids=ids, attention_mask=self._mask, position_ids=positions,
                          past_key_values=self._cache, use_cache=True)
-        logits = out.logits[:, -1, :].float()
-        events, keep = [], []
-        for i, s in enumerate(self._batch):
-            s.length += 1
-            event = self._emit(s, logits[i])
-            events.append(event)
-            if event.finish_reason is None:
-                keep.append(i)
-        self._keep(keep)
+        events = self._emit(self._batch, out.logits[:, -1, :].float())
+        self._keep([i for i, e in enumerate(events) if e.finish_reason is None])
         return events
 
     def _prefill(self, s: _Seq) -> list[TokenEvent]:
@@ -184,34 +177,44 @@ class TorchEngine(Engine):
         from transformers import DynamicCache
 
         cache = DynamicCache()
-        out = self.model(input_ids=torch.tensor([s.req.prompt_ids]), past_key_values=cache, use_cache=True)
-        s.length = len(s.req.prompt_ids)
-        event = self._emit(s, out.logits[0, -1, :].float())
+        # logits_to_keep=1: only the last position's vocabulary projection is needed (as generate() does).
+        out = self.model(input_ids=torch.tensor([s.req.prompt_ids]), past_key_values=cache, use_cache=True,
+                         logits_to_keep=1)
+        s.length = len(s.req.prompt_ids) - 1  # _emit counts the position it predicts from
+        (event,) = self._emit([s], out.logits[:, -1, :].float())
         if event.finish_reason is None:
             self._join(s, cache)
         return [event]
 
-    def _emit(self, s: _Seq, logits) -> TokenEvent:
+    def _emit(self, seqs: list[_Seq], logits) -> list[TokenEvent]:
+        """Pick each sequence's next token from its row of `logits` [len(seqs), vocab]: one
+        log_softmax, argmax and gather for the whole batch, not three small ops per sequence."""
         import time
 
         import torch
 
         logprobs = torch.log_softmax(logits, dim=-1)
-        if s.rng is None:
-            token = int(torch.argmax(logits))
-        else:
-            probs = torch.softmax(logits / s.req.temperature, dim=-1)
-            if s.req.top_p < 1:
-                probs = _nucleus(probs, s.req.top_p)
-            token = int(torch.multinomial(probs, 1, generator=s.rng))
-        s.produced += 1
-        s.last = token
-        finish = None
-        if token in s.req.stop_ids or (token in self.eos_ids and not s.req.ignore_eos):
-            finish = "stop"
-        elif s.produced >= s.req.max_new_tokens or s.length + 1 >= self.max_positions:
-            finish = "length"
-        return TokenEvent(s.id, token, time.perf_counter(), float(logprobs[token]), finish)
+        tokens = logits.argmax(dim=-1).tolist()
+        for i, s in enumerate(seqs):
+            if s.rng is not None:
+                probs = torch.softmax(logits[i] / s.req.temperature, dim=-1)
+                if s.req.top_p < 1:
+                    probs = _nucleus(probs, s.req.top_p)
+                tokens[i] = int(torch.multinomial(probs, 1, generator=s.rng))
+        chosen = logprobs.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+        now = time.perf_counter()
+        events = []
+        for s, token, logprob in zip(seqs, tokens, chosen, strict=True):
+            s.length += 1
+            s.produced += 1
+            s.last = token
+            finish = None
+            if token in s.req.stop_ids or (token in self.eos_ids and not s.req.ignore_eos):
+                finish = "stop"
+            elif s.produced >= s.req.max_new_tokens or s.length + 1 >= self.max_positions:
+                finish = "length"
+            events.append(TokenEvent(s.id, token, now, logprob, finish))
+        return events
 
     @property
     def vocab_size(self) -> int:
@@ -267,16 +270,18 @@ class TorchEngine(Engine):
         return groups
 
     def _logits(self, seqs: list[list[int]], keep: int):
-        """Logits of the last `keep` positions of right-padded `seqs` (causal: padding is inert)."""
+        """Logits of the last `keep` positions of right-padded `seqs`.
+
+        No attention mask, as lm-eval's `hf` backend: attention is causal, so a real token never
+        sees the padding after it, and without a mask the attention kernel takes its causal fast path.
+        """
         import torch
 
         width = max(len(s) for s in seqs)
         ids = torch.full((len(seqs), width), self.tokenizer.pad_token_id or 0, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
         for i, s in enumerate(seqs):
             ids[i, : len(s)] = torch.tensor(s)
-            mask[i, : len(s)] = 1
-        out = self.model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=keep)
+        out = self.model(input_ids=ids, use_cache=False, logits_to_keep=keep)
         return out.logits.float(), width
 
     def score(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[Score]:
@@ -296,11 +301,12 @@ class TorchEngine(Engine):
                 for j, i in enumerate(group):
                     ctx, cont = pairs[i]
                     start = len(ctx) - 1 - (width - keep)  # first predicting position, in kept coords
-                    rows = torch.log_softmax(logits[j, start : start + len(cont)], dim=-1)
+                    rows = logits[j, start : start + len(cont)]
                     target = torch.tensor(cont)
-                    lps = rows.gather(1, target[:, None])[:, 0]
+                    # log p = logit - logsumexp: no [tokens, vocab] log_softmax copy is written.
+                    lps = rows.gather(1, target[:, None])[:, 0] - torch.logsumexp(rows, dim=-1)
                     greedy = bool((rows.argmax(dim=-1) == target).all())
-                    results[i] = Score(float(lps.sum()), greedy, tuple(float(x) for x in lps))
+                    results[i] = Score(float(lps.sum()), greedy, tuple(lps.tolist()))
         return results  # type: ignore[return-value]
 
     def next_token_logprobs(self, ids: Sequence[list[int]]) -> list[Any]:

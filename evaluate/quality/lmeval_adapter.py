@@ -51,6 +51,7 @@ class KilnLM(TemplateLM):
         self._max_length = max_length
         self.max_gen_toks = int(max_gen_toks)
         self.add_bos_token = add_bos_token
+        self._prefix_text = self.tokenizer.decode([self.prefix_token_id])  # decoded once, not per request
 
     # ----- tokenization (the hf backend's rules) ----------------------------------------------
 
@@ -78,7 +79,7 @@ class KilnLM(TemplateLM):
                    left_truncate_len: int | None = None, **kwargs: Any) -> list[int]:
         flag = add_special_tokens if add_special_tokens is not None else self.add_bos_token
         special = {} if flag is None else {"add_special_tokens": flag}
-        if add_special_tokens is None and string.startswith(self.tokenizer.decode([self.prefix_token_id])):
+        if add_special_tokens is None and string.startswith(self._prefix_text):
             special["add_special_tokens"] = False  # the string already carries its BOS
         ids = self.tokenizer.encode(string, **special)
         return ids[-left_truncate_len:] if left_truncate_len else ids
