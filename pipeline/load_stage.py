@@ -24,10 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from kiln.evaluate.perf.config import PerformanceConfig
+from kiln.evaluate.perf.metrics import client_limited
 from kiln.evaluate.perf.runner import LoadResult
 from kiln.evaluate.roofline import CeilingRow
 from kiln.pipeline.errors import BadInput
-from kiln.pipeline.metrics import LOAD_PREFIX, METRICS
+from kiln.pipeline.metrics import CLIENT_LIMITED, LOAD_PREFIX, METRICS
 
 PLOTS = ("latency_vs_rate.png", "latency_throughput.png", "ceiling_vs_measured.png")
 CEILING_BATCHES = (1, 2, 4, 8, 16)
@@ -87,7 +88,9 @@ def _role_result(repeats: list[LoadResult], ceiling: list[CeilingRow] | None) ->
     first = repeats[0]
     return {"metrics": {k: statistics.median(v) for k, v in per_metric.items() if v},
             "repeats": per_metric,
-            "counts": {"error_rate": [sum(s.errors for s in stages), sum(s.requests - s.cancelled for s in stages)]},
+            "counts": {"error_rate": [sum(s.errors for s in stages), sum(s.requests - s.cancelled for s in stages)],
+                       # headline stages whose load generator could not send the target rate
+                       CLIENT_LIMITED: [sum(client_limited(run.summary) for run in repeats), len(repeats)]},
             "knee": asdict(first.knee) if first.knee else None,
             "headline": first.summary.label,
             "stages": [asdict(s) for s in first.summaries],

@@ -50,6 +50,8 @@ declare("tpot_ms", False, "ms", "time per output token after the first", "perfor
 # How busy the machine was during the decode benchmark (kiln.evaluate.contention): not gated on
 # its own; a speed check measured above its bound is Inconclusive.
 BENCH_PRESSURE = "bench_cpu_pressure"
+# Evidence.counts of the load stage: (headline stages the client could not send on time, repeats).
+CLIENT_LIMITED = "load_client_limited"
 declare(BENCH_PRESSURE, False, "fraction", "share of the decode benchmark's wall time a task waited for a CPU "
         "(Linux PSI): other jobs competing with the measurement", "machine")
 # Footprint.

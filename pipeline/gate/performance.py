@@ -15,7 +15,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from kiln.pipeline.gate.base import CHECKS, Check, CheckConfig, CheckResult, Evidence, Verdict
-from kiln.pipeline.metrics import BENCH_PRESSURE, LOAD_PREFIX, metric
+from kiln.pipeline.metrics import BENCH_PRESSURE, CLIENT_LIMITED, LOAD_PREFIX, metric
 
 
 class PerformanceCheckConfig(CheckConfig):
@@ -67,6 +67,14 @@ class PerformanceCheck(Check):
         if n < 2:
             return self.result(Verdict.INCONCLUSIVE, observed=observed, baseline=base_value,
                                threshold=self._threshold(), reason=f"{n} repeat(s): an interval needs at least 2")
+        limited = {ev.role: ev.counts[CLIENT_LIMITED] for ev in (candidate, baseline)
+                   if c.metric.startswith(LOAD_PREFIX) and ev.counts.get(CLIENT_LIMITED, (0, 0))[0]}
+        if limited:
+            return self.result(Verdict.INCONCLUSIVE, observed=observed, baseline=base_value, threshold=self._threshold(),
+                               reason="the load generator fell behind its schedule (client-limited) in "
+                                      + ", ".join(f"{n} of {k} {role} repeats" for role, (n, k) in limited.items())
+                                      + ": the figures measure the client, not the server. Lower the rate or "
+                                        "run the load generator on a less busy machine")
         pressure = candidate.metrics.get(BENCH_PRESSURE) if not c.metric.startswith(LOAD_PREFIX) else None
         if c.max_cpu_pressure is not None and pressure is not None and pressure > c.max_cpu_pressure:
             return self.result(Verdict.INCONCLUSIVE, observed=observed, baseline=base_value, threshold=self._threshold(),

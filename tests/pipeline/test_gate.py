@@ -140,3 +140,19 @@ def test_contention_between_two_readings():
     got = between(Reading(10.0, 1_000_000, 5, 1000), Reading(12.0, 2_000_000, 15, 1200))
     assert got["cpu_pressure"] == pytest.approx(0.5) and got["cpu_steal"] == pytest.approx(0.05)
     assert between(Reading(0, None, None, None), Reading(1, None, None, None))["cpu_pressure"] is None
+
+
+@pytest.mark.parametrize(("limited_role", "verdict"), [(None, Verdict.SUCCESSFUL), ("candidate", Verdict.INCONCLUSIVE),
+                                                       ("baseline", Verdict.INCONCLUSIVE)])
+def test_a_load_check_on_a_client_limited_measurement_decides_nothing(limited_role, verdict):
+    """The load generator fell behind its schedule: the numbers measure the client, so a search
+    must not rank on them and the gate must not pass or fail the server on them."""
+    from kiln.pipeline.metrics import CLIENT_LIMITED
+
+    cand, base = _perf([2.0, 2.1, 1.9], [4.0, 4.1, 3.9], metric="load_output_token_throughput")
+    for ev in (cand, base):
+        ev.counts[CLIENT_LIMITED] = (1 if ev.role == limited_role else 0, 3)
+    out = judge(_policy({"kind": "performance", "metric": "load_output_token_throughput", "min_ratio": 1.5}), cand, base)
+    assert out.results[0].verdict is verdict, out.results[0].reason
+    if limited_role:
+        assert f"1 of 3 {limited_role} repeats" in out.results[0].reason and "client-limited" in out.results[0].reason
