@@ -5,12 +5,21 @@ For each backend x precision: TTFT of a 512-token prompt, decode tok/s at batch 
 bandwidth, and the speed-up over torch fp32. Bandwidth and the decode-rate method are the ones
 bench/engines.py uses (numpy copy over the engine's thread count), so every row is measured the
 same way. Engines are built once into kiln's engine cache (OpenVINO/CTranslate2 conversion takes
-minutes) and each variant runs in its own process, so peak RSS is its own. Variants run in
-`--repeats` rounds in alternating order and each metric keeps its best round: the machine is
-shared and noisy, so compare rows of one run, never across runs.
+minutes) and each variant runs in its own process, so peak RSS is its own.
+
+The llama.cpp variants (`llama-q8_0`, ...) serve a GGUF file the `gguf` method made (cached under
+$KILN_CACHE/bench-gguf). Their child also measures, back to back in the same process and round:
+- `kiln serve` over that engine: decode tok/s of one streamed batch-1 request over HTTP (what a
+  client of kiln sees: kiln's server -> the llama_cpp engine -> llama-server);
+- `llama-bench` of the same build and the same file: `pp512` and `tg64` at the same threads.
+The `llama-bench` figures print as their own rows, with kiln serve's decode over llama-bench's.
+
+Variants run in `--repeats` rounds in alternating order; every figure is the median of the rounds
+with its [min, max]. The load average is recorded around every child: the machine is shared, so
+compare rows of one run, never across runs.
 
     python bench/cpu_engines.py                      # all default variants, 2 threads
-    python bench/cpu_engines.py --only torch-fp32 --only ov-int8 --repeats 1
+    python bench/cpu_engines.py --only torch-fp32 --only llama-q8_0 --repeats 1
 
 Writes bench/results/cpu_engines.json and prints a table.
 """
@@ -22,15 +31,18 @@ import json
 import os
 import platform
 import resource
+import signal
+import socket
 import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-import engines as common  # noqa: E402  (bench/engines.py: bandwidth, decode-rate method)
+import engines as common
 
 OUT = Path(__file__).parent / "results" / "cpu_engines.json"
 VARIANTS = {
@@ -41,15 +53,88 @@ VARIANTS = {
     "ct2-fp32": {"backend": "ctranslate2", "quantization": "float32"},
     "ct2-int8f32": {"backend": "ctranslate2", "quantization": "int8_float32"},
     "ct2-int8": {"backend": "ctranslate2", "quantization": "int8"},
+    # parallel 8: the batch-8 figure needs 8 server slots; 1024 context each holds the 512-token prompt
+    "llama-q8_0": {"backend": "llama_cpp", "parallel": 8, "ctx_per_slot": 1024, "gguf": "q8_0"},
+    "llama-q4_0": {"backend": "llama_cpp", "parallel": 8, "ctx_per_slot": 1024, "gguf": "q4_0"},
+    "llama-q4_K_M": {"backend": "llama_cpp", "parallel": 8, "ctx_per_slot": 1024, "gguf": "q4_K_M"},
 }
+METRICS = ("ttft_512_ms", "decode_tok_s_b1", "decode_tok_s_b8", "serve_tok_s_b1", "bench_tg_tok_s", "bench_pp512_tok_s",
+           "serve_over_bench")
 
 
-def measure(label: str, checkpoint: Path, threads: int, decode_tokens: int) -> dict[str, Any]:
+def gguf_artifact(checkpoint: Path, kind: str, threads: int) -> Path:
+    """The gguf method's artifact of `checkpoint` at `kind`, made once into the cache."""
+    from kiln.optimize.gguf import Gguf, GgufConfig
+    from kiln.pipeline.demo import cache_root
+    from kiln.pipeline.files import atomic_write_json, cached_tree_hash
+
+    out = cache_root() / "bench-gguf" / f"{cached_tree_hash(checkpoint, cache_root() / 'hashes.json')[:12]}-{kind}"
+    if not (out / "kiln-artifact.json").is_file():
+        manifest = Gguf(GgufConfig(type=kind, threads=threads)).quantize(checkpoint, out, None)
+        atomic_write_json(out / "kiln-artifact.json", {"method": "gguf", **manifest})
+    return out
+
+
+def serve_decode_rate(engine_dir: Path, prompt: list[int], n: int) -> float:
+    """Decode tok/s of one streamed request through a `kiln serve` process (first token excluded)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    kiln = str(Path(sys.executable).with_name("kiln"))
+    proc = subprocess.Popen([kiln, "serve", str(engine_dir), "--port", str(port), "--request-log", "off"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "KILN_API_KEY": ""})
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"kiln serve {engine_dir} did not become ready") from None
+                time.sleep(0.2)
+        rates = []
+        for _ in range(2):  # the first warms the server's path; the second is measured
+            body = json.dumps({"prompt": prompt, "max_tokens": n, "ignore_eos": True, "temperature": 0,
+                               "stream": True}).encode()
+            req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+            times = []
+            with urllib.request.urlopen(req, timeout=300) as r:
+                for line in r:
+                    if line.startswith(b"data: {") and b'"choices"' in line:
+                        times.append(time.perf_counter())
+            rates.append((len(times) - 1) / (times[-1] - times[0]))
+        return rates[-1]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def llama_bench(gguf_path: Path, threads: int, n: int) -> dict[str, float]:
+    """`llama-bench` of the same build on the same file: prompt 512 and decode n tokens, tok/s."""
+    from kiln.pipeline.llama_cpp_build import binary
+
+    out = subprocess.run([str(binary("llama-bench")), "-m", str(gguf_path), "-t", str(threads), "-p", "512",
+                          "-n", str(n), "-r", "2", "-o", "json"], capture_output=True, text=True, check=True)
+    rows = json.loads(out.stdout)
+    tg = next(r for r in rows if r["n_gen"] == n)
+    pp = next(r for r in rows if r["n_prompt"] == 512)
+    return {"bench_tg_tok_s": round(tg["avg_ts"], 2), "bench_pp512_tok_s": round(pp["avg_ts"], 2)}
+
+
+def measure(label: str, checkpoint: Path, threads: int, decode_tokens: int, order: int = 0) -> dict[str, Any]:
     """Child process: build (cached), load, measure one variant."""
     import random
 
     # Registers the backends even before kiln.engine's __init__ imports them.
-    import kiln.engine.ctranslate2  # noqa: F401
+    import kiln.engine.ctranslate2
+    import kiln.engine.llama_cpp
     import kiln.engine.openvino  # noqa: F401
     from kiln.engine.base import GenerationRequest
     from kiln.engine.cache import build_engine
@@ -57,8 +142,12 @@ def measure(label: str, checkpoint: Path, threads: int, decode_tokens: int) -> d
     from kiln.pipeline.demo import cache_root
     from kiln.pipeline.files import cached_tree_hash
 
-    config = engine_config({"config": VARIANTS[label]})
+    variant = dict(VARIANTS[label])
     started = time.perf_counter()
+    if "gguf" in variant:  # llama.cpp serves the gguf method's artifact, at the bench's threads
+        checkpoint = gguf_artifact(checkpoint, variant.pop("gguf"), threads)
+        variant["threads"] = threads
+    config = engine_config({"config": variant})
     checkpoint_hash = cached_tree_hash(checkpoint, cache_root() / "hashes.json")
     engine_dir = build_engine(config, checkpoint, checkpoint_hash, cache_root())
     build_s = time.perf_counter() - started
@@ -66,7 +155,7 @@ def measure(label: str, checkpoint: Path, threads: int, decode_tokens: int) -> d
     engine = load_engine(engine_dir, threads=threads)
     load_s = time.perf_counter() - started
     rng = random.Random(0)
-    prompt = lambda n: [rng.randrange(100, len(engine.tokenizer) - 100) for _ in range(n)]  # noqa: E731
+    prompt = lambda n: [rng.randrange(100, len(engine.tokenizer) - 100) for _ in range(n)]
     list(engine.generate([GenerationRequest(prompt(32), 4, ignore_eos=True)]))  # warm-up
     ttfts = []
     for _ in range(3):
@@ -78,33 +167,47 @@ def measure(label: str, checkpoint: Path, threads: int, decode_tokens: int) -> d
     b8 = common._decode_rate(engine, [prompt(16) for _ in range(8)], decode_tokens)
     weight_bytes = engine.manifest["build"].get("weight_bytes") or common.weight_bytes(engine, checkpoint)
     engine.close()
-    return {"label": label, "config": config.model_dump(mode="json"), "engine_dir": str(engine_dir),
-            "build_or_cache_s": round(build_s, 1), "load_s": round(load_s, 2),
-            "ttft_512_ms": round(statistics.median(ttfts) * 1000, 1), "decode_tok_s_b1": round(b1, 2),
-            "decode_tok_s_b8": round(b8, 2), "weight_bytes": weight_bytes,
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
+    row = {"label": label, "config": config.model_dump(mode="json"), "engine_dir": str(engine_dir),
+           "build_or_cache_s": round(build_s, 1), "load_s": round(load_s, 2),
+           "ttft_512_ms": round(statistics.median(ttfts) * 1000, 1), "decode_tok_s_b1": round(b1, 2),
+           "decode_tok_s_b8": round(b8, 2), "weight_bytes": weight_bytes,
+           "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
+    if config.backend == "llama_cpp":
+        serve = lambda: {"serve_tok_s_b1": round(serve_decode_rate(engine_dir, prompt(16), decode_tokens), 2)}
+        bench = lambda: llama_bench(engine_dir / engine.manifest["build"]["file"], threads, decode_tokens)
+        first, second = (serve, bench) if order == 0 else (bench, serve)  # alternates with the round
+        row.update(first())
+        row.update(second())
+        row["serve_over_bench"] = round(row["serve_tok_s_b1"] / row["bench_tg_tok_s"], 3)
+    return row
 
 
-def run_child(label: str, args) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--child", label, "--model", str(args.model),
+def run_child(label: str, args, round_: int) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--child", label, "--model", str(args.model), "--round", str(round_),
            "--threads", str(args.threads), "--decode-tokens", str(args.decode_tokens)]
+    load_before = os.getloadavg()[0]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("KILN_BENCH_RESULT ")]
     if out.returncode != 0 or not lines:
         return {"label": label, "error": out.stderr.strip().splitlines()[-1:] or ["no output"]}
-    return json.loads(lines[-1].split(" ", 1)[1])
+    return {**json.loads(lines[-1].split(" ", 1)[1]), "load_1min": [load_before, os.getloadavg()[0]]}
 
 
-def best_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over the rounds, with its [min, max] and every round's value."""
     ok = [r for r in runs if "error" not in r]
     if not ok:
         return runs[-1]
     row = dict(ok[0])
-    row["ttft_512_ms"] = min(r["ttft_512_ms"] for r in ok)
+    row["rounds"] = len(ok)
     row["peak_rss_mb"] = max(r["peak_rss_mb"] for r in ok)
-    for key in ("decode_tok_s_b1", "decode_tok_s_b8"):
-        row[key] = max(r[key] for r in ok)
-        row[key + "_rounds"] = [r[key] for r in ok]
+    row["load_1min"] = [round(x, 2) for r in ok for x in r["load_1min"]]
+    for key in METRICS:
+        if key in row:
+            values = [r[key] for r in ok]
+            row[key] = round(statistics.median(values), 3)
+            row[key + "_range"] = [min(values), max(values)]
+            row[key + "_rounds"] = values
     return row
 
 
@@ -119,18 +222,30 @@ def finish(rows: list[dict[str, Any]], bandwidth_gb_s: float) -> None:
             r["speedup_b8_vs_torch"] = round(r["decode_tok_s_b8"] / ref["decode_tok_s_b8"], 2)
 
 
+def _spread(r: dict[str, Any], key: str, fmt: str = ".1f") -> str:
+    lo, hi = r[key + "_range"]
+    return f"{r[key]:{fmt}} [{lo:{fmt}}, {hi:{fmt}}]"
+
+
 def print_table(rows: list[dict[str, Any]], bw: float) -> None:
-    print(f"\nmemory bandwidth (numpy copy): {bw:.1f} GB/s")
-    head = (f"{'variant':<13}{'weights':>9}{'TTFT512':>9}{'b1 tok/s':>9}{'b8 tok/s':>9}"
-            f"{'RSS':>8}{'MBU b1':>7}{'x torch b1':>11}{'x b8':>6}")
+    print(f"\nmemory bandwidth (numpy copy): {bw:.1f} GB/s; medians of the rounds [min, max]")
+    head = (f"{'variant':<18}{'weights':>8}{'TTFT 512 ms':>24}{'b1 tok/s':>22}{'b8 tok/s':>22}"
+            f"{'RSS':>7}{'MBU b1':>7}{'x torch b1':>11}")
     print(head + "\n" + "-" * len(head))
     for r in rows:
         if "error" in r:
-            print(f"{r['label']:<13} failed: {r['error']}")
+            print(f"{r['label']:<18} failed: {r['error']}")
             continue
-        print(f"{r['label']:<13}{r['weight_bytes'] / 1e6:>7.0f}MB{r['ttft_512_ms']:>7.0f}ms{r['decode_tok_s_b1']:>9.1f}"
-              f"{r['decode_tok_s_b8']:>9.1f}{r['peak_rss_mb']:>6.0f}MB{r['mbu_b1']:>7.0%}"
-              f"{r.get('speedup_b1_vs_torch', float('nan')):>10.2f}x{r.get('speedup_b8_vs_torch', float('nan')):>5.2f}x")
+        print(f"{r['label']:<18}{r['weight_bytes'] / 1e6:>6.0f}MB{_spread(r, 'ttft_512_ms', '.0f'):>24}"
+              f"{_spread(r, 'decode_tok_s_b1'):>22}{_spread(r, 'decode_tok_s_b8'):>22}{r['peak_rss_mb']:>5.0f}MB"
+              f"{r['mbu_b1']:>7.0%}{r.get('speedup_b1_vs_torch', float('nan')):>10.2f}x")
+        if "serve_tok_s_b1" in r:
+            name = "  kiln serve"
+            print(f"{name:<18}{'':>8}{'':>24}{_spread(r, 'serve_tok_s_b1'):>22}")
+            name = "  llama-bench"
+            ttft = 512 / r["bench_pp512_tok_s"] * 1000
+            print(f"{name:<18}{'':>8}{f'{ttft:.0f} (pp512)':>24}{_spread(r, 'bench_tg_tok_s'):>22}")
+            print(f"{'':<18}kiln serve / llama-bench decode: {_spread(r, 'serve_over_bench', '.3f')}")
 
 
 def main() -> None:
@@ -142,28 +257,31 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.model is None:
         from kiln.pipeline.demo import demo_model_dir
 
         args.model = demo_model_dir()
     if args.child:
-        print("KILN_BENCH_RESULT " + json.dumps(measure(args.child, args.model, args.threads, args.decode_tokens)))
+        print("KILN_BENCH_RESULT " + json.dumps(measure(args.child, args.model, args.threads, args.decode_tokens, args.round % 2)))
         return
     from kiln.pipeline.files import atomic_write_json
 
     labels = args.only or list(VARIANTS)
+    load_start = os.getloadavg()
     samples, runs = [common.bandwidth(args.threads)], {label: [] for label in labels}
     for r in range(args.repeats):
         for label in labels if r % 2 == 0 else reversed(labels):
-            runs[label].append(run_child(label, args))
+            runs[label].append(run_child(label, args, r))
             print(json.dumps(runs[label][-1]), flush=True)
         samples.append(common.bandwidth(args.threads))
     bw = statistics.median(samples)
-    rows = [best_of(runs[label]) for label in labels]
+    rows = [median_of(runs[label]) for label in labels]
     finish(rows, bw)
     atomic_write_json(args.out, {"model": str(args.model), "machine": platform.processor() or platform.machine(),
-                                 "cpus": os.cpu_count(), "load_average": os.getloadavg(), "threads": args.threads,
+                                 "cpus": os.cpu_count(), "load_average_start": load_start,
+                                 "load_average_end": os.getloadavg(), "threads": args.threads,
                                  "bandwidth_gb_s": round(bw, 2),
                                  "bandwidth_samples_gb_s": [round(b, 2) for b in samples],
                                  "decode_tokens": args.decode_tokens, "repeats": args.repeats, "results": rows})

@@ -10,11 +10,14 @@ token-ID prompts and `return_tokens`, so token ids come back exactly; the stream
 each token is llama.cpp's (`n_probs: 1`). Stop token ids are applied here (the server knows only
 stop strings): the stream is closed at the first one.
 
-Not supported: prompt log-likelihoods (`score`) and full next-token distributions. llama-server
-refuses `echo` on completions ("Only no echo is supported") and returns at most top-n
-probabilities of generated tokens, so perplexity, token agreement and lm-eval log-likelihood
-tasks cannot run through this backend; a recipe that asks for them is refused when validated
-(`scores = False`), and the methods raise `NotSupported`.
+Scoring (`score`, `next_token_logprobs`: perplexity, token agreement, lm-eval log-likelihoods)
+runs in-process instead: llama-server refuses `echo` on completions ("Only no echo is
+supported") and returns only top-n probabilities of generated tokens, so the engine loads the
+same GGUF file into llama.cpp through its ctypes binding, from the same build, with a logit row
+for every token (engine/llama_cpp_logits.py). It is loaded on the first scoring call, so a
+server that only generates never pays for it. Same weights, threads, KV cache type and flash
+attention setting as the server that generates (`cache_type`, `flash_attn`: llama-server's
+defaults, f16 and auto, or f32 and off for exact parity with torch fp32).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
+from kiln.engine import full_logits
 from kiln.engine.base import (
     BACKENDS,
     REBUILD,
@@ -49,10 +53,6 @@ HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenize
             "special_tokens_map.json", "chat_template.jinja", "tokenizer.model")
 
 
-class NotSupported(BadInput):
-    """The backend cannot compute what was asked (not a transient failure)."""
-
-
 class LlamaCppConfig(EngineConfig):
     backend: Literal["llama_cpp"] = "llama_cpp"
     precision: Literal["f32", "f16", "bf16"] = Field(
@@ -61,6 +61,11 @@ class LlamaCppConfig(EngineConfig):
     parallel: int = Field(4, ge=1, description="server slots: sequences decoded together (continuous batching)")
     ctx_per_slot: int = Field(2048, ge=16, description="context tokens each slot holds (prompt + output)")
     batch_size: int = Field(512, ge=1, description="llama-server --batch-size: prompt tokens per forward step")
+    # Numerics shared by generation (llama-server) and scoring (in-process): on the tiny f32 Llama the
+    # defaults put next-token log-probs up to 1.1e-3 from torch fp32 (flash attention 1.1e-3, f16 cache
+    # 3e-4); f32 + off gives 3e-6.
+    cache_type: Literal["f16", "f32"] = Field("f16", description="KV cache type (llama-server's default: f16)")
+    flash_attn: Literal["auto", "on", "off"] = Field("auto", description="flash attention (auto: on for CPU)")
     startup_timeout_s: float = Field(120, gt=0)
 
 
@@ -68,7 +73,6 @@ class LlamaCppConfig(EngineConfig):
 class LlamaCppBackend(EngineBackend):
     libraries: ClassVar[tuple[str, ...]] = ("gguf", "transformers")
     artifact_formats: ClassVar[tuple[str, ...]] = ("safetensors", "gguf")
-    scores: ClassVar[bool] = False
 
     def build(self, checkpoint: Path, out_dir: Path) -> dict[str, Any]:
         from kiln.optimize import gguf
@@ -80,8 +84,12 @@ class LlamaCppBackend(EngineBackend):
         source = checkpoint / gguf.GGUF_FILE
         if source.is_file():
             _link_or_copy(source, out_dir / GGUF)
-            kind = _artifact_type(checkpoint)
+            kind = _artifact_field(checkpoint, "type")
         else:
+            method = _artifact_field(checkpoint, "method")
+            if method not in (None, "none"):
+                raise BadInput(f"{checkpoint}: a '{method}' artifact; the llama_cpp engine converts an unquantized "
+                               "checkpoint or serves a gguf one: set optimize.method: gguf (with its type) or none.")
             if not any(checkpoint.glob("*.safetensors")):
                 raise BadInput(f"{checkpoint}: neither {gguf.GGUF_FILE} (optimize.method: gguf) nor *.safetensors "
                                "weights: the llama_cpp engine builds from one of them.")
@@ -111,10 +119,11 @@ class LlamaCppBackend(EngineBackend):
         return engine
 
 
-def _artifact_type(checkpoint: Path) -> str | None:
+def _artifact_field(checkpoint: Path, key: str) -> str | None:
+    """A field of the artifact's manifest (`type` is optimize/gguf.py's), None without one."""
     manifest = checkpoint / "kiln-artifact.json"
     if manifest.is_file():
-        return json.loads(manifest.read_text()).get("type")  # optimize/gguf.py's manifest field
+        return json.loads(manifest.read_text()).get(key)
     return None
 
 
@@ -125,11 +134,16 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
+def _threads(config: LlamaCppConfig) -> int:
+    return config.threads or os.cpu_count() or 1
+
+
 def server_command(exe: Path, gguf_path: Path, port: int, config: LlamaCppConfig) -> list[str]:
-    threads = config.threads or os.cpu_count() or 1
+    threads = _threads(config)
     return [str(exe), "-m", str(gguf_path), "--host", "127.0.0.1", "--port", str(port),
             "--parallel", str(config.parallel), "--ctx-size", str(config.parallel * config.ctx_per_slot),
             "--batch-size", str(config.batch_size), "--threads", str(threads), "--threads-batch", str(threads),
+            "--cache-type-k", config.cache_type, "--cache-type-v", config.cache_type, "--flash-attn", config.flash_attn,
             "--cont-batching", "--no-webui", "--log-disable"]
 
 
@@ -140,6 +154,9 @@ class LlamaServerEngine(RemoteEngine):
     server_log: Any = None
     server_url: str = ""
     max_positions: int = 2048
+    scorer: Any = None  # LlamaLogits, made on the first scoring call
+    gguf_path: Path
+    llama_config: LlamaCppConfig
 
     @classmethod
     def start(cls, gguf_path: Path, tokenizer_dir: Path, config: LlamaCppConfig) -> LlamaServerEngine:
@@ -166,6 +183,7 @@ class LlamaServerEngine(RemoteEngine):
         engine.process, engine.server_log = process, log
         engine.server_url = url
         engine.max_positions = config.ctx_per_slot
+        engine.gguf_path, engine.llama_config = gguf_path, config
         return engine
 
     def add(self, request: GenerationRequest) -> int:
@@ -208,18 +226,29 @@ class LlamaServerEngine(RemoteEngine):
         except Exception as e:  # noqa: BLE001 - surfaced from step() on the caller's thread
             self._events.put(_Failed(seq_id, e))
 
+    def _logits(self, seqs: list[list[int]]) -> list[Any]:
+        if self.scorer is None:
+            from kiln.engine.llama_cpp_logits import LlamaLogits
+
+            c = self.llama_config
+            self.scorer = LlamaLogits(self.gguf_path, c.ctx_per_slot, c.batch_size, _threads(c), c.cache_type,
+                                      c.flash_attn)
+        if max(map(len, seqs)) > self.max_positions:
+            raise BadInput(f"A sequence of {max(map(len, seqs))} tokens to score exceeds engine.ctx_per_slot "
+                           f"({self.max_positions}): raise it.")
+        return self.scorer(seqs)
+
     def score(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[Score]:
-        raise NotSupported("The llama_cpp engine cannot score prompt log-likelihoods: llama-server refuses echo "
-                           "(\"Only no echo is supported\"). Run perplexity and lm-eval log-likelihood tasks on "
-                           "another backend (docs/engines.md).")
+        return full_logits.scores(pairs, self._logits, self.max_positions)
 
     def next_token_logprobs(self, ids: Sequence[list[int]]) -> list[Any]:
-        raise NotSupported("The llama_cpp engine cannot return full next-token distributions (llama-server "
-                           "returns top-n probabilities of generated tokens only): token agreement needs another "
-                           "backend (docs/engines.md).")
+        return full_logits.next_token_logprobs(ids, self._logits, self.max_positions)
 
     def close(self) -> None:
         super().close()
+        if self.scorer is not None:
+            self.scorer.close()
+            self.scorer = None
         if self.process and self.process.poll() is None:
             self.process.terminate()
             try:

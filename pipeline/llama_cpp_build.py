@@ -1,11 +1,15 @@
 """Build llama.cpp once per machine into kiln's cache (`python -m kiln.pipeline.llama_cpp_build`).
 
 No prebuilt llama.cpp can be downloaded here, so the install step compiles it from a registry
-source: the llama-cpp-python sdist on PyPI vendors llama.cpp (one source for the binaries and
-the `convert_hf_to_gguf.py` converter). The build is keyed by that version and by the CPU's
-flags (`GGML_NATIVE=ON` compiles for this CPU: a cache copied to another CPU could crash with an
-illegal instruction), done in a temporary folder and renamed into place, under a file lock so
-two `make` runs build it once. Static binaries, so the folder can be renamed after linking.
+source: the llama-cpp-python sdist on PyPI vendors llama.cpp. One source for the binaries, the
+`convert_hf_to_gguf.py` converter and the Python binding: the sdist's pure-Python ctypes package
+`llama_cpp/` is copied beside the shared libraries it loads (`LLAMA_CPP_LIB_PATH`), which the
+llama_cpp engine uses in-process to score prompts (engine/llama_cpp.py). The build is keyed by
+that version and by the CPU's flags (`GGML_NATIVE=ON` compiles for this CPU: a cache copied to
+another CPU could crash with an illegal instruction), done in a temporary folder and renamed into
+place, under a file lock so two `make` runs build it once. One compile with shared libraries: the
+programs and `libllama.so`/`libggml*.so` sit together in `bin/` and find each other through an
+`$ORIGIN` rpath, so the folder can be renamed after linking.
 """
 
 from __future__ import annotations
@@ -25,15 +29,18 @@ VERSION = "0.3.36"  # llama-cpp-python on PyPI; its vendor/llama.cpp is the llam
 SDIST = f"llama_cpp_python-{VERSION}.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 TARGETS = ("llama-server", "llama-quantize", "llama-tokenize", "llama-perplexity", "llama-bench")
+LIBRARY = "libllama.so"  # what the binding loads; the libggml*.so it links sit beside it
 CMAKE_FLAGS = ("-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-               "-DLLAMA_BUILD_EXAMPLES=OFF", "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF",
+               "-DLLAMA_BUILD_EXAMPLES=OFF", "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON",
+               "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON", "-DCMAKE_INSTALL_RPATH=$ORIGIN",
                "-DLLAMA_OPENSSL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF")
+BINDING = "python"  # the sdist's llama_cpp/ package is copied to <install>/python/llama_cpp
 # One patch to the vendored llama-server, applied before building (part of the cache key). In stream
 # mode the server sends a token only once the generated text ends in complete UTF-8, and a token
 # held back that way is never sent: the stream loses its id (seen on the tiny random Llama: 16
 # tokens generated, none streamed). kiln needs every id, so with `return_tokens` a held-back token
 # is streamed at once with empty text (the text still arrives with the token that completes it).
-PATCH_ID = "kiln1"
+PATCH_ID = "kiln2"  # the build's cache key: kiln2 added the shared libraries and the binding
 PATCH_FILE = "tools/server/server-context.cpp"
 PATCH_FROM = """        if (incomplete) {
             slot.has_next_token = true;
@@ -90,8 +97,16 @@ def converter() -> Path | None:
     return path if path.is_file() and (base / "gguf-py").is_dir() else None
 
 
+def library_dir() -> Path | None:
+    """The folder holding libllama.so and the binding's package folder `llama_cpp`, or None."""
+    base = Path(os.environ.get("KILN_LLAMA_CPP_DIR") or install_dir())
+    ok = (base / "bin" / LIBRARY).is_file() and (base / BINDING / "llama_cpp" / "llama_cpp.py").is_file()
+    return base if ok else None
+
+
 def complete(path: Path) -> bool:
-    return all((path / "bin" / n).is_file() for n in TARGETS) and all((path / n).exists() for n in CONVERTER)
+    return (all((path / "bin" / n).is_file() for n in (*TARGETS, LIBRARY))
+            and all((path / n).exists() for n in (*CONVERTER, BINDING)))
 
 
 def _sdist(downloads: Path) -> Path:
@@ -132,7 +147,8 @@ def build(jobs: int | None = None) -> Path:
         with tempfile.TemporaryDirectory(dir=root, prefix=".build-") as tmp:
             work = Path(tmp)
             with tarfile.open(sdist) as tar:
-                members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name]
+                members = [m for m in tar.getmembers()
+                           if "/vendor/llama.cpp/" in m.name or m.name.split("/")[1:2] == ["llama_cpp"]]
                 tar.extractall(work, members=members, filter="data")
             src = next(work.glob("*/vendor/llama.cpp"))
             _patch(src / PATCH_FILE)
@@ -146,6 +162,10 @@ def build(jobs: int | None = None) -> Path:
                            check=True)
             for name in TARGETS:
                 shutil.copy2(work / "build" / "bin" / name, out / "bin" / name)
+            for lib in (work / "build" / "bin").glob("lib*.so*"):  # with their soname links
+                shutil.copy2(lib, out / "bin" / lib.name, follow_symlinks=False)
+            shutil.copytree(next(work.glob("*/llama_cpp")), out / BINDING / "llama_cpp",
+                            ignore=shutil.ignore_patterns("server", "__pycache__"))
             for name in CONVERTER:
                 if (src / name).is_dir():
                     shutil.copytree(src / name, out / name, ignore=shutil.ignore_patterns("tests", "examples"))
@@ -153,7 +173,7 @@ def build(jobs: int | None = None) -> Path:
                     shutil.copy2(src / name, out / name)
             seconds = time.monotonic() - started
             (out / "BUILD").write_text(f"llama-cpp-python {VERSION} sdist, vendored llama.cpp\n"
-                                       f"cmake {' '.join(CMAKE_FLAGS)}\ntargets {' '.join(TARGETS)}\n"
+                                       f"cmake {' '.join(CMAKE_FLAGS)}\ntargets {' '.join(TARGETS)} (+ {LIBRARY})\n"
                                        f"jobs {jobs}\nseconds {seconds:.0f}\n")
             os.rename(out, final)  # atomic: a half-built folder never carries the final name
     return final

@@ -10,11 +10,13 @@ import pytest
 
 
 def require_llama_cpp() -> None:
-    from kiln.pipeline.llama_cpp_build import binary, converter, install_dir
+    from kiln.pipeline.llama_cpp_build import LIBRARY, binary, converter, install_dir, library_dir
 
     missing = [n for n in ("llama-server", "llama-quantize", "llama-tokenize") if binary(n) is None]
     if converter() is None:
         missing.append("convert_hf_to_gguf.py")
+    if library_dir() is None:
+        missing.append(f"{LIBRARY} and the llama_cpp binding")
     if not missing:
         return
     message = (f"llama.cpp is not built at {install_dir()} (missing {', '.join(missing)}): "
