@@ -164,14 +164,24 @@ def _load_tables(load: dict[str, Any]) -> list[Table]:
     """The sweep's knee per arm, and the roofline's ceiling beside the measured TPOT (MBU)."""
     arms = load["per_role"]
     knees = [[role, _fmt(part["knee"]["rate"]) if part["knee"] else "none", part["headline"],
-              part["knee"]["reason"] if part["knee"] else _no_knee(part["stages"])] for role, part in arms.items()]
+              part["knee"]["reason"] if part["knee"] else _no_knee(part["stages"]), _paced(part["stages"])]
+             for role, part in arms.items()]
     ceiling = [[role, str(r["batch"]), _fmt(r["tokens_per_s_per_user"]), _fmt(r["step_ms"]),
                 _fmt(r["measured_tpot_ms"]), f"{r['mbu']:.0%}" if r["mbu"] else "—"]
                for role, part in arms.items() for r in part["roofline"]]
     bandwidth = f" at {load['bandwidth_gb_s']:.1f} GB/s measured" if "bandwidth_gb_s" in load else ""
-    return [("Knee (highest rate before TTFT climbs)", ["arm", "knee (req/s)", "headline stage", "why"], knees),
+    return [("Knee (highest rate before TTFT climbs)", ["arm", "knee (req/s)", "headline stage", "why", "who set the pace"],
+             knees),
             (f"Decode ceiling vs measured (roofline{bandwidth})",
              ["arm", "batch", "ceiling tok/s per user", "ceiling step (ms)", "measured TPOT p50 (ms)", "MBU"], ceiling)]
+
+
+def _paced(stages: list[dict[str, Any]]) -> str:
+    """Which open-loop stages the server limited (in flight grew, sends on time) and which the
+    load generator did (it sent late: those say nothing about the server and rank nothing)."""
+    by = {who: [s["label"] for s in stages if s.get("limited_by") == who] for who in ("server", "client")}
+    parts = [f"{who}-limited: {', '.join(labels)}" for who, labels in by.items() if labels]
+    return "; ".join(parts) or "neither: sends on time, the server kept up"
 
 
 def _no_knee(stages: list[dict[str, Any]]) -> str:
