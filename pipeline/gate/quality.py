@@ -64,7 +64,8 @@ def compare(name: str, candidate: Evidence, baseline: Evidence, confidence: floa
 
 def too_few_documents(ni: Any, n: int) -> Any:
     """A perplexity pass on fewer than MIN_PERPLEXITY_DOCUMENTS documents, turned Inconclusive: the
-    interval's upper end is not trusted there. A Failed verdict stands (its lower end is)."""
+    interval's upper end is not trusted there. A Failed verdict stands (its lower end is), and so
+    does a pass on identical records (the same computation on every document: nothing to skew)."""
     needed = max(MIN_PERPLEXITY_DOCUMENTS, ni.items_needed or 0)
     reason = (f"{n} documents are too few to pass: below {MIN_PERPLEXITY_DOCUMENTS} a sample often misses the "
               f"few documents a candidate damages most, and the interval then passes a regression "
@@ -88,7 +89,8 @@ class QualityCheck(Check):
         cmp = compare(c.metric, candidate, baseline, self.confidence, c.relative)
         ni = stats.non_inferiority(cmp, c.margin, m.higher_is_better)
         if c.metric == "perplexity" and cmp.n < MIN_PERPLEXITY_DOCUMENTS and ni.verdict is Verdict.SUCCESSFUL:
-            ni = too_few_documents(ni, cmp.n)
+            identical = cmp.extra["log_ratio"] == 0 and cmp.extra["log_ratio_se"] == 0  # the same NLL on every document
+            ni = ni if identical else too_few_documents(ni, cmp.n)
         unit = " (relative)" if c.relative else ""
         return self.result(ni.verdict, observed=cmp.candidate, baseline=cmp.baseline,
                            threshold=f"drop ≤ {c.margin:g}{unit}", ci=(cmp.ci_low, cmp.ci_high),

@@ -59,6 +59,9 @@ def test_too_few_documents_cannot_pass_but_can_fail():
     assert f"about {MIN_PERPLEXITY_DOCUMENTS} items would decide it" in good.reason
     broken = judge(POLICY, *evidence(rng, n, 0.5, 0.02)).results[0]  # +65% on every document
     assert broken.verdict is Verdict.FAILED
+    cand, base = evidence(rng, n, 0.0, 0.0)  # the baseline as its own candidate: identical records
+    same = judge(POLICY, cand, base).results[0]
+    assert same.verdict is Verdict.SUCCESSFUL and same.drop_ci == (0.0, 0.0)
 
 
 def test_enough_documents_decide_a_good_candidate():
