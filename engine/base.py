@@ -129,6 +129,8 @@ class EngineBackend(abc.ABC):
     # score prompts (`score`, `next_token_logprobs`): the recipe is refused up front when not.
     artifact_formats: ClassVar[tuple[str, ...]] = ("safetensors",)
     scores: ClassVar[bool] = True
+    # The formats a quantized artifact may come in; None: any of artifact_formats.
+    quantized_formats: ClassVar[tuple[str, ...] | None] = None
 
     def __init__(self, config: EngineConfig):
         self.config = config

@@ -73,6 +73,7 @@ class LlamaCppConfig(EngineConfig):
 class LlamaCppBackend(EngineBackend):
     libraries: ClassVar[tuple[str, ...]] = ("gguf", "transformers")
     artifact_formats: ClassVar[tuple[str, ...]] = ("safetensors", "gguf")
+    quantized_formats: ClassVar[tuple[str, ...] | None] = ("gguf",)  # it converts only unquantized safetensors
 
     def build(self, checkpoint: Path, out_dir: Path) -> dict[str, Any]:
         from kiln.optimize import gguf

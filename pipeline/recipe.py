@@ -277,6 +277,11 @@ def _check_arm(optimize: Any, engine: Any, where: str) -> None:
             f"itself (its own precision option), so it cannot take {where}optimize.method '{optimize.method}''s "
             "quantized artifact: set optimize.method: none, or serve it on the torch backend")
     fmt = QUANTIZERS.get(optimize.method).artifact_format
+    quantized = backend.quantized_formats
+    if optimize.method != "none" and quantized is not None and fmt in backend.artifact_formats and fmt not in quantized:
+        raise ValueError(f"{where}optimize.method '{optimize.method}' writes a quantized {fmt} artifact, and "
+                         f"{where}engine.backend '{engine.backend}' takes quantized weights only as "
+                         f"{', '.join(quantized)}: quantize with a method that writes {quantized[0]}, or use none")
     if fmt not in backend.artifact_formats:
         raise ValueError(f"{where}optimize.method '{optimize.method}' writes a {fmt} artifact, which "
                          f"{where}engine.backend '{engine.backend}' cannot load: serve it on an engine that reads "

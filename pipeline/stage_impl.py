@@ -47,7 +47,8 @@ def quantize(ctx: RunContext, role: str, cfg: Any, model: ResolvedModel) -> Mode
         from kiln.optimize.checkpoint import canonicalize_safetensors
         from kiln.pipeline.files import sha256_tree
 
-        canonicalize_safetensors(out / "model")  # same weights, same bytes: the hash chain holds
+        if quantizer.artifact_format == "safetensors":  # a GGUF file is written by llama.cpp, byte-stable itself
+            canonicalize_safetensors(out / "model")  # same weights, same bytes: the hash chain holds
         manifest["sha256"] = sha256_tree(out / "model")
         atomic_write_json(out / "model" / "kiln-artifact.json", manifest)
         metrics = {"quantize_s": manifest["wall_s"], "size_bytes": manifest["size_bytes"],

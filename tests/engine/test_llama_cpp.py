@@ -147,6 +147,8 @@ def test_recipe_validation(tmp_path, tiny_model_dir):
     assert load_recipe(recipe).engine.backend == "llama_cpp"
     with pytest.raises(BadInput, match="gguf artifact"):
         load_recipe(recipe, ["engine={backend: torch}"])
+    with pytest.raises(BadInput, match="takes quantized weights only as gguf"):  # it converts unquantized weights only
+        load_recipe(recipe, ["optimize={method: int8_weight_only}"])
 
 
 def test_close_stops_the_server(tiny_model_dir, tmp_path):
