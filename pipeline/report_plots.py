@@ -57,6 +57,7 @@ def pareto(search: Mapping[str, Any], path: Path) -> Path | None:
     """Every candidate that reached the benchmark: perplexity change (worse ↑) against speed-up,
     coloured by verdict, the winner ringed; the front is the upper left to lower right edge."""
     points = [(c, c["confirmed"] or c["screened"], c["perplexity"]) for c in search["candidates"]]
+    unplotted = [c for c, s, q in points if not (s and q)]
     points = [(c, s, q) for c, s, q in points if s and q]
     if not points:
         return None
@@ -75,6 +76,10 @@ def pareto(search: Mapping[str, Any], path: Path) -> Path | None:
     ax.set_xlabel(f"speed-up over the baseline ({search['objective']}), 95% interval")
     ax.set_ylabel("perplexity change, % (worse ↑)")
     ax.set_title("the search: every candidate against the baseline", fontsize=10)
+    if unplotted:  # stopped before the benchmark: no speed to place them by
+        ax.text(0.01, 0.01, "stopped before the speed benchmark: " + "; ".join(
+            c["name"] + (f" (perplexity {c['perplexity']['change']:+.1%})" if c["perplexity"] else "")
+            for c in unplotted), transform=ax.transAxes, fontsize=7, color="#6e7781", va="bottom")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
