@@ -81,8 +81,11 @@ def cell(rng: np.random.Generator, shape, n: int, log_ratio: float, trials: int,
         cand_nll = base_nll + TOKENS * (log_ratio + SPREAD * shape(rng, (1, n))[0])
         r = judge(policy, *evidence(base_nll, cand_nll)).results[0]
         counts["check"][r.verdict.value] += 1
-        low, high = r.drop_ci
-        alone = Verdict.SUCCESSFUL if high <= MARGIN else Verdict.FAILED if low > MARGIN else Verdict.INCONCLUSIVE
+        if r.drop_ci is None:  # no interval (e.g. identical records): the check's own verdict stands
+            alone = r.verdict
+        else:
+            low, high = r.drop_ci
+            alone = Verdict.SUCCESSFUL if high <= MARGIN else Verdict.FAILED if low > MARGIN else Verdict.INCONCLUSIVE
         counts["interval"][alone.value] += 1
         old = stats.paired_bootstrap(base_nll, cand_nll, denom=np.full(n, TOKENS), transform=np.exp, relative=True,
                                      confidence=confidence, iterations=BOOTSTRAP_ITERATIONS, seed=SEED)
