@@ -17,8 +17,9 @@ from tests.pipeline.conftest import TINY_RECIPE, kiln
 
 CANDIDATES = [
     {"name": "torch-int8", "optimize": {"method": "int8_weight_only"}, "engine": {"backend": "torch", "threads": 2}},
-    # CTranslate2 decodes the tiny model ~5x faster than torch's Python loop (4.2x [3.5, 5.1] measured
-    # here); the two torch candidates decode at ~1x and stop at the speed check, before the served text.
+    # On a 2-layer model the engines' speeds are close and move with the machine's load, so what
+    # decides here is quality: only the unchanged weights keep top-1 agreement at 1 (int8 on torch
+    # measured 0.996-0.999, on CTranslate2 0.988); the two int8 candidates stop after the quality phase.
     {"name": "ct2-int8", "optimize": {"method": "none"},
      "engine": {"backend": "ctranslate2", "quantization": "int8_float32", "threads": 2}},
     {"name": "fp32-copy", "optimize": {"method": "none"}, "engine": {"backend": "torch", "threads": 2}},
@@ -26,8 +27,8 @@ CANDIDATES = [
 CHECKS = [
     {"kind": "size", "max_ratio": 1.0},
     {"kind": "quality", "metric": "perplexity", "margin": 0.05, "relative": True},
-    {"kind": "agreement", "metric": "top1_agreement", "min": 0.5},
-    {"kind": "performance", "metric": "decode_tok_s", "min_ratio": 2.0},
+    {"kind": "agreement", "metric": "top1_agreement", "min": 0.9999},
+    {"kind": "performance", "metric": "decode_tok_s", "min_ratio": 0.3},
     {"kind": "agreement", "metric": "served_prefix", "min": 0.3},
 ]
 
@@ -61,19 +62,21 @@ def test_every_candidate_is_judged_and_the_best_passing_one_wins(search_run):
     assert list(rows) == [c["name"] for c in CANDIDATES]
     assert record["confidence"] == pytest.approx(family_confidence(0.95, 3))
     passing = [c for c in rows.values() if c["eliminated"] is None]
-    assert [c["name"] for c in passing] == ["ct2-int8"] == [record["winner"]], rows
-    # The torch candidates serve at ~1x: each fails (or cannot pass) the speed check and never
-    # serves the expensive last phase (its folder has no served stage).
-    for name in ("torch-int8", "fp32-copy"):
+    assert [c["name"] for c in passing] == ["fp32-copy"] == [record["winner"]], rows
+    # The int8 candidates fail top-1 agreement: they stop after the quality phase and never spend
+    # the benchmark or the served text (successive elimination).
+    for name in ("torch-int8", "ct2-int8"):
         row = rows[name]
-        assert "speed stages: performance:decode_tok_s" in row["eliminated"] and row["reached"] == "speed", row
-        assert not (run_dir / "candidates" / name / "stages" / "served-candidate.json").exists()
-        assert (run_dir / "candidates" / name / "stages" / "benchmark-pair.json").exists()
+        assert "after its quality stages" in row["eliminated"] and row["reached"] == "quality", row
+        assert "agreement:top1_agreement" in row["eliminated"], row
+        for stage in ("benchmark-pair", "served-candidate"):
+            assert not (run_dir / "candidates" / name / "stages" / f"{stage}.json").exists(), (name, stage)
+        assert row["perplexity"] is not None and row["screened"] is None, row
     assert rows["fp32-copy"]["perplexity"]["change"] == 0.0  # the same weights on the same engine
-    for name, row in rows.items():  # every candidate was judged against the same baseline engine
+    assert rows["fp32-copy"]["screened"] is not None and rows["fp32-copy"]["reached"] == "rest"
+    for name in rows:  # every candidate was judged against the same baseline engine
         engine = json.loads((run_dir / "candidates" / name / "stages" / "engine-baseline.json").read_text())
         assert engine["key"] == json.loads((run_dir / "stages" / "engine-baseline.json").read_text())["key"], name
-        assert row["perplexity"] is not None and row["screened"] is not None, name
 
 
 def test_the_winner_is_measured_again_and_laid_out_as_the_run(search_run):
@@ -107,7 +110,7 @@ def test_each_candidate_is_an_mlflow_child_run(search_run):
     parents = {r.data.tags["mlflow.parentRunId"] for r in runs}
     assert len(parents) == 1
     statuses = {r.data.tags["kiln.candidate"]: r.data.tags["kiln.search"] for r in runs}
-    assert statuses == {"ct2-int8": "winner", "torch-int8": "eliminated", "fp32-copy": "eliminated"}
+    assert statuses == {"fp32-copy": "winner", "torch-int8": "eliminated", "ct2-int8": "eliminated"}
     stages = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{runs[0].info.run_id}'")
     assert stages, "a candidate's stages are children of its run"
 
@@ -186,23 +189,23 @@ def test_the_champion_is_a_candidate_served_as_it_was_judged(search_run, tmp_pat
     client = mlflow.MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
     winner = client.get_model_version_by_alias("tiny-search", "challenger")
     serving = json.loads(winner.tags["kiln.serving"])
-    assert serving["engine"]["backend"] == "ctranslate2" and serving["optimize"]["method"] == "none"
+    assert serving["engine"]["backend"] == "torch" and serving["optimize"]["method"] == "none"
     assert kiln("promote", "tiny-search", str(winner.version), cwd=work).returncode == 0
     raw = yaml.safe_load(search_run["recipe"].read_text())
-    raw["candidates"] = [{"name": "prod", "champion": True}, CANDIDATES[0]]
+    raw["candidates"] = [{"name": "prod", "champion": True}, CANDIDATES[1]]
     recipe = tmp_path / "against-prod.yaml"
     recipe.write_text(yaml.safe_dump(raw))
     proc = kiln("run", str(recipe), cwd=work)
     assert proc.returncode in (0, 1, 3), proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = max((work / "runs").iterdir(), key=lambda p: p.stat().st_mtime)
     rows = {c["name"]: c for c in json.loads((run_dir / "search.json").read_text())["candidates"]}
-    assert set(rows) == {"prod", "torch-int8"} and rows["prod"]["engine"] == "ctranslate2 int8_float32"
+    assert set(rows) == {"prod", "ct2-int8"} and rows["prod"]["engine"] == "torch float32"
     optimize = json.loads((run_dir / "candidates" / "prod" / "stages" / "optimize-candidate.json").read_text())
     inputs = json.loads((Path(optimize["path"]) / "manifest.json").read_text())["inputs"]
     assert inputs == {"champion": {"name": "tiny-search", "version": str(winner.version),
                                    "sha256": winner.tags["kiln.artifact_sha256"]}}
     engine = json.loads((run_dir / "candidates" / "prod" / "stages" / "engine-candidate.json").read_text())
-    first = json.loads((search_run["run_dir"] / "candidates" / "ct2-int8" / "stages" / "engine-candidate.json").read_text())
+    first = json.loads((search_run["run_dir"] / "candidates" / "fp32-copy" / "stages" / "engine-candidate.json").read_text())
     assert engine["key"] == first["key"]  # the same engine, built from the same artifact and config
 
 
