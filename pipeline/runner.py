@@ -125,8 +125,8 @@ def _search(ctx: RunContext, model: Any) -> GateOutcome:
     for record in sorted((top.ctx.run_dir / "stages").glob("*.json")):
         shutil.copyfile(record, ctx.run_dir / "stages" / record.name)
     ctx.outcomes.update(top.ctx.outcomes)
-    atomic_write_json(ctx.run_dir / "search.json", report.search_record(arms, winner, policy))
-    if top.artifact is None:  # no candidate could even be built: nothing to judge or register
+    if top.artifact is None:  # no candidate could even be built: nothing to judge, register or publish
+        atomic_write_json(ctx.run_dir / "search.json", report.search_record(arms, winner, policy))
         raise search.NothingBuilt("no candidate could be built:\n" + "\n".join(f"  {a.name}: {a.eliminated}" for a in arms))
     winner_ctx = replace(ctx, recipe=top.ctx.recipe)
     # Without a winner, the report is about the candidate that got furthest, judged on the checks

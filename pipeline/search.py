@@ -11,9 +11,11 @@ of N noisy measurements, biased upward; it is measured again, fresh, before the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -169,10 +171,10 @@ def run_search(ctx: RunContext, model: Any) -> tuple[Arm | None, list[Arm], Gate
                     continue
                 _run_phase(arm, phase, model, shared)
                 arm.reached = phase
-                if phase == "speed" and arm.eliminated is None:  # shown for every candidate that ran it
-                    arm.screened = speedup(evidence_from_run(arm.ctx.run_dir), recipe.search.objective)
-                if arm.eliminated is None and (partial := up_to(policy, phase)) is not None:
-                    evidence = evidence_from_run(arm.ctx.run_dir)
+                evidence = evidence_from_run(arm.ctx.run_dir) if arm.eliminated is None else None
+                if phase == "speed" and evidence:  # shown for every candidate that ran it
+                    arm.screened = speedup(evidence, recipe.search.objective)
+                if evidence and (partial := up_to(policy, phase)) is not None:
                     arm.outcome = judge(partial, evidence["candidate"], evidence["baseline"])
                     if arm.outcome.verdict is not Verdict.SUCCESSFUL:
                         failed = [r.name for r in arm.outcome.results if r.verdict is not Verdict.SUCCESSFUL]
@@ -222,12 +224,8 @@ def _run_phase(arm: Arm, phase: str, model: Any, shared: Any) -> None:
         except KilnError as e:
             arm.eliminated = f"its build was refused: {e}"
         return
-    loaded = _engines(arm, shared)
-    try:
+    with _engines(arm, shared) as loaded:
         stage_impl.evaluate(ctx, arm.engines, phases=(phase,), loaded=loaded)
-    finally:
-        if "candidate" in loaded:  # one candidate in memory at a time; the baseline stays loaded
-            loaded.pop("candidate").close()
 
 
 def champion_artifact(ctx: RunContext, champion: Champion) -> ModelArtifact:
@@ -257,12 +255,20 @@ def champion_artifact(ctx: RunContext, champion: Champion) -> ModelArtifact:
     return ModelArtifact(path=o.path / "model", manifest=o.result["manifest"])
 
 
-def _engines(arm: Arm, shared: Any) -> Any:
-    """The arm's engines for the stages: the one baseline engine all arms share, and its own."""
+@contextlib.contextmanager
+def _engines(arm: Arm, shared: Any) -> Iterator[Any]:
+    """The arm's engines for the stages: the one baseline engine all arms share, and its own,
+    closed on the way out (one candidate in memory at a time; the baseline stays loaded)."""
     from kiln.pipeline import stage_impl
 
     shared.dirs["baseline"] = arm.engines["baseline"]
-    return stage_impl.LazyEngines(arm.engines, lambda d: shared["baseline"] if d == arm.engines["baseline"] else _load(d))
+    loaded = stage_impl.LazyEngines(arm.engines,
+                                    lambda d: shared["baseline"] if d == arm.engines["baseline"] else _load(d))
+    try:
+        yield loaded
+    finally:
+        if "candidate" in loaded:
+            loaded.pop("candidate").close()
 
 
 def _confirm(winner: Arm, shared: Any, policy: GateSection) -> None:
@@ -273,12 +279,8 @@ def _confirm(winner: Arm, shared: Any, policy: GateSection) -> None:
 
     winner.ctx.console.print(f"[bold]confirm[/bold] {winner.name}: a fresh decode benchmark, "
                              "the screening one was the best of several")
-    loaded = _engines(winner, shared)
-    try:
+    with _engines(winner, shared) as loaded:
         stage_impl.benchmark(winner.ctx, loaded, winner.engines, confirmation=True)
-    finally:
-        if "candidate" in loaded:
-            loaded.pop("candidate").close()
     evidence = evidence_from_run(winner.ctx.run_dir)
     winner.confirmed = speedup(evidence, winner.ctx.recipe.search.objective)
     winner.outcome = judge(policy, evidence["candidate"], evidence["baseline"])

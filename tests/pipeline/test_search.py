@@ -28,7 +28,9 @@ CHECKS = [
     {"kind": "size", "max_ratio": 1.0},
     {"kind": "quality", "metric": "perplexity", "margin": 0.05, "relative": True},
     {"kind": "agreement", "metric": "top1_agreement", "min": 0.9999},
-    {"kind": "performance", "metric": "decode_tok_s", "min_ratio": 0.3},
+    # What this file tests is the phases, not the machine: a busy CI host must not turn the speed
+    # check Inconclusive (measured here: CPU pressure 0.43 with torch's own 2 threads on 2 cores).
+    {"kind": "performance", "metric": "decode_tok_s", "min_ratio": 0.3, "max_cpu_pressure": None},
     {"kind": "agreement", "metric": "served_prefix", "min": 0.3},
 ]
 
