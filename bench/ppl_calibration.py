@@ -37,7 +37,7 @@ from kiln.evaluate import contention, stats
 from kiln.pipeline.files import atomic_write_json
 from kiln.pipeline.gate.base import Evidence, Verdict
 from kiln.pipeline.gate.policy import GateSection, judge
-from kiln.pipeline.gate.quality import BOOTSTRAP_ITERATIONS, MIN_PERPLEXITY_DOCUMENTS, SEED
+from kiln.pipeline.gate.quality import BOOTSTRAP_ITERATIONS, SEED, min_perplexity_documents
 
 OUT = Path(__file__).parent / "results" / "ppl_calibration.json"
 MARGIN = 0.05
@@ -123,9 +123,10 @@ def main() -> None:
     ns = [int(x) for x in args.ns.split(",")]
     plan = [(name, shape, n) for name, shape in SHAPES.items() for n in ns]
     plan += [(name, shape, int(n)) for name, shape in STRESS.items() for n in args.stress_ns.split(",") if n]
+    least = min_perplexity_documents(args.confidence)
     load0, t0, busy = os.getloadavg(), time.time(), contention.read()
     rows = []
-    print(f"one-sided target {(1 - args.confidence) / 2:.2%}; minimum documents {MIN_PERPLEXITY_DOCUMENTS}")
+    print(f"one-sided target {(1 - args.confidence) / 2:.2%}; minimum documents {least}")
     print(f"{'shape':15s} {'n':>3s} {'truth':>6s} | {'before pass':>11s} {'before fail':>11s} | "
           f"{'interval pass':>13s} | {'check pass':>10s} {'check fail':>10s} {'undecided':>9s}")
     for name, shape, n in plan:
@@ -138,7 +139,7 @@ def main() -> None:
             print_row(rows[-1])
     atomic_write_json(args.out, {
         "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "margin": MARGIN,
-                   "tokens": TOKENS, "spread": SPREAD, "min_documents": MIN_PERPLEXITY_DOCUMENTS,
+                   "tokens": TOKENS, "spread": SPREAD, "min_documents": least,
                    "iterations": BOOTSTRAP_ITERATIONS},
         "rows": rows, "wall_s": time.time() - t0, "loadavg_start": load0, "loadavg_end": os.getloadavg(),
         "contention": contention.between(busy, contention.read()),

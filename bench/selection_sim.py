@@ -7,7 +7,9 @@ figure. Two properties, on simulated evidence judged by kiln.pipeline.gate.polic
 1. Promotion of a bad candidate. N candidates all sit exactly on the perplexity margin (+5%) and
    are 3x faster. A single candidate there passes at most the one-sided 2.5%; the search promotes
    one whenever any of the N passes. Judged at for_family(policy, N) (Bonferroni) the chance of a
-   promotion stays at most 2.5%; at the uncorrected policy it is about N times that.
+   promotion stays at most 2.5%; at the uncorrected policy it is about N times that. Documents
+   default to the fewest the family's perplexity check may pass on (min_perplexity_documents: 26
+   for five candidates; with fewer no candidate can pass and the rate is trivially 0).
 2. The winner's speed. N candidates with the same true speed-up (3x) are measured in paired
    repeats as the decode benchmark does (per-pair log-ratio noise --pair-sd, measured 0.17 on the
    demo's 16-token pairs, and a per-run shift --run-sd: the ratio moved 0.93-1.05 between runs).
@@ -31,7 +33,8 @@ from kiln.evaluate import contention
 from kiln.pipeline.files import atomic_write_json
 from kiln.pipeline.gate.base import Evidence, Verdict
 from kiln.pipeline.gate.policy import GateSection, judge
-from kiln.pipeline.search import for_family
+from kiln.pipeline.gate.quality import min_perplexity_documents
+from kiln.pipeline.search import family_confidence, for_family
 
 OUT = Path(__file__).parent / "results" / "selection_sim.json"
 MARGIN = 0.05
@@ -130,7 +133,7 @@ def winner_speed(rng: np.random.Generator, args: argparse.Namespace) -> dict:
     """Property 2: N equally fast candidates (quality fine): the winner's screening vs fresh ratio."""
     gate = for_family(policy(), args.candidates)
     screened, fresh, any_one = [], [], []
-    for _ in range(args.trials):
+    for _ in range(args.speed_trials):
         pairs = arms(rng, args, 0.0, False, args.speed)
         pick, ratio = screen(gate, pairs)
         if pick is None:
@@ -144,14 +147,16 @@ def winner_speed(rng: np.random.Generator, args: argparse.Namespace) -> dict:
         return {"mean": float(a.mean()), "mc_se": float(a.std(ddof=1) / math.sqrt(a.size)), "n": int(a.size)}
 
     return {"true_ratio": args.speed, "winner_screening": summary(screened), "winner_fresh": summary(fresh),
-            "one_candidate_screening": summary(any_one), "no_winner": args.trials - len(screened)}
+            "one_candidate_screening": summary(any_one), "no_winner": args.speed_trials - len(screened)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--candidates", type=int, default=5)
-    ap.add_argument("--trials", type=int, default=1000)
-    ap.add_argument("--documents", type=int, default=24, help="perplexity documents per arm (the demo's 24)")
+    ap.add_argument("--trials", type=int, default=1000, help="searches per noise shape for property 1")
+    ap.add_argument("--speed-trials", type=int, default=300, help="searches for property 2 (the winner's speed)")
+    ap.add_argument("--documents", type=int, default=None,
+                    help="perplexity documents per arm (default: the fewest the family's check may pass on)")
     ap.add_argument("--spread", type=float, default=0.02, help="sd of the per-document per-token log-ratio")
     ap.add_argument("--speed", type=float, default=3.0, help="every candidate's true speed-up")
     ap.add_argument("--pairs", type=int, default=48, help="decode benchmark pairs (demo.yaml: 48)")
@@ -160,22 +165,25 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=20261201)
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
+    least = min_perplexity_documents(family_confidence(0.95, args.candidates))
+    args.documents = least if args.documents is None else args.documents
     rng = np.random.default_rng(args.seed)
     load0, t0, busy = os.getloadavg(), time.time(), contention.read()
     prom = [promotion(rng, args, skewed) for skewed in (False, True)]
     print(f"{args.candidates} candidates on the +5% perplexity margin, {args.documents} documents, "
-          f"{args.trials} searches each: chance one is promoted (target ≤ 2.5%)")
+          f"{args.trials} searches each: chance one is promoted (target ≤ 2.5%; the family's check "
+          f"passes from {least} documents)")
     for p in prom:
         print("  " + p["shape"].ljust(8) + "  ".join(f"{k} {v:.2%} ± {p['mc_se'][k]:.2%}" for k, v in p["rates"].items()))
     speedrow = winner_speed(rng, args)
-    print(f"{args.candidates} candidates, true speed-up {args.speed}x each ({args.pairs} pairs, pair sd {args.pair_sd}, "
+    print(f"{args.speed_trials} searches of {args.candidates} candidates, true speed-up {args.speed}x each ({args.pairs} pairs, pair sd {args.pair_sd}, "
           f"run sd {args.run_sd}):")
     for k in ("winner_screening", "winner_fresh", "one_candidate_screening"):
         print(f"  {k:24s} mean ratio {speedrow[k]['mean']:.4f} ± {speedrow[k]['mc_se']:.4f} (n={speedrow[k]['n']})")
     atomic_write_json(args.out, {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                                 "promotion": prom, "winner_speed": speedrow, "wall_s": time.time() - t0,
+                                 "min_documents": least, "promotion": prom, "winner_speed": speedrow, "wall_s": time.time() - t0,
                                  "loadavg_start": load0, "loadavg_end": os.getloadavg(),
-        "contention": contention.between(busy, contention.read()),
+                                 "contention": contention.between(busy, contention.read()),
                                  "python": platform.python_version(), "numpy": np.__version__})
     print(f"wrote {args.out} ({time.time() - t0:.0f} s, load {load0[0]:.1f} -> {os.getloadavg()[0]:.1f})")
 

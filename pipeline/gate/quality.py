@@ -1,15 +1,16 @@
 """Quality checks on paired per-sample results: non-inferiority with a margin.
 
 Baseline and candidate are joined on doc id. Accuracy-like 0/1 items use an exact McNemar test;
-perplexity the per-document log-ratios (the wider of a t and a bootstrap-t interval, and no pass
-on fewer than MIN_PERPLEXITY_DOCUMENTS documents); other continuous items a seeded paired
-bootstrap. A check passes only when the confidence bound on the drop is inside the margin
-(kiln.evaluate.stats.non_inferiority).
+perplexity the per-document log-ratios (the widest of a t, a skew-corrected t and a bootstrap-t
+interval, and no pass on fewer than `min_perplexity_documents(confidence)` documents); other
+continuous items a seeded paired bootstrap. A check passes only when the confidence bound on the
+drop is inside the margin (kiln.evaluate.stats.non_inferiority).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Literal
 
 import numpy as np
@@ -26,6 +27,22 @@ SEED = 0
 # bootstrap-t, BCa, percentile) is short and passes a candidate sitting on the margin far more
 # often than the 2.5% a 95% interval claims. bench/ppl_calibration.py measures it; docs/quality.md.
 MIN_PERPLEXITY_DOCUMENTS = 24
+# The damage the minimum is sized for: one document in DAMAGED_SHARE much worse (the calibration's
+# "skewed" shape). A sample misses all of them with probability (1 - share)^n whatever the interval;
+# the minimum keeps that chance within MISSED_SHARE of the one-sided error rate, the rest of the
+# rate left to samples that hold one or two of them (which the skew-corrected end nearly always
+# fails: bench/selection_sim.py, docs/quality.md).
+DAMAGED_SHARE, MISSED_SHARE = 0.2, 2 / 3
+
+
+def min_perplexity_documents(confidence: float) -> int:
+    """The fewest documents a perplexity check at `confidence` (two-sided) may pass on: at least
+    MIN_PERPLEXITY_DOCUMENTS, and enough that a sample misses every document of a damage confined
+    to one in five with probability at most MISSED_SHARE of (1 - confidence) / 2. 24 up to 98.33%
+    (the 95% gate shared by three candidates), 26 at 99% (five), 29 at 99.5% (ten)."""
+    one_sided = (1 - confidence) / 2
+    seen = math.ceil(math.log(MISSED_SHARE * one_sided) / math.log(1 - DAMAGED_SHARE) - 1e-9)
+    return max(MIN_PERPLEXITY_DOCUMENTS, seen)
 
 
 class QualityCheckConfig(CheckConfig):
@@ -62,13 +79,14 @@ def compare(name: str, candidate: Evidence, baseline: Evidence, confidence: floa
                                   iterations=BOOTSTRAP_ITERATIONS, seed=SEED, metric=name)
 
 
-def too_few_documents(ni: Any, n: int) -> Any:
-    """A perplexity pass on fewer than MIN_PERPLEXITY_DOCUMENTS documents, turned Inconclusive: the
-    interval's upper end is not trusted there. A Failed verdict stands (its lower end is), and so
-    does a pass on identical records (the same computation on every document: nothing to skew)."""
-    needed = max(MIN_PERPLEXITY_DOCUMENTS, ni.items_needed or 0)
-    reason = (f"{n} documents are too few to pass: below {MIN_PERPLEXITY_DOCUMENTS} a sample often misses the "
-              f"few documents a candidate damages most, and the interval then passes a regression "
+def too_few_documents(ni: Any, n: int, least: int) -> Any:
+    """A perplexity pass on fewer than `least` documents (`min_perplexity_documents`), turned
+    Inconclusive: the interval's upper end is not trusted there. A Failed verdict stands (its lower
+    end is), and so does a pass on identical records (the same computation on every document:
+    nothing to skew)."""
+    needed = max(least, ni.items_needed or 0)
+    reason = (f"{n} documents are too few to pass at this confidence: below {least} a sample too often misses "
+              f"the few documents a candidate damages most, and the interval then passes a regression "
               f"(bench/ppl_calibration.py); about {needed} items would decide it. {ni.reason}")
     return dataclasses.replace(ni, verdict=Verdict.INCONCLUSIVE, reason=reason, items_needed=needed)
 
@@ -88,9 +106,10 @@ class QualityCheck(Check):
         m = metric(c.metric, f"gate check {c.label}")
         cmp = compare(c.metric, candidate, baseline, self.confidence, c.relative)
         ni = stats.non_inferiority(cmp, c.margin, m.higher_is_better)
-        if c.metric == "perplexity" and cmp.n < MIN_PERPLEXITY_DOCUMENTS and ni.verdict is Verdict.SUCCESSFUL:
+        least = min_perplexity_documents(self.confidence)
+        if c.metric == "perplexity" and cmp.n < least and ni.verdict is Verdict.SUCCESSFUL:
             identical = cmp.extra["log_ratio"] == 0 and cmp.extra["log_ratio_se"] == 0  # the same NLL on every document
-            ni = ni if identical else too_few_documents(ni, cmp.n)
+            ni = ni if identical else too_few_documents(ni, cmp.n, least)
         unit = " (relative)" if c.relative else ""
         return self.result(ni.verdict, observed=cmp.candidate, baseline=cmp.baseline,
                            threshold=f"drop ≤ {c.margin:g}{unit}", ci=(cmp.ci_low, cmp.ci_high),

@@ -198,12 +198,12 @@ def test_log_ratio_point_values_and_student_t_part():
     assert paired_log_ratio(base, cand, tokens).extra["log_ratio_se"] == pytest.approx(ratios.std(ddof=1) / math.sqrt(30))
 
 
-def bootstrap_t_upper(ratios, seed, iterations=20_000):
+def bootstrap_t_upper(ratios, seed, iterations=20_000, one_sided=0.025):
     """An independent bootstrap-t upper end on the mean (equal token counts), resampling by index."""
     n, m, se = ratios.size, ratios.mean(), ratios.std(ddof=1) / math.sqrt(ratios.size)
     x = ratios[np.random.default_rng(seed).integers(0, n, (iterations, n))]
     t = (x.mean(1) - m) / (x.std(1, ddof=1) / math.sqrt(n))
-    return m - np.quantile(t[np.isfinite(t)], 0.025) * se
+    return m - np.quantile(t[np.isfinite(t)], one_sided) * se
 
 
 def test_log_ratio_follows_skew_with_bootstrap_t():
@@ -215,6 +215,25 @@ def test_log_ratio_follows_skew_with_bootstrap_t():
     t_high = ratios.mean() + stats.t.ppf(0.975, 39) * ratios.std(ddof=1) / math.sqrt(40)
     assert math.log1p(got.ci_high) > t_high  # the right-skewed side reaches further than t's
     assert math.log1p(got.ci_high) == pytest.approx(bootstrap_t_upper(ratios, 1), rel=0.02)
+
+
+def test_log_ratio_skew_corrected_end_covers_one_bad_document():
+    # 26 documents on the +5% margin's per-token scale, one of them much worse, at the 99% of a
+    # five-candidate search: Hall's (1992) skew-corrected t, written out here on its own, reaches
+    # past the margin where both the t and the bootstrap-t ends stop short of it.
+    rng = np.random.default_rng(8)
+    n, tokens = 26, np.full(26, 255.0)
+    ratios = 0.0392 + np.where(np.arange(n) == 0, 0.048, 0.0) + rng.normal(0, 0.0055, n)
+    base = tokens * rng.normal(3.5, 0.4, n)
+    got = paired_log_ratio(base, base + tokens * ratios, tokens, confidence=0.99)
+    m, se, dev = ratios.mean(), ratios.std(ddof=1) / math.sqrt(n), ratios - ratios.mean()
+    skew = np.mean(dev ** 3) / np.mean(dev ** 2) ** 1.5
+    a, c, t_q = skew / (3 * math.sqrt(n)), skew / (6 * math.sqrt(n)), stats.t.ppf(0.995, n - 1)
+    hall_high = m - se * (np.cbrt(1 + 3 * a * (-t_q - c)) - 1) / a
+    assert math.log1p(got.ci_high) == pytest.approx(hall_high, rel=1e-9)
+    assert got.extra["skewness"] == pytest.approx(skew)
+    margin = math.log1p(0.05)
+    assert m + t_q * se < margin and bootstrap_t_upper(ratios, 1, one_sided=0.005) < margin < hall_high
 
 
 def test_log_ratio_identical_arms_and_bad_input():

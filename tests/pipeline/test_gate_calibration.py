@@ -11,7 +11,7 @@ import pytest
 
 from kiln.pipeline.gate.base import Evidence, Verdict
 from kiln.pipeline.gate.policy import GateSection, judge
-from kiln.pipeline.gate.quality import MIN_PERPLEXITY_DOCUMENTS
+from kiln.pipeline.gate.quality import MIN_PERPLEXITY_DOCUMENTS, min_perplexity_documents
 
 TOKENS = 255
 MARGIN = 0.05
@@ -19,10 +19,11 @@ POLICY = GateSection.model_validate({"checks": [
     {"kind": "quality", "metric": "perplexity", "margin": MARGIN, "relative": True}]})
 
 
-def evidence(rng, n, log_ratio, spread, skewed=False):
-    """Per-document NLL with the given per-token log-ratio; skewed: one document in five much worse."""
+def evidence(rng, n, log_ratio, spread, skewed=False, bad_docs=None):
+    """Per-document NLL with the given per-token log-ratio; skewed: one document in five much worse
+    (`bad_docs` of them exactly, when given)."""
     if skewed:
-        bad = (rng.random(n) < 0.2).astype(float)
+        bad = (rng.random(n) < 0.2).astype(float) if bad_docs is None else (np.arange(n) < bad_docs).astype(float)
         z = ((bad - 0.2) / 0.4 + 0.3 * rng.normal(0, 1, n)) / math.sqrt(1.09)
     else:
         z = rng.normal(0, 1, n)
@@ -69,3 +70,32 @@ def test_enough_documents_decide_a_good_candidate():
     for _ in range(20):
         r = judge(POLICY, *evidence(rng, MIN_PERPLEXITY_DOCUMENTS, 0.0, 0.02)).results[0]
         assert r.verdict is Verdict.SUCCESSFUL, r.reason
+
+
+def policy_at(confidence):
+    return POLICY.model_copy(update={"confidence": confidence})
+
+
+def test_the_minimum_grows_with_the_confidence():
+    # A sample misses every document of the damaged fifth with probability 0.8^n whatever the
+    # interval: 0.47% at 24 documents, nearly all of the 0.5% per side of a five-candidate search.
+    three, five = 1 - 0.05 / 3, 1 - 0.05 / 5  # the 95% gate shared by the demo's three, and by five
+    assert min_perplexity_documents(0.95) == min_perplexity_documents(three) == MIN_PERPLEXITY_DOCUMENTS
+    assert min_perplexity_documents(five) == 26
+    rng = np.random.default_rng(5)
+    short = judge(policy_at(five), *evidence(rng, 25, 0.0, 0.005)).results[0]
+    assert short.verdict is Verdict.INCONCLUSIVE and short.drop_ci[1] < MARGIN, short.reason
+    assert short.items_needed == 26 and "below 26" in short.reason
+    assert judge(policy_at(five), *evidence(rng, 26, 0.0, 0.005)).results[0].verdict is Verdict.SUCCESSFUL
+
+
+def test_a_sample_holding_one_of_the_bad_few_does_not_pass_at_a_search_level():
+    # Corpus ratio exactly on the margin, but the sample holds one much-worse document where five
+    # were due: its mean sits below the margin. The bootstrap-t end alone passed 20 of these 100 at
+    # 99% and 26 documents (its resamples rarely draw that document more than twice); with Hall's
+    # skew-corrected end none did. Such samples are 2.4% of all at 26 documents: 20% of them passing
+    # would alone spend the 0.5% a five-candidate search gives each check.
+    rng = np.random.default_rng(5)
+    verdicts = [judge(policy_at(0.99), *evidence(rng, 26, math.log1p(MARGIN), 0.02, True, bad_docs=1)).results[0].verdict
+                for _ in range(100)]
+    assert verdicts.count(Verdict.SUCCESSFUL) <= 5, verdicts.count(Verdict.SUCCESSFUL)

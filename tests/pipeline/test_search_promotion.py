@@ -11,9 +11,11 @@ import numpy as np
 
 from kiln.pipeline.gate.base import Evidence, Verdict
 from kiln.pipeline.gate.policy import GateSection, judge
-from kiln.pipeline.search import for_family
+from kiln.pipeline.gate.quality import min_perplexity_documents
+from kiln.pipeline.search import family_confidence, for_family
 
-TOKENS, DOCUMENTS, CANDIDATES, MARGIN = 255, 24, 5, 0.05
+TOKENS, CANDIDATES, MARGIN = 255, 5, 0.05
+DOCUMENTS = min_perplexity_documents(family_confidence(0.95, CANDIDATES))  # 26: fewer cannot pass at all
 POLICY = GateSection.model_validate({"checks": [
     {"kind": "quality", "metric": "perplexity", "margin": MARGIN, "relative": True}]})
 
