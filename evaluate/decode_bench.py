@@ -13,7 +13,7 @@ one paired sample per metric, and the gate takes its interval across all of them
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kiln.engine.base import Engine, GenerationRequest
 
@@ -41,17 +41,21 @@ def _single(engine: Engine, prompt: list[int], new_tokens: int) -> dict[str, flo
 
 
 def interleaved(engines: dict[str, Engine], prompts: Sequence[list[int]], new_tokens: int,
-                batch_sizes: Sequence[int], rounds: int) -> dict[str, dict[str, list[float]]]:
+                batch_sizes: Sequence[int], rounds: int,
+                stop: Callable[[dict[str, dict[str, list[float]]]], bool] | None = None,
+                ) -> dict[str, dict[str, list[float]]]:
     """Per arm, metric -> paired samples (sample i of every arm saw the same moment of the machine).
 
     Single-request metrics give one sample per (round, prompt); batch throughput, one per round.
+    `stop`, asked after every round but the last with the samples so far: True ends the
+    measurement there (the caller's rule, e.g. a check already decided).
     """
     names = list(engines)
     for name in names:  # warm-up: first-call allocations and lazy init must not count
         _one_request(engines[name], prompts[0], 4)
     out: dict[str, dict[str, list[float]]] = {n: {} for n in names}
     pair = 0
-    for _ in range(rounds):
+    for done in range(rounds):
         for prompt in prompts:
             for name in names if pair % 2 == 0 else reversed(names):
                 for k, v in _single(engines[name], prompt, new_tokens).items():
@@ -62,4 +66,6 @@ def interleaved(engines: dict[str, Engine], prompts: Sequence[list[int]], new_to
                 out[name].setdefault(f"batch{b}_tok_s", []).append(
                     _batch(engines[name], (list(prompts) * b)[:b], new_tokens))
             pair += 1
+        if stop is not None and done + 1 < rounds and stop(out):
+            break
     return out

@@ -155,7 +155,7 @@ def run_search(ctx: RunContext, model: Any) -> tuple[Arm | None, list[Arm], Gate
     recipe = ctx.recipe.with_champion(champion.serving if champion else None)
     views = recipe.arms()
     policy = for_family(recipe.gate, len(views))
-    arms = [_arm(ctx, name, view) for name, view in views]
+    arms = [_arm(ctx, name, view, policy) for name, view in views]
     for arm in arms:
         if champion and any(c.champion and c.name == arm.name for c in ctx.recipe.candidates):
             arm.champion = champion
@@ -179,6 +179,9 @@ def run_search(ctx: RunContext, model: Any) -> tuple[Arm | None, list[Arm], Gate
                     if arm.outcome.verdict is not Verdict.SUCCESSFUL:
                         failed = [r.name for r in arm.outcome.results if r.verdict is not Verdict.SUCCESSFUL]
                         arm.eliminated = f"{arm.outcome.verdict.value} after its {phase} stages: {', '.join(failed)}"
+                        bench = arm.ctx.outcomes.get("benchmark:pair")
+                        if phase == "speed" and bench and (cut := bench.result.get("stopped")):
+                            arm.eliminated += f" (benchmark stopped after round {cut['after_round']} of {cut['of']})"
                 ctx.console.print(f"  {arm.name}: {arm.eliminated or 'passes every check so far'}", markup=False)
         passing = [a for a in arms if a.eliminated is None and a.screened is not None]
         winner = max(passing, key=lambda a: a.screened["ratio"]) if passing else None
@@ -191,12 +194,12 @@ def run_search(ctx: RunContext, model: Any) -> tuple[Arm | None, list[Arm], Gate
     return winner, arms, policy
 
 
-def _arm(ctx: RunContext, name: str, view: Any) -> Arm:
+def _arm(ctx: RunContext, name: str, view: Any, policy: GateSection) -> Arm:
     tags = {"kiln.stage": "candidate", "kiln.candidate": name, **run_tags(ctx)}
     run_id = ctx.tracker.start(f"candidate {name}", tags, parent=ctx.parent_run)
     folder = ctx.run_dir / "candidates" / name
     (folder / "stages").mkdir(parents=True)
-    sub = replace(ctx, recipe=view, run_dir=folder, parent_run=run_id, outcomes={}, arm=name)
+    sub = replace(ctx, recipe=view, run_dir=folder, parent_run=run_id, outcomes={}, arm=name, gate=policy)
     return Arm(name, sub, run_id)
 
 

@@ -12,7 +12,7 @@ from kiln.optimize.base import QUANTIZERS, ModelArtifact
 from kiln.pipeline.errors import BadInput
 from kiln.pipeline.evidence import evidence_from_run
 from kiln.pipeline.files import atomic_write_json, dir_size, hash_of
-from kiln.pipeline.gate.base import Evidence
+from kiln.pipeline.gate.base import Evidence, Verdict
 from kiln.pipeline.gate.policy import GateOutcome, judge
 from kiln.pipeline.metrics import BENCH_PRESSURE
 from kiln.pipeline.model_source import ResolvedModel
@@ -323,19 +323,39 @@ def _served(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], cfg:
 
 def benchmark(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], confirmation: bool = False) -> None:
     """The interleaved decode benchmark. `confirmation`: a second, fresh measurement of a search's
-    winner (its own stage key), which then stands as the run's benchmark."""
+    winner (its own stage key), which then stands as the run's benchmark. It stops after a round
+    once a speed check has already Failed (see `futility_policy`): a candidate slower than the
+    gate allows stops consuming time."""
     from kiln.engine.cache import hardware_fingerprint
     from kiln.evaluate.decode_bench import interleaved
 
     b = ctx.recipe.evaluate.benchmark
     prompts = _prompts(b.prompts, b.num_prompts, _tokenizer(engines["baseline"]))
+    futility = futility_policy(ctx, b.repeats) if set(engines) == {"baseline", "candidate"} else None
 
     def compute(out: Path) -> dict[str, Any]:
         from kiln.evaluate import contention
 
         start = contention.read()
+        stopped: dict[str, Any] = {}
+
+        def stop(samples: dict[str, dict[str, list[float]]]) -> bool:
+            pressure = contention.between(start, contention.read())["cpu_pressure"]
+            verdict = judge(futility, Evidence("candidate", metrics={BENCH_PRESSURE: pressure} if pressure is not None
+                                               else {}, repeats=samples["candidate"]),
+                            Evidence("baseline", repeats=samples["baseline"]))
+            failed = [r for r in verdict.results if r.verdict is Verdict.FAILED]
+            if failed:
+                rounds = len(samples["candidate"]["decode_tok_s"]) // len(prompts)
+                stopped.update(after_round=rounds, of=b.repeats, checks=[f"{r.name}: {r.reason}" for r in failed])
+                ctx.console.print(f"  benchmark stopped after round {rounds} of {b.repeats}: "
+                                  + "; ".join(stopped["checks"]) + " (already Failed at "
+                                  f"{futility.confidence:.2%}, the check's confidence shared by the rounds)",
+                                  markup=False)
+            return bool(failed)
+
         per_arm = interleaved({role: loaded[role] for role in engines}, prompts, b.max_new_tokens,
-                              b.batch_sizes, b.repeats)
+                              b.batch_sizes, b.repeats, stop=stop if futility else None)
         machine = contention.between(start, contention.read())  # how busy the machine was meanwhile
         atomic_write_json(out / "repeats.json", per_arm)
         per_role = {role: {"repeats": samples, "metrics": {
@@ -343,13 +363,31 @@ def benchmark(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], co
             **({BENCH_PRESSURE: machine["cpu_pressure"]} if machine["cpu_pressure"] is not None else {})}}
             for role, samples in per_arm.items()}
         metrics = {f"{role}.{k}": v for role, part in per_role.items() for k, v in part["metrics"].items()}
-        return {"metrics": metrics, "per_role": per_role, "machine": machine}
+        return {"metrics": metrics, "per_role": per_role, "machine": machine, **({"stopped": stopped} if stopped else {})}
 
     run_stage(ctx, "benchmark", "pair",
               {"engines": {r: p.name for r, p in engines.items()}, "config": b.model_dump(mode="json"),
                "hardware": hardware_fingerprint(), "prompts": hash_of(prompts), "pairing": "per-prompt",
-               "records": "contention", **({"confirmation": 1} if confirmation else {})},
+               "records": "contention", **({"confirmation": 1} if confirmation else {}),
+               **({"stops_when_failed": futility.model_dump(mode="json")} if futility else {})},
               compute)
+
+
+def futility_policy(ctx: RunContext, rounds: int) -> Any:
+    """The checks the decode benchmark decides, as the benchmark may judge them after each round:
+    the policy this run is judged at (a search's family policy), those checks only, each at its
+    confidence shared by the rounds (Bonferroni over the looks). A look that finds one Failed stops
+    the benchmark: its interval at the stricter look confidence lies wholly past the bound, so the
+    final verdict on the same pairs is Failed too, and a candidate that truly meets the bound is
+    stopped at most the check's own error rate. Only Failed stops it (a pass is measured in full).
+    None: nothing to decide early."""
+    from kiln.pipeline.search import for_family, phase_of
+
+    policy = ctx.gate or ctx.recipe.gate
+    checks = [c for c in policy.checks if phase_of(c) == "speed"]
+    if not checks or rounds < 2:
+        return None
+    return for_family(policy.model_copy(update={"checks": checks}), rounds)
 
 
 def _load(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path]) -> None:

@@ -46,6 +46,7 @@ class RunContext:
     fresh: set[str] = field(default_factory=set)
     outcomes: dict[str, StageOutcome] = field(default_factory=dict)
     arm: str = ""  # a search's candidate: names it in every stage's label
+    gate: Any = None  # the policy the verdict is judged at (a search's family policy); None: recipe.gate
 
 
 @dataclass

@@ -45,3 +45,20 @@ def test_batch_throughput_is_one_sample_per_round(tiny_model_dir):
                       batch_sizes=[1, 4], rounds=3)
     for samples in out.values():
         assert len(samples["batch4_tok_s"]) == 3 and len(samples["decode_tok_s"]) == 6
+
+
+def test_a_stop_rule_ends_the_measurement_after_the_round_it_says_so(tiny_model_dir):
+    engine = TorchEngine(tiny_model_dir, TorchEngineConfig(threads=1))
+    seen: list[int] = []
+
+    def stop(samples):
+        seen.append(len(samples["candidate"]["decode_tok_s"]))
+        return len(seen) == 2
+
+    out = interleaved({"baseline": engine, "candidate": engine}, [[1, 2, 3], [4, 5]], new_tokens=3,
+                      batch_sizes=[1], rounds=4, stop=stop)
+    assert seen == [2, 4]  # asked after rounds 1 and 2, with every pair so far; never after the last
+    assert all(len(v) == 4 for arm in out.values() for v in arm.values())
+    never = interleaved({"baseline": engine, "candidate": engine}, [[1, 2, 3]], new_tokens=3,
+                        batch_sizes=[1], rounds=3, stop=lambda s: False)
+    assert len(never["candidate"]["decode_tok_s"]) == 3

@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
-from kiln.pipeline.gate.policy import GateSection
+from kiln.pipeline.gate.policy import GateSection, judge
 from kiln.pipeline.recipe import Recipe
 from kiln.pipeline.search import PHASES, family_confidence, for_family, phase_of, up_to
 from tests.pipeline.conftest import TINY_RECIPE, kiln
@@ -38,7 +39,7 @@ CHECKS = [
 def _search_recipe(path: Path, model_dir: Path) -> Path:
     raw = yaml.safe_load(yaml.safe_dump(TINY_RECIPE))
     del raw["optimize"], raw["engine"]
-    raw.update(name="tiny-search", model={"path": str(model_dir)}, candidates=CANDIDATES)
+    raw.update(name="tiny-search", model={"path": str(model_dir)}, candidates=CANDIDATES, search={"price_per_hour": 2.0})
     raw["evaluate"]["quality"]["lmeval"] = None
     raw["evaluate"]["quality"]["served"] = {"num_prompts": 4, "max_new_tokens": 6, "concurrency": 2}
     raw["evaluate"]["quality"]["perplexity"]["max_documents"] = 24  # fewer cannot pass (bench/ppl_calibration.py)
@@ -97,8 +98,14 @@ def test_the_winner_is_measured_again_and_laid_out_as_the_run(search_run):
     engine = json.loads((run_dir / "stages" / "engine-candidate.json").read_text())
     assert engine["key"] == json.loads((run_dir / "candidates" / winner["name"] / "stages" /
                                         "engine-candidate.json").read_text())["key"]  # kiln serve RUN serves it
+    # Cost per 1M output tokens at batch 1: the machine's price over the confirmed decode rate.
+    tok_s = json.loads((Path(top["path"]) / "result.json").read_text())["metrics"]["candidate.decode_tok_s"]
+    assert winner["decode_tok_s"] == pytest.approx(tok_s)
+    assert winner["cost_per_1m"] == pytest.approx(2.0 / (tok_s * 3600) * 1e6)
+    assert record["baseline"]["engine"] == "torch float32" and record["baseline"]["cost_per_1m"] > 0
     report = (run_dir / "report.md").read_text()
     assert "## Search" in report and "## Candidates" in report and f"🏆 {winner['name']}" in report
+    assert "cost / 1M tokens (b1)" in report and "per 1M output tokens at 2 per machine-hour" in report
     assert (run_dir / "plots" / "search_pareto.png").stat().st_size > 10_000
 
 
@@ -134,6 +141,30 @@ def test_phases_put_cheap_checks_first():
     assert family.confidence == pytest.approx(0.9875) and policy.confidence == 0.95
 
 
+def test_the_benchmark_stops_on_the_speed_checks_only_each_at_a_share_of_the_confidence():
+    from types import SimpleNamespace
+
+    from kiln.pipeline.gate.base import Evidence, Verdict
+    from kiln.pipeline.stage_impl import futility_policy
+
+    family = for_family(GateSection.model_validate({"confidence": 0.95, "checks": CHECKS}), 3)
+    looks = futility_policy(SimpleNamespace(gate=family, recipe=None), rounds=4)
+    assert [c.metric for c in looks.checks] == ["decode_tok_s"]
+    assert looks.confidence == pytest.approx(1 - (1 - family.confidence) / 4)
+    assert futility_policy(SimpleNamespace(gate=family, recipe=None), rounds=1) is None
+    quality_only = family.model_copy(update={"checks": family.checks[:3]})
+    assert futility_policy(SimpleNamespace(gate=quality_only, recipe=None), rounds=4) is None
+    # What a look calls Failed, the final judgment on the same pairs calls Failed too.
+    rng = np.random.default_rng(0)
+    for ratio in (0.1, 0.25, 0.29, 0.31, 0.5):
+        base = list(rng.uniform(9, 11, 8))
+        cand = [b * ratio * rng.lognormal(0, 0.1) for b in base]
+        ev = Evidence("candidate", repeats={"decode_tok_s": cand}), Evidence("baseline", repeats={"decode_tok_s": base})
+        early = judge(looks, *ev).verdict
+        final = judge(family.model_copy(update={"checks": looks.checks}), *ev).verdict
+        assert early is not Verdict.FAILED or final is Verdict.FAILED, (ratio, early, final)
+
+
 @pytest.mark.parametrize(("change", "needle"), [
     ({"optimize": {"method": "none"}}, "move them there"),
     ({"candidates": CANDIDATES[:1] * 2}, "torch-int8 appears more than once"),
@@ -158,17 +189,24 @@ def test_the_single_candidate_form_still_validates_and_names_a_missing_optimize(
 
 
 def test_a_search_no_candidate_passes_is_a_gate_failure_not_an_error(search_run, tmp_path):
-    """Every stage is reused from the first run: only the policy changed, so this costs seconds."""
+    """Only the speed check changed: every stage but the benchmark is reused, and the benchmark,
+    whose key holds the checks it may stop on, stops after its first round, already Failed."""
     raw = yaml.safe_load(search_run["recipe"].read_text())
     raw["gate"]["checks"][3]["min_ratio"] = 100.0  # no engine decodes 100x faster
     recipe = tmp_path / "impossible.yaml"
     recipe.write_text(yaml.safe_dump(raw))
     proc = kiln("run", str(recipe), cwd=search_run["work"])
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "▶ benchmark" not in proc.stdout  # no winner: nothing to confirm
+    assert "a fresh decode benchmark" not in proc.stdout  # no winner: nothing to confirm
     run_dir = max((search_run["work"] / "runs").iterdir(), key=lambda p: p.stat().st_mtime)
     record = json.loads((run_dir / "search.json").read_text())
     assert record["winner"] is None and all(c["eliminated"] for c in record["candidates"])
+    [timed] = [c for c in record["candidates"] if c["reached"] == "speed"]
+    rounds = raw["evaluate"]["benchmark"]["repeats"]
+    assert f"benchmark stopped after round 1 of {rounds}" in timed["eliminated"], timed
+    repeats = json.loads((run_dir / "candidates" / timed["name"] / "stages" / "benchmark-pair.json").read_text())
+    samples = json.loads((Path(repeats["path"]) / "repeats.json").read_text())
+    assert len(samples["candidate"]["decode_tok_s"]) == raw["evaluate"]["benchmark"]["num_prompts"]
     verdict = json.loads((run_dir / "verdict.json").read_text())
     assert {c["verdict"] for c in verdict["checks"]} <= {"Successful", "Failed", "Inconclusive"}, verdict
     assert "no candidate passed every check" in verdict["rule"]
