@@ -135,6 +135,9 @@ class SearchSection(Section):
                                     "baseline: decode_tok_s (higher is better) or ttft_ms (lower is better)")
     budget_s: float | None = Field(None, gt=0, description="stop starting candidate stages after this many seconds; "
                                                            "a candidate not finished by then cannot win")
+    price_per_hour: float | None = Field(
+        None, gt=0, description="what the machine costs per hour (any currency): the candidates table then shows each "
+                                "one's cost per 1M output tokens at batch 1, from its decode benchmark")
 
 
 class Recipe(Section):

@@ -14,6 +14,7 @@ verdict, each check and the lineage (`kiln.pipeline.model_registry`).
 from __future__ import annotations
 
 import html
+from statistics import median
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,7 +95,7 @@ def tables(outcome: GateOutcome, evidence: dict[str, Evidence], sections: Sectio
 
 
 SEARCH_HEADER = ["candidate", "engine", "optimize", "verdict", "speed-up [95% CI]", "perplexity change [CI]",
-                 "serving size", "why"]
+                 "decode tok/s (b1)", "cost / 1M tokens (b1)", "serving size", "why"]
 
 
 def _speedup(fig: dict[str, float] | None) -> str:
@@ -109,11 +110,24 @@ def _search_tables(record: dict[str, Any]) -> list[Table]:
         rows.append([("🏆 " if c["name"] == record["winner"] else "") + c["name"], c["engine"], c["optimize"],
                      c["verdict"] or "—", _speedup(c["confirmed"] or c["screened"]) + (" (confirmed)" if c["confirmed"] else ""),
                      "—" if not ppl else f"{ppl['change']:+.2%} [{ppl['low']:+.2%}, {ppl['high']:+.2%}]",
-                     _amount("size_bytes", c["serving_bytes"]),
+                     _fmt(c.get("decode_tok_s")), _cost(c.get("cost_per_1m")), _amount("size_bytes", c["serving_bytes"]),
                      c["eliminated"] or ("winner" if c["name"] == record["winner"] else "passed every check")])
-    return [("Search", ["what", "result"], [["winner", record["winner"] or "none: no candidate passed every check"],
-                                            ["why", record["why"]], ["statistics", record["statistics"]]]),
-            ("Candidates", SEARCH_HEADER, rows)]
+    summary = [["winner", record["winner"] or "none: no candidate passed every check"], ["why", record["why"]],
+               ["statistics", record["statistics"]]]
+    if (base := record.get("baseline")) and base.get("decode_tok_s"):
+        summary.append(["baseline", f"{base['engine']}: {_fmt(base['decode_tok_s'])} tok/s at batch 1"
+                                    + (f", {_cost(base['cost_per_1m'])} per 1M output tokens at "
+                                       f"{record['price_per_hour']:g} per machine-hour" if base.get("cost_per_1m") else "")])
+    return [("Search", ["what", "result"], summary), ("Candidates", SEARCH_HEADER, rows)]
+
+
+def _cost(v: float | None) -> str:
+    return "—" if v is None else f"{v:.3g}"
+
+
+def _per_million(price_per_hour: float | None, tok_s: float | None) -> float | None:
+    """A machine's price per 1M output tokens when it decodes `tok_s` one request at a time."""
+    return price_per_hour / (tok_s * 3600) * 1e6 if price_per_hour and tok_s else None
 
 
 def search_record(arms: list[Any], winner: Any, policy: Any) -> dict[str, Any]:
@@ -121,17 +135,26 @@ def search_record(arms: list[Any], winner: Any, policy: Any) -> dict[str, Any]:
     from kiln.pipeline.evidence import evidence_from_run
 
     objective = arms[0].ctx.recipe.search.objective
-    rows = []
+    price = arms[0].ctx.recipe.search.price_per_hour
+    rows, base_tok_s = [], []
     for arm in arms:
-        ppl = None
-        if arm.engines and (arm.ctx.run_dir / "stages" / "quality-candidate.json").exists():
-            found = [c for c in comparisons(evidence_from_run(arm.ctx.run_dir), 0.95) if c.metric == "perplexity"]
+        ppl, tok_s = None, None
+        evidence = evidence_from_run(arm.ctx.run_dir) if arm.engines else {}
+        if (arm.ctx.run_dir / "stages" / "quality-candidate.json").exists():
+            found = [c for c in comparisons(evidence, 0.95) if c.metric == "perplexity"]
             if found:
                 ppl = {"change": found[0].difference, "low": found[0].ci_low, "high": found[0].ci_high}
+        if evidence and "decode_tok_s" in evidence["candidate"].metrics:  # the confirmation's, where there is one
+            tok_s = evidence["candidate"].metrics["decode_tok_s"]
+            base_tok_s += evidence["baseline"].repeats.get("decode_tok_s", [])
         rows.append({"name": arm.name, "engine": _serving(arm.ctx.recipe.engine), "optimize": arm.ctx.recipe.optimize.method,
                      "verdict": arm.outcome.verdict.value if arm.outcome else None, "eliminated": arm.eliminated,
                      "reached": arm.reached, "screened": arm.screened, "confirmed": arm.confirmed,
-                     "perplexity": ppl, "serving_bytes": serving_bytes(arm)})
+                     "perplexity": ppl, "decode_tok_s": tok_s, "cost_per_1m": _per_million(price, tok_s),
+                     "serving_bytes": serving_bytes(arm)})
+    base_rate = median(base_tok_s) if base_tok_s else None  # over every benchmark it ran in
+    baseline = {"engine": _serving(arms[0].ctx.recipe.engine_for("baseline")), "decode_tok_s": base_rate,
+                "cost_per_1m": _per_million(price, base_rate)}
     won = winner is not None and winner.eliminated is None
     best = winner.confirmed or winner.screened if won else None
     why = (f"the highest {objective} speed-up over the baseline among the candidates that passed every check: "
@@ -141,7 +164,7 @@ def search_record(arms: list[Any], winner: Any, policy: Any) -> dict[str, Any]:
                   f"(gate.confidence {arms[0].ctx.recipe.gate.confidence:.0%} shared by the candidates, Bonferroni), "
                   "so the chance of promoting any candidate truly past a margin stays at the single-candidate rate")
     return {"objective": objective, "winner": winner.name if won else None, "why": why, "statistics": statistics,
-            "confidence": policy.confidence, "candidates": rows}
+            "confidence": policy.confidence, "price_per_hour": price, "baseline": baseline, "candidates": rows}
 
 
 def _serving(cfg: Any) -> str:
