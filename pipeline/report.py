@@ -14,9 +14,9 @@ verdict, each check and the lineage (`kiln.pipeline.model_registry`).
 from __future__ import annotations
 
 import html
-from statistics import median
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 from kiln.pipeline.errors import BadInput
