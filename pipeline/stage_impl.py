@@ -204,8 +204,10 @@ def evaluate(ctx: RunContext, engines: dict[str, Path], phases: tuple[str, ...] 
     own = loaded is None
     loaded = LazyEngines(engines, load_engine) if loaded is None else loaded
     if "quality" in phases:
-        docs = documents(_tokenizer(engines["baseline"]), _text_path(q.perplexity.text).read_text(),
-                         q.perplexity.seq_len, q.perplexity.max_documents)
+        text = _text_path(q.perplexity.text).read_text()
+        docs = token_ids(ctx, engines["baseline"], {"documents": hash_of(text), "seq_len": q.perplexity.seq_len,
+                                                    "max_documents": q.perplexity.max_documents},
+                         lambda tok: documents(tok, text, q.perplexity.seq_len, q.perplexity.max_documents))
         text_inputs = {"text": q.perplexity.text, "docs_hash": hash_of(docs)}
         for role in engines:
             _perplexity(ctx, role, loaded, engines[role], docs, text_inputs)
@@ -245,6 +247,41 @@ def _tokenizer(engine_dir: Path) -> Any:
     from kiln.engine.loader import read_manifest
 
     return _tokenizer_at(str(read_manifest(engine_dir)["source"]["path"]))
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".onnx", ".xml")
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer_files_hash(path: str) -> str:
+    """The checkpoint's tokenizer as content: every small file beside the weights (tokenizer.json,
+    its config, vocab and merges, the model config), by name and bytes."""
+    from kiln.pipeline.files import sha256_file
+
+    files = sorted(f for f in Path(path).iterdir()
+                   if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and f.stat().st_size < 64 << 20)
+    return hash_of({f.name: sha256_file(f) for f in files})
+
+
+def token_ids(ctx: RunContext, engine_dir: Path, what: dict[str, Any], produce: Any) -> list[list[int]]:
+    """`produce(tokenizer)`'s token ids, kept in the cache under the tokenizer's files, the
+    transformers version and `what` (the text's hash and how it is cut). A run whose stages are all
+    reused then never loads transformers' tokenizer (5-8 s here, mostly imports) just to rebuild
+    the stage keys."""
+    from importlib.metadata import version
+
+    from kiln.engine.loader import read_manifest
+    from kiln.pipeline.files import read_json
+
+    source = str(read_manifest(engine_dir)["source"]["path"])
+    key = hash_of({"tokenizer": _tokenizer_files_hash(source), "transformers": version("transformers"), **what})
+    path = ctx.cache / "tokenized" / f"{key}.json"
+    if path.exists():
+        return read_json(path)
+    ids = [list(map(int, seq)) for seq in produce(_tokenizer_at(source))]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, ids)
+    return ids
 
 
 @functools.lru_cache(maxsize=8)
@@ -307,8 +344,8 @@ def _served(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], cfg:
     from kiln.engine.loader import load_engine, read_manifest
     from kiln.evaluate.quality.served import served_text
 
-    prompts = _prompts(ctx.recipe.evaluate.benchmark.prompts, cfg.num_prompts, _tokenizer(engines["baseline"]),
-                       "evaluate.quality.served.num_prompts")
+    prompts = _cached_prompts(ctx, engines["baseline"], ctx.recipe.evaluate.benchmark.prompts, cfg.num_prompts,
+                              "evaluate.quality.served.num_prompts")
 
     def compute(out: Path) -> dict[str, Any]:
         res = served_text(loaded["baseline"], lambda: load_engine(engines["candidate"]),
@@ -330,7 +367,7 @@ def benchmark(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], co
     from kiln.evaluate.decode_bench import interleaved
 
     b = ctx.recipe.evaluate.benchmark
-    prompts = _prompts(b.prompts, b.num_prompts, _tokenizer(engines["baseline"]))
+    prompts = _cached_prompts(ctx, engines["baseline"], b.prompts, b.num_prompts)
     futility = futility_policy(ctx, b.repeats) if set(engines) == {"baseline", "candidate"} else None
 
     def compute(out: Path) -> dict[str, Any]:
@@ -403,7 +440,17 @@ def _load(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path]) -> Non
 
 
 def _prompts(spec: str, n: int, tokenizer: Any, count_field: str = "evaluate.benchmark.num_prompts") -> list[list[int]]:
-    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in read_prompts(spec, n, count_field)]
+    return _encode(tokenizer, read_prompts(spec, n, count_field))
+
+
+def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def _cached_prompts(ctx: RunContext, engine_dir: Path, spec: str, n: int,
+                    count_field: str = "evaluate.benchmark.num_prompts") -> list[list[int]]:
+    texts = read_prompts(spec, n, count_field)
+    return token_ids(ctx, engine_dir, {"prompts": hash_of(texts)}, lambda tok: _encode(tok, texts))
 
 
 def read_prompts(spec: str, n: int, count_field: str = "evaluate.benchmark.num_prompts") -> list[str]:
