@@ -18,7 +18,9 @@ from mlflow.tracking import MlflowClient
 from kiln.pipeline.files import sha256_tree
 from tests.pipeline.conftest import fresh_cache, write_recipe
 
-SMALL = {"evaluate__quality": {"perplexity": {"text": "demo", "max_documents": 8, "seq_len": 128}, "agreement": True},
+# What is under test is the locking, not the figures: every stage kind a run computes, each as small as it goes.
+SMALL = {"evaluate__quality": {"perplexity": {"text": "demo", "max_documents": 4, "seq_len": 64}, "agreement": True},
+         "evaluate__benchmark": {"prompts": "demo", "num_prompts": 2, "max_new_tokens": 4, "repeats": 2},
          "gate": {"checks": [{"kind": "quality", "metric": "perplexity", "margin": 0.05, "relative": True},
                              {"kind": "agreement", "metric": "top1_agreement", "min": 0.5},
                              {"kind": "size", "max_ratio": 1.0}]}}
