@@ -59,9 +59,10 @@ demo: install
 	$(BIN)/kiln prepare-demo
 	$(BIN)/kiln run recipes/demo.yaml; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 1 ] || [ $$rc -eq 3 ]
 
+# --durations: the suite's budget is ~20 minutes on a 2-core machine; CI's log names what spends it.
 test: install system-deps lint-tools llama-cpp
 	$(BIN)/kiln prepare-demo
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 clean:
 	rm -rf $(VENV) .cache runs mlflow.db
