@@ -8,7 +8,9 @@ Runtime: `llama-server` on 127.0.0.1 at a free port, `--parallel` slots with con
 at start and stopped on `close`. Generation streams llama-server's native `/completion` with
 token-ID prompts and `return_tokens`, so token ids come back exactly; the streamed logprob of
 each token is llama.cpp's (`n_probs: 1`). Stop token ids are applied here (the server knows only
-stop strings): the stream is closed at the first one.
+stop strings): the stream is closed at the first one. `step()` reads every sequence's stream on
+the caller's own thread (llama_cpp_stream.py): no client thread sits between llama-server and
+kiln's scheduler, so a token costs kiln serve one thread wake-up less.
 
 Scoring (`score`, `next_token_logprobs`: perplexity, token agreement, lm-eval log-likelihoods)
 runs in-process instead: llama-server refuses `echo` on completions ("Only no echo is
@@ -22,13 +24,16 @@ defaults, f16 and auto, or f32 and off for exact parity with torch fp32).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import selectors
 import shutil
 import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -38,6 +43,7 @@ from kiln.engine import full_logits
 from kiln.engine.base import (
     BACKENDS,
     REBUILD,
+    Engine,
     EngineBackend,
     EngineConfig,
     GenerationRequest,
@@ -45,10 +51,13 @@ from kiln.engine.base import (
     TokenEvent,
     check_request,
 )
-from kiln.engine.remote import RemoteEngine, RemoteEngineConfig, _check, _Failed, free_port, wait_healthy
+from kiln.engine.llama_cpp_stream import Completion
+from kiln.engine.remote import free_port, wait_healthy
 from kiln.pipeline.errors import BadInput
 
 GGUF = "model.gguf"
+_HOST = "127.0.0.1"
+_SILENCE_S = 600.0  # a stream that sends nothing this long fails (the remote backend's request timeout)
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json", "chat_template.jinja", "tokenizer.model")
 
@@ -148,8 +157,16 @@ def server_command(exe: Path, gguf_path: Path, port: int, config: LlamaCppConfig
             "--cont-batching", "--no-webui", "--log-disable"]
 
 
-class LlamaServerEngine(RemoteEngine):
-    """A remote engine that owns the llama-server process it talks to."""
+@dataclass
+class _Sequence:
+    seq_id: int
+    request: GenerationRequest
+    completion: Completion
+    produced: int = 0
+
+
+class LlamaServerEngine(Engine):
+    """An engine that owns the llama-server process it talks to; `step` reads its streams."""
 
     process: subprocess.Popen | None = None
     server_log: Any = None
@@ -158,6 +175,17 @@ class LlamaServerEngine(RemoteEngine):
     scorer: Any = None  # LlamaLogits, made on the first scoring call
     gguf_path: Path
     llama_config: LlamaCppConfig
+
+    def __init__(self, port: int, tokenizer_dir: Path, config: LlamaCppConfig):
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.manifest = {"backend": "llama_cpp", "config": config.model_dump(mode="json")}
+        self.port, self.server_url, self.llama_config = port, f"http://{_HOST}:{port}", config
+        self.max_positions = config.ctx_per_slot
+        self._ids = itertools.count()
+        self._seqs: dict[int, _Sequence] = {}
+        self._selector = selectors.DefaultSelector()
 
     @classmethod
     def start(cls, gguf_path: Path, tokenizer_dir: Path, config: LlamaCppConfig) -> LlamaServerEngine:
@@ -172,60 +200,79 @@ class LlamaServerEngine(RemoteEngine):
         log = tempfile.TemporaryFile()  # noqa: SIM115
         process = subprocess.Popen(server_command(exe, gguf_path, port, config),
                                    stdout=subprocess.DEVNULL, stderr=log)
-        url = f"http://127.0.0.1:{port}"
         try:
-            wait_healthy(url, config.startup_timeout_s, process, "llama-server", log)
-            remote = RemoteEngineConfig(url=url, model=gguf_path.name, stream_token_ids=True)
-            engine = cls(remote, tokenizer_dir)
+            wait_healthy(f"http://{_HOST}:{port}", config.startup_timeout_s, process, "llama-server", log)
+            engine = cls(port, tokenizer_dir, config)
         except BaseException:
             process.kill()
             process.wait(timeout=30)
             raise
-        engine.process, engine.server_log = process, log
-        engine.server_url = url
-        engine.max_positions = config.ctx_per_slot
-        engine.gguf_path, engine.llama_config = gguf_path, config
+        engine.process, engine.server_log, engine.gguf_path = process, log, gguf_path
         return engine
+
+    # ----- generation -----------------------------------------------------------------------
 
     def add(self, request: GenerationRequest) -> int:
         check_request(request, self.max_positions)
-        return super().add(request)
-
-    async def _stream(self, seq_id: int, r: GenerationRequest) -> None:
+        r = request
         body: dict[str, Any] = {"prompt": list(r.prompt_ids), "n_predict": r.max_new_tokens, "stream": True,
                                 "return_tokens": True, "temperature": r.temperature, "top_p": r.top_p,
                                 "ignore_eos": r.ignore_eos, "n_probs": 1, "cache_prompt": True}
         if r.seed is not None:
             body["seed"] = r.seed
-        stops, produced = set(r.stop_ids), 0
-        try:
-            async with self._session.post(f"{self.server_url}/completion", json=body) as resp:
-                await _check(resp)
-                async for line in resp.content:
-                    if not line.startswith(b"data:"):
-                        continue
-                    chunk = json.loads(line[5:])
-                    now = time.perf_counter()
-                    ids = list(chunk.get("tokens") or [])
-                    probs = chunk.get("completion_probabilities") or []
-                    done = bool(chunk.get("stop"))
-                    for k, token in enumerate(ids):
-                        produced += 1
-                        lp = probs[k].get("logprob") if k < len(probs) else None
-                        last = token in stops or produced >= r.max_new_tokens
-                        finish = ("stop" if token in stops else "length") if last else (
-                            _finish(chunk) if done and k == len(ids) - 1 else None)
-                        self._events.put(TokenEvent(seq_id, int(token), now, lp, finish))
-                        if last:
-                            return  # leaving the block closes the connection: the server frees the slot
-                    if done:
-                        if not ids:  # the end came without a token (EOS is not streamed)
-                            eos = self.tokenizer.eos_token_id
-                            self._events.put(TokenEvent(seq_id, eos if eos is not None else 0, now, None,
-                                                        _finish(chunk)))
-                        return
-        except Exception as e:  # noqa: BLE001 - surfaced from step() on the caller's thread
-            self._events.put(_Failed(seq_id, e))
+        seq = _Sequence(next(self._ids), r, Completion(_HOST, self.port, body, _SILENCE_S))
+        self._seqs[seq.seq_id] = seq
+        self._selector.register(seq.completion, selectors.EVENT_READ, seq)
+        return seq.seq_id
+
+    def has_work(self) -> bool:
+        return bool(self._seqs)
+
+    def cancel(self, seq_id: int) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None:  # closing the connection makes the server free the slot
+            self._selector.unregister(seq.completion)
+            seq.completion.close()
+
+    def step(self) -> list[TokenEvent]:
+        """Wait for at least one token from any sequence, then return all that arrived."""
+        out: list[TokenEvent] = []
+        while self._seqs and not out:
+            ready = self._selector.select(_SILENCE_S)
+            if not ready:
+                raise RuntimeError(f"llama-server at {self.server_url} sent nothing for {_SILENCE_S:g} s")
+            now = time.perf_counter()
+            for key, _ in ready:
+                seq = key.data
+                try:
+                    chunks = seq.completion.feed()
+                except Exception:
+                    self.cancel(seq.seq_id)
+                    raise
+                if any(self._tokens(seq, chunk, now, out) for chunk in chunks):
+                    self.cancel(seq.seq_id)
+        return out
+
+    def _tokens(self, seq: _Sequence, chunk: dict[str, Any], now: float, out: list[TokenEvent]) -> bool:
+        """Append one streamed chunk's tokens to `out`; True once the sequence has ended."""
+        r, ids = seq.request, chunk.get("tokens") or []
+        probs = chunk.get("completion_probabilities") or []
+        done = bool(chunk.get("stop"))
+        for k, token in enumerate(ids):
+            seq.produced += 1
+            lp = probs[k].get("logprob") if k < len(probs) else None
+            last = token in r.stop_ids or seq.produced >= r.max_new_tokens
+            finish = ("stop" if token in r.stop_ids else "length") if last else (
+                _finish(chunk) if done and k == len(ids) - 1 else None)
+            out.append(TokenEvent(seq.seq_id, int(token), now, lp, finish))
+            if last:
+                return True
+        if done and not ids:  # the end came without a token (EOS is not streamed)
+            eos = self.tokenizer.eos_token_id
+            out.append(TokenEvent(seq.seq_id, eos if eos is not None else 0, now, None, _finish(chunk)))
+        return done
+
+    # ----- scoring (in-process) -------------------------------------------------------------
 
     def _logits(self, seqs: list[list[int]]) -> list[Any]:
         if self.scorer is None:
@@ -246,7 +293,9 @@ class LlamaServerEngine(RemoteEngine):
         return full_logits.next_token_logprobs(ids, self._logits, self.max_positions)
 
     def close(self) -> None:
-        super().close()
+        for seq_id in list(self._seqs):
+            self.cancel(seq_id)
+        self._selector.close()
         if self.scorer is not None:
             self.scorer.close()
             self.scorer = None
