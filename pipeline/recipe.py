@@ -130,9 +130,10 @@ class CandidateSection(Section):
 class SearchSection(Section):
     """How `kiln run` picks among `candidates`: the best objective among those every check passes."""
 
-    objective: Literal["decode_tok_s", "ttft_ms"] = Field(
-        "decode_tok_s", description="what the winner is best at, from the decode benchmark's paired ratio to the "
-                                    "baseline: decode_tok_s (higher is better) or ttft_ms (lower is better)")
+    objective: Literal["decode_tok_s", "ttft_ms", "load_goodput"] = Field(
+        "decode_tok_s", description="what the winner is best at, as a paired ratio to the baseline: decode_tok_s "
+                                    "(higher is better) or ttft_ms (lower is better) from the decode benchmark, or "
+                                    "load_goodput (requests per second within the SLO) from evaluate.load")
     budget_s: float | None = Field(None, gt=0, description="stop starting candidate stages after this many seconds; "
                                                            "a candidate not finished by then cannot win")
     price_per_hour: float | None = Field(
@@ -199,6 +200,13 @@ class Recipe(Section):
                                  "search, list each knob setting as its own candidate")
         if self.tune is not None:
             check_space(self.engine, self.tune)
+        if self.search.objective == "load_goodput":
+            if self.evaluate.load is None:
+                raise ValueError("search.objective load_goodput: ranks candidates by the load stage's goodput; set "
+                                 "evaluate.load (a load shape with an slo), or pick decode_tok_s")
+            if self.evaluate.load.repeats < 2:
+                raise ValueError(f"search.objective load_goodput: the ratio's interval needs at least 2 interleaved "
+                                 f"repeats; evaluate.load.repeats is {self.evaluate.load.repeats}")
         if (base := self.baseline.engine) is not None:
             backend = BACKENDS.get(base.backend)
             if not backend.scores:

@@ -95,6 +95,7 @@ def gather(run_dir: Path, results: Sequence[CheckResult], checks: Mapping[str, A
         plots["quality deltas"] = path
     for name, title in LOAD_PLOTS.items():
         if load_dir and (load_dir / "plots" / name).is_file():
+            (run_dir / "plots").mkdir(exist_ok=True)  # a gate without quality checks drew nothing before
             plots[title] = Path(shutil.copy2(load_dir / "plots" / name, run_dir / "plots" / name))
     return plots
 

@@ -129,6 +129,11 @@ def find_champion(ctx: RunContext) -> Champion | None:
                     json.loads(mv.tags[SERVING]))
 
 
+def objective_phase(objective: str) -> str:
+    """The phase whose stage measures `objective`: the decode benchmark (speed), or the load stage (rest)."""
+    return "rest" if objective.startswith(LOAD_PREFIX) else "speed"
+
+
 def speedup(evidence: dict[str, Evidence], objective: str) -> dict[str, float] | None:
     """The candidate's speed-up over the baseline on `objective`: the geometric mean of the paired
     per-repeat ratios with its t-interval at 95% (ttft_ms inverted, so higher is always better)."""
@@ -138,6 +143,8 @@ def speedup(evidence: dict[str, Evidence], objective: str) -> dict[str, float] |
     base = np.asarray(evidence["baseline"].repeats.get(objective, []), dtype=float)
     n = min(len(cand), len(base))
     if n < 2:
+        return None
+    if (cand[:n] <= 0).any() or (base[:n] <= 0).any():  # e.g. no request met the SLO in a repeat: no ratio
         return None
     log_ratio = np.log(cand[:n] / base[:n]) * (1 if METRICS[objective].higher_is_better else -1)
     mean, lo, hi = (math.exp(v) for v in t_interval(log_ratio, 0.95))
@@ -172,7 +179,7 @@ def run_search(ctx: RunContext, model: Any) -> tuple[Arm | None, list[Arm], Gate
                 _run_phase(arm, phase, model, shared)
                 arm.reached = phase
                 evidence = evidence_from_run(arm.ctx.run_dir) if arm.eliminated is None else None
-                if phase == "speed" and evidence:  # shown for every candidate that ran it
+                if phase == objective_phase(recipe.search.objective) and evidence:  # for every candidate that ran it
                     arm.screened = speedup(evidence, recipe.search.objective)
                 if evidence and (partial := up_to(policy, phase)) is not None:
                     arm.outcome = judge(partial, evidence["candidate"], evidence["baseline"])
@@ -280,10 +287,11 @@ def _confirm(winner: Arm, shared: Any, policy: GateSection) -> None:
     from kiln.pipeline import stage_impl
     from kiln.pipeline.evidence import evidence_from_run
 
-    winner.ctx.console.print(f"[bold]confirm[/bold] {winner.name}: a fresh decode benchmark, "
-                             "the screening one was the best of several")
+    load = objective_phase(winner.ctx.recipe.search.objective) == "rest"
+    winner.ctx.console.print(f"[bold]confirm[/bold] {winner.name}: a fresh {'load stage' if load else 'decode benchmark'}"
+                             ", the screening one was the best of several")
     with _engines(winner, shared) as loaded:
-        stage_impl.benchmark(winner.ctx, loaded, winner.engines, confirmation=True)
+        (stage_impl.load_stage if load else stage_impl.benchmark)(winner.ctx, loaded, winner.engines, confirmation=True)
     evidence = evidence_from_run(winner.ctx.run_dir)
     winner.confirmed = speedup(evidence, winner.ctx.recipe.search.objective)
     winner.outcome = judge(policy, evidence["candidate"], evidence["baseline"])

@@ -222,7 +222,7 @@ def evaluate(ctx: RunContext, engines: dict[str, Path], phases: tuple[str, ...] 
             for role in engines:
                 _lmeval(ctx, role, loaded, engines[role], q.lmeval)
         if ctx.recipe.evaluate.load:
-            _load(ctx, loaded, engines)
+            load_stage(ctx, loaded, engines)
     if own:
         loaded.close()
 
@@ -427,15 +427,16 @@ def futility_policy(ctx: RunContext, rounds: int) -> Any:
     return for_family(policy.model_copy(update={"checks": checks}), rounds)
 
 
-def _load(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path]) -> None:
-    """Both arms served over HTTP under the recipe's load shape (see kiln.pipeline.load_stage)."""
+def load_stage(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], confirmation: bool = False) -> None:
+    """Both arms served over HTTP under the recipe's load shape (see kiln.pipeline.load_stage).
+    `confirmation`: a search's winner measured again, fresh (its own stage key), as `benchmark`."""
     from kiln.engine.cache import hardware_fingerprint
     from kiln.pipeline.load_stage import measure
 
     cfg = ctx.recipe.evaluate.load
     run_stage(ctx, "load", "pair",
               {"engines": {r: p.name for r, p in engines.items()}, "config": cfg.model_dump(mode="json"),
-               "hardware": hardware_fingerprint()},
+               "hardware": hardware_fingerprint(), **({"confirmation": 1} if confirmation else {})},
               lambda out: measure({role: loaded[role] for role in engines}, engines, cfg, out))
 
 
