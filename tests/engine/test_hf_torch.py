@@ -66,6 +66,17 @@ def test_score_equals_full_forward(torch_engine, naive_score):
         assert sum(s.token_logprobs) == pytest.approx(s.logprob, abs=1e-5)
 
 
+def test_scoring_passes_keep_padding_small(torch_engine):
+    """Once a pass is big enough to keep the matmuls busy it takes no much shorter sequence (each
+    padded position costs a full forward); small passes still batch; the token budget caps every pass."""
+    seqs = [[1] * n for n in (600, 300, 290, 10, 10, 560)]
+    assert torch_engine._batches(seqs) == [[0, 5], [1, 2], [3, 4]]
+    short = [[1] * 10] * 500
+    groups = torch_engine._batches(short)
+    assert sorted(i for g in groups for i in g) == list(range(500))
+    assert max(len(g) for g in groups) * 10 <= torch_engine.config.score_batch_tokens < (max(len(g) for g in groups) + 1) * 10
+
+
 def test_is_greedy_true_exactly_for_the_greedy_continuation(torch_engine, naive_greedy):
     prompt = _prompts(torch_engine.tokenizer)[0]
     greedy = naive_greedy(torch_engine.model, prompt, 4)
