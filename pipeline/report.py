@@ -60,7 +60,8 @@ def comparison_rows(comparisons: list[Any]) -> list[list[str]]:
              f"{c.method}, n={c.n}"] for c in comparisons]
 
 
-MEMORY_COST = {"size_bytes": "size on disk", "peak_rss_bytes": "peak RSS while optimizing (not serving)",
+MEMORY_COST = {"size_bytes": "artifact size on disk (what optimize wrote)",
+               "peak_rss_bytes": "peak RSS while optimizing (not serving)",
                "load_cost_per_1m_output_tokens": "cost per 1M output tokens (load sweep)"}
 Table = tuple[str, list[str], list[list[str]]]  # section title, header, rows
 
@@ -74,6 +75,7 @@ class Sections:
     load: dict[str, Any] | None = None  # the load stage's result
     lineage: list[dict[str, str]] = field(default_factory=list)
     comparisons: list[Any] = field(default_factory=list)  # kiln.evaluate.stats.Comparison, one per paired metric
+    serving: dict[str, float] = field(default_factory=dict)  # role -> bytes the engine serves from (engine_bytes)
 
 
 def tables(outcome: GateOutcome, evidence: dict[str, Evidence], sections: Sections) -> list[Table]:
@@ -83,6 +85,10 @@ def tables(outcome: GateOutcome, evidence: dict[str, Evidence], sections: Sectio
     metric_rows = [[n, _fmt(base.get(n)), _fmt(cand.get(n)), METRICS[n].unit if n in METRICS else ""] for n in names]
     memory = [[MEMORY_COST[n], _amount(n, base.get(n)), _amount(n, cand.get(n)),
                _fmt(cand[n] / base[n]) if base.get(n) and n in cand else "—"] for n in MEMORY_COST if n in names]
+    if len(served := sections.serving) == 2:  # the artifact is not what OpenVINO, CTranslate2 or llama.cpp load
+        memory.insert(1, ["size served from (engine folder, or the artifact it loads)",
+                          _amount("size_bytes", served["baseline"]), _amount("size_bytes", served["candidate"]),
+                          _fmt(served["candidate"] / served["baseline"]) if served["baseline"] else "—"])
     out: list[Table] = _search_tables(sections.search) if sections.search else []
     out += [("Checks", CHECK_HEADER, check_rows(outcome.results)),
                         ("Quality, paired item by item", COMPARISON_HEADER, comparison_rows(sections.comparisons))]
@@ -173,14 +179,19 @@ def _serving(cfg: Any) -> str:
 
 
 def serving_bytes(arm: Any) -> float | None:
-    """What the candidate serves from on disk: its engine folder when the engine holds converted
-    weights (OpenVINO, CTranslate2, GGUF), else the artifact it loads (torch)."""
-    from kiln.pipeline.files import dir_size
-
+    """What the candidate serves from on disk (see `engine_bytes`)."""
     if not arm.engines:
         return None
-    size = dir_size(arm.engines["candidate"])
-    return size if size > 1 << 20 or arm.artifact is None else arm.artifact.manifest.get("size_bytes")
+    return engine_bytes(arm.engines["candidate"], arm.artifact.manifest.get("size_bytes") if arm.artifact else None)
+
+
+def engine_bytes(engine_dir: Path, artifact_bytes: float | None) -> float | None:
+    """What an engine serves from on disk: its folder when it holds converted weights (OpenVINO,
+    CTranslate2, GGUF), else the artifact it loads (torch: the folder holds a manifest only)."""
+    from kiln.pipeline.files import dir_size
+
+    size = dir_size(engine_dir)
+    return size if size > 1 << 20 or artifact_bytes is None else artifact_bytes
 
 
 def _load_tables(load: dict[str, Any]) -> list[Table]:
@@ -334,7 +345,11 @@ def publish(ctx: Any, outcome: GateOutcome, evidence: dict[str, Evidence], artif
     checks = {c.label: c for c in ctx.recipe.gate.checks}
     sections = Sections(plots=gather(ctx.run_dir, outcome.results, checks, load.path if load else None),
                         load=load.result if load else None, lineage=lineage(ctx, outcome, version),
-                        comparisons=comparisons(evidence, ctx.recipe.gate.confidence))
+                        comparisons=comparisons(evidence, ctx.recipe.gate.confidence),
+                        serving={role: size for role in ("baseline", "candidate")
+                                 if (built := ctx.outcomes.get(f"engine:{role}")) is not None and
+                                 (size := engine_bytes(Path(built.result["engine_dir"]),
+                                                       evidence[role].metrics.get("size_bytes"))) is not None})
     if search:
         sections.search = search_record(*search)
         atomic_write_json(ctx.run_dir / "search.json", sections.search)

@@ -49,7 +49,7 @@ def test_report_sections_in_order_with_embedded_plots_and_lineage(tmp_path):
     md = markdown("demo", outcome, evidence, {}, sections)
     titles = re.findall(r"^## (.+)$", md, flags=re.M)
     assert titles == ["Checks", "Plots", "Memory and cost", "Metrics", "Lineage"]
-    assert "`plots/quality_deltas.png`" in md and "| size on disk | 400.0 MB | 100.0 MB | 0.25 |" in md
+    assert "`plots/quality_deltas.png`" in md and "| artifact size on disk (what optimize wrote) | 400.0 MB | 100.0 MB | 0.25 |" in md
     page = html_page("kiln: demo", outcome, evidence, sections)
     (data,) = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
     assert base64.b64decode(data) == plot.read_bytes()
