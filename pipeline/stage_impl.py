@@ -11,7 +11,7 @@ from typing import Any
 from kiln.optimize.base import QUANTIZERS, ModelArtifact
 from kiln.pipeline.errors import BadInput
 from kiln.pipeline.evidence import evidence_from_run
-from kiln.pipeline.files import atomic_write_json, dir_size, hash_of
+from kiln.pipeline.files import atomic_write_json, dir_size, hash_of, read_json, sha256_file
 from kiln.pipeline.gate.base import Evidence, Verdict
 from kiln.pipeline.gate.policy import GateOutcome, judge
 from kiln.pipeline.metrics import BENCH_PRESSURE
@@ -256,8 +256,6 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".onnx", ".xm
 def _tokenizer_files_hash(path: str) -> str:
     """The checkpoint's tokenizer as content: every small file beside the weights (tokenizer.json,
     its config, vocab and merges, the model config), by name and bytes."""
-    from kiln.pipeline.files import sha256_file
-
     files = sorted(f for f in Path(path).iterdir()
                    if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and f.stat().st_size < 64 << 20)
     return hash_of({f.name: sha256_file(f) for f in files})
@@ -271,7 +269,6 @@ def token_ids(ctx: RunContext, engine_dir: Path, what: dict[str, Any], produce: 
     from importlib.metadata import version
 
     from kiln.engine.loader import read_manifest
-    from kiln.pipeline.files import read_json
 
     source = str(read_manifest(engine_dir)["source"]["path"])
     key = hash_of({"tokenizer": _tokenizer_files_hash(source), "transformers": version("transformers"), **what})

@@ -156,6 +156,7 @@ def test_the_benchmark_stops_on_the_speed_checks_only_each_at_a_share_of_the_con
     assert futility_policy(SimpleNamespace(gate=quality_only, recipe=None), rounds=4) is None
     # What a look calls Failed, the final judgment on the same pairs calls Failed too.
     rng = np.random.default_rng(0)
+    stopped = 0
     for ratio in (0.1, 0.25, 0.29, 0.31, 0.5):
         base = list(rng.uniform(9, 11, 8))
         cand = [b * ratio * rng.lognormal(0, 0.1) for b in base]
@@ -163,6 +164,8 @@ def test_the_benchmark_stops_on_the_speed_checks_only_each_at_a_share_of_the_con
         early = judge(looks, *ev).verdict
         final = judge(family.model_copy(update={"checks": looks.checks}), *ev).verdict
         assert early is not Verdict.FAILED or final is Verdict.FAILED, (ratio, early, final)
+        stopped += early is Verdict.FAILED
+    assert stopped  # the property was exercised: some look did stop
 
 
 @pytest.mark.parametrize(("change", "needle"), [
