@@ -149,7 +149,8 @@ def main() -> None:
     try:
         code = app(standalone_mode=False)
     except KilnError as e:
-        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
+        # soft_wrap: the terminal wraps a long message; rich would cut a path in two ("…/c\nonfig.json")
+        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(int(e.exit_code))
     except (typer.Exit, SystemExit) as e:
         sys.exit(getattr(e, "exit_code", getattr(e, "code", 0)))
@@ -160,11 +161,11 @@ def main() -> None:
         if hasattr(e, "show"):
             e.show()
         else:
-            err.print(f"[red]error:[/red] {escape(str(e))}")
+            err.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
         sys.exit(int(ExitCode.BAD_INPUT))
     except Exception as e:  # noqa: BLE001 - the documented internal-error exit
         traceback.print_exc()
-        err.print(f"[red]internal error:[/red] {type(e).__name__}: {escape(str(e))}")
+        err.print(f"[red]internal error:[/red] {type(e).__name__}: {escape(str(e))}", soft_wrap=True)
         sys.exit(int(ExitCode.INTERNAL_ERROR))
     sys.exit(code if isinstance(code, int) else 0)
 
