@@ -60,9 +60,21 @@ def validate(recipe: RecipeArg, set_: SetOpt = []) -> None:  # noqa: B006 - type
     from kiln.pipeline.recipe import load_recipe
 
     r = load_recipe(recipe, set_)
-    arms = ", ".join([f"{name}: optimize={view.optimize.method}, engine={view.engine.backend}" for name, view in r.arms()]
-                     + [f"{c.name}: the registry's champion" for c in r.candidates or [] if c.champion])
-    console.print(f"[green]✓[/green] {recipe}: valid ({r.name}, {arms}, {len(r.gate.checks)} gate checks)")
+    checks = f"{len(r.gate.checks)} gate checks"
+    if r.candidates is None:
+        console.print(f"[green]✓[/green] {recipe}: valid ({r.name}, optimize={r.optimize.method}, "
+                      f"engine={r.engine.backend}, {checks})", soft_wrap=True)
+        return
+    # A search: one line per arm, so a list of candidates reads as a list.
+    console.print(f"[green]✓[/green] {recipe}: valid ({r.name}, a search over {len(r.candidates)} candidates, {checks})",
+                  soft_wrap=True)
+    base = r.baseline.engine.backend if r.baseline.engine else "torch"
+    console.print(f"  baseline: the checkpoint unchanged, engine={base}", soft_wrap=True)
+    for name, view in r.arms():
+        console.print(f"  {name}: optimize={view.optimize.method}, engine={view.engine.backend}", soft_wrap=True)
+    for c in r.candidates:
+        if c.champion:
+            console.print(f"  {c.name}: the registry's champion, as it was served", soft_wrap=True)
 
 
 @app.command()

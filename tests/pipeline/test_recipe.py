@@ -87,6 +87,22 @@ def test_cli_validate_exit_codes(tmp_path):
         assert "Traceback" not in usage.stderr
 
 
+
+def test_cli_validate_lists_a_searchs_arms_one_per_line(tmp_path):
+    search = _write(tmp_path, (RECIPES[0].parent / "demo.yaml").read_text()).read_text()
+    search = search.replace("candidates:\n", "candidates:\n  - {name: prod, champion: true}\n", 1)
+    path = _write(tmp_path, search)
+    out = subprocess.run([sys.executable, "-m", "kiln.pipeline", "validate", str(path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    r = load_recipe(path)
+    assert f"a search over {len(r.candidates)} candidates" in lines[0]
+    assert lines[1] == "  baseline: the checkpoint unchanged, engine=torch"
+    for name, view in r.arms():
+        assert f"  {name}: optimize={view.optimize.method}, engine={view.engine.backend}" in lines
+    assert "  prod: the registry's champion, as it was served" in lines
+    assert len(lines) == 2 + len(r.candidates)
+
 def test_schema_lists_plugins():
     import json
 
