@@ -206,21 +206,34 @@ def bootstrap_t_upper(ratios, seed, iterations=20_000, one_sided=0.025):
     return m - np.quantile(t[np.isfinite(t)], one_sided) * se
 
 
-def test_log_ratio_follows_skew_with_bootstrap_t():
+def hall_upper(ratios, one_sided=0.025, allowance=2.0):
+    """Hall's (1992) skew-corrected t upper end, written out on its own: the sample skewness g1 plus
+    `allowance` normal-theory standard errors of g1 (equal token counts)."""
+    n, m, se = ratios.size, ratios.mean(), ratios.std(ddof=1) / math.sqrt(ratios.size)
+    dev = ratios - m
+    facing = np.mean(dev ** 3) / np.mean(dev ** 2) ** 1.5 + allowance * math.sqrt(6 * (n - 2) / ((n + 1) * (n + 3)))
+    a, c, t_q = facing / (3 * math.sqrt(n)), facing / (6 * math.sqrt(n)), stats.t.ppf(1 - one_sided, n - 1)
+    return m - se * (np.cbrt(1 + 3 * a * (-t_q - c)) - 1) / a
+
+
+def test_log_ratio_follows_skew_with_bootstrap_t_and_hall():
     rng = np.random.default_rng(9)
     tokens = np.full(40, 255.0)
     base = tokens * rng.normal(3.5, 0.4, 40)
     ratios = 0.01 + np.where(rng.random(40) < 0.2, 0.15, 0.0) + rng.normal(0, 0.003, 40)  # a few much worse
     got = paired_log_ratio(base, base + tokens * ratios, tokens)
     t_high = ratios.mean() + stats.t.ppf(0.975, 39) * ratios.std(ddof=1) / math.sqrt(40)
-    assert math.log1p(got.ci_high) > t_high  # the right-skewed side reaches further than t's
-    assert math.log1p(got.ci_high) == pytest.approx(bootstrap_t_upper(ratios, 1), rel=0.02)
+    boot_high = bootstrap_t_upper(ratios, 1)
+    assert t_high < boot_high < math.log1p(got.ci_high)  # the right-skewed side reaches further than t's
+    # the upper end is the widest of the three: here Hall's, its skewness 1.31 + 2 x 0.36 facing it
+    assert math.log1p(got.ci_high) == pytest.approx(max(t_high, boot_high, hall_upper(ratios)), rel=1e-9)
 
 
 def test_log_ratio_skew_corrected_end_covers_one_bad_document():
     # 26 documents on the +5% margin's per-token scale, one of them much worse, at the 99% of a
-    # five-candidate search: Hall's (1992) skew-corrected t, written out here on its own, reaches
-    # past the margin where both the t and the bootstrap-t ends stop short of it.
+    # five-candidate search: Hall's (1992) skew-corrected t, written out here on its own with the
+    # skewness two standard errors above the sample's (the upper end's), reaches past the margin
+    # where both the t and the bootstrap-t ends stop short of it.
     rng = np.random.default_rng(8)
     n, tokens = 26, np.full(26, 255.0)
     ratios = 0.0392 + np.where(np.arange(n) == 0, 0.048, 0.0) + rng.normal(0, 0.0055, n)
@@ -228,7 +241,8 @@ def test_log_ratio_skew_corrected_end_covers_one_bad_document():
     got = paired_log_ratio(base, base + tokens * ratios, tokens, confidence=0.99)
     m, se, dev = ratios.mean(), ratios.std(ddof=1) / math.sqrt(n), ratios - ratios.mean()
     skew = np.mean(dev ** 3) / np.mean(dev ** 2) ** 1.5
-    a, c, t_q = skew / (3 * math.sqrt(n)), skew / (6 * math.sqrt(n)), stats.t.ppf(0.995, n - 1)
+    facing = skew + 2 * math.sqrt(6 * (n - 2) / ((n + 1) * (n + 3)))  # + 2 normal-theory s.e. of g1
+    a, c, t_q = facing / (3 * math.sqrt(n)), facing / (6 * math.sqrt(n)), stats.t.ppf(0.995, n - 1)
     hall_high = m - se * (np.cbrt(1 + 3 * a * (-t_q - c)) - 1) / a
     assert math.log1p(got.ci_high) == pytest.approx(hall_high, rel=1e-9)
     assert got.extra["skewness"] == pytest.approx(skew)
