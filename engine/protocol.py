@@ -58,28 +58,48 @@ def logprobs_block(tokenizer, ids: list[int], positions: Positions, first: int, 
 
 class TextStream:
     """Incremental detokenization with stop strings, never emitting half a character or a
-    prefix of a stop string that might still complete."""
+    prefix of a stop string that might still complete.
+
+    Each token decodes a short window of ids, not the whole text, so a token costs the same at
+    the 1000th as at the 10th. The window starts one token before the last settled point (no
+    incomplete character at its end): the text of the tokens after it is what the whole text has
+    there (SentencePiece decoders strip the leading space of the first token only, byte-level
+    BPE decodes bytes in order), and what the window's text already held is never taken twice.
+    The emitted deltas equal those of decoding the whole text every token
+    (tests/engine/test_protocol.py checks this against that reference on the demo tokenizer).
+    """
+
+    WINDOW = 8  # tokens in the window before it moves up
 
     def __init__(self, tokenizer, stop: tuple[str, ...]):
         self.tokenizer, self.stop = tokenizer, stop
+        self.hold = max((len(s) - 1 for s in stop), default=0)  # a stop string's prefix may end the text
+        self.special = set(tokenizer.all_special_ids)  # never the window's first token (skipped, no context)
         self.ids: list[int] = []
-        self.sent = 0  # characters already emitted
-        self.text = ""
         self.stopped = False
+        self._start = 0  # the window is ids[_start:]
+        self._taken = 0  # characters of the window's text already moved to _pending
+        self._pending = ""  # text decoded, not yet emitted: the last `hold` characters at most, a stop's prefix
 
     def push(self, token_id: int | None, final: bool = False) -> str:
         """Add a token (None: just flush); return the new text that is safe to emit."""
+        if self.stopped:
+            return ""
         if token_id is not None:
             self.ids.append(token_id)
-        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
+        window = self.tokenizer.decode(self.ids[self._start :], skip_special_tokens=True)
+        complete = not window.endswith("\ufffd")  # else a multi-byte character may be incomplete
+        end = len(window) if complete or final else len(window) - 1
+        if end > self._taken:
+            self._pending += window[self._taken : end]
+            self._taken = end
+        # A stop string starts in the pending text: the emitted text stops `hold` characters before the end.
+        hits = [i for i in (self._pending.find(s) for s in self.stop) if i >= 0]
         if hits:
-            self.text, self.stopped, final = self.text[: min(hits)], True, True
-        safe = len(self.text)
-        if not final:
-            if self.text.endswith("\ufffd"):  # a multi-byte character still incomplete
-                safe -= 1
-            safe -= max((len(s) - 1 for s in self.stop), default=0)
-        delta = self.text[self.sent : max(safe, self.sent)]
-        self.sent += len(delta)
+            self._pending, self.stopped, final = self._pending[: min(hits)], True, True
+        safe = len(self._pending) if final else max(len(self._pending) - self.hold, 0)
+        delta, self._pending = self._pending[:safe], self._pending[safe:]
+        if complete and len(self.ids) - self._start > self.WINDOW and self.ids[-1] not in self.special:
+            self._start = len(self.ids) - 1
+            self._taken = len(self.tokenizer.decode(self.ids[-1:], skip_special_tokens=True))
         return delta

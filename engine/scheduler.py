@@ -50,11 +50,12 @@ class Metrics:
 
 
 class Ticket:
-    """One submitted generation: its events arrive on `events` (None marks the end)."""
+    """One submitted generation: its events arrive on `events` (None marks the end), its own
+    queue unless the caller gives one (anything with `put_nowait`, called on the event loop)."""
 
-    def __init__(self, request: GenerationRequest):
+    def __init__(self, request: GenerationRequest, events: Any = None):
         self.request = request
-        self.events: asyncio.Queue[TokenEvent | Exception | None] = asyncio.Queue()
+        self.events: asyncio.Queue[TokenEvent | Exception | None] = asyncio.Queue() if events is None else events
         self.submitted = time.perf_counter()
         self.first: float | None = None
         self.count = 0
@@ -87,8 +88,8 @@ class Scheduler:
 
     # ----- called from the event loop -------------------------------------------------------
 
-    def submit(self, request: GenerationRequest) -> Ticket:
-        ticket = Ticket(request)
+    def submit(self, request: GenerationRequest, events: Any = None) -> Ticket:
+        ticket = Ticket(request, events)
         self.metrics.running.inc()
         self.metrics.waiting.inc()
         self.metrics.prompt_tokens.inc(len(request.prompt_ids))
@@ -195,7 +196,6 @@ class Scheduler:
             pairs.append((t, ev))
             t.count += 1
             t.tokens.append(ev.token_id)
-            m.generation_tokens.inc()
             if t.first is None:
                 t.first = ev.time
                 m.waiting.dec()
@@ -205,6 +205,8 @@ class Scheduler:
                     m.tpot.observe((ev.time - t.first) / (t.count - 1))
                 m.e2e.observe(ev.time - t.submitted)
                 self._finish(self._by_seq.pop(ev.seq_id))
+        if pairs:
+            m.generation_tokens.inc(len(pairs))
         return pairs
 
     def _finish(self, t: Ticket) -> None:

@@ -201,15 +201,23 @@ async def models(request: web.Request) -> web.Response:
 
 async def _events(st: _State, ids: list[int], s: Sampling) -> AsyncIterator[TokenEvent]:
     """Generate for one prompt; leaving early (stop string, disconnect) cancels the sequence."""
-    ticket = st.scheduler.submit(GenerationRequest(ids, s.max_tokens, s.ignore_eos, s.stop_token_ids, s.temperature,
-                                                   s.seed, s.top_p))
+    ticket = st.scheduler.submit(_generation(ids, s))
     try:
         while (ev := await ticket.events.get()) is not None:
             if isinstance(ev, Exception):
-                raise BadInput(str(ev)) if isinstance(ev, BadInput) else ev
+                raise _raised(ev)
             yield ev
     finally:
         st.scheduler.cancel(ticket)
+
+
+def _generation(ids: list[int], s: Sampling) -> GenerationRequest:
+    return GenerationRequest(ids, s.max_tokens, s.ignore_eos, s.stop_token_ids, s.temperature, s.seed, s.top_p)
+
+
+def _raised(error: Exception) -> Exception:
+    """What a handler raises for an error the scheduler delivered (BadInput: the request's fault)."""
+    return BadInput(str(error)) if isinstance(error, BadInput) else error
 
 
 async def _pieces(st: _State, ids: list[int], s: Sampling) -> AsyncIterator[tuple[str, str | None, TokenEvent]]:
@@ -340,43 +348,60 @@ async def _answer(st: _State, prompts: list[list[int]], per_prompt: list[Samplin
                               "choices": choices, "usage": _usage(prompts, sum(map(len, generated)))})
 
 
+class _Tagged:
+    """A ticket's event sink that puts (choice index, event) on the stream's one queue."""
+
+    def __init__(self, queue: asyncio.Queue, index: int):
+        self.queue, self.index = queue, index
+
+    def put_nowait(self, item: Any) -> None:
+        self.queue.put_nowait((self.index, item))
+
+
 async def _stream(request, st: _State, prompts, per_prompt: list[Sampling], head: dict, chat: bool,
                   clock: _Clock) -> web.StreamResponse:
+    """SSE, one event per token. Every choice's tokens go straight from the scheduler to one queue
+    this handler reads (no task per choice in between: one task wake-up per token, not two), and
+    the constant head of each event is JSON-encoded once."""
     s = per_prompt[0]
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     kind = "chat.completion.chunk" if chat else "text_completion"
+    opening = f"data: {json.dumps({**head, 'object': kind})[:-1]}, "  # what json.dumps of the whole event starts with
 
     async def send(choices: list[dict], **extra: Any) -> None:
-        await resp.write(f"data: {json.dumps({**head, 'object': kind, 'choices': choices, **extra})}\n\n".encode())
+        rest = json.dumps({"choices": choices, **extra})[1:]
+        await resp.write(f"{opening}{rest}\n\n".encode())
 
     if chat:
         await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
     merged: asyncio.Queue = asyncio.Queue()
 
-    async def pump(index: int, ids: list[int]) -> None:
-        try:
-            async for piece in _pieces(st, ids, per_prompt[index]):
-                await merged.put((index, piece))
-        finally:
-            await merged.put((index, None))
-
     async def watch_cut() -> None:
         await st.admission.until_cut()
-        await merged.put((-1, None))
+        merged.put_nowait((-1, None))
 
-    tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
+    texts = [TextStream(st.engine.tokenizer, p.stop) for p in per_prompt]
+    tickets = [st.scheduler.submit(_generation(ids, per_prompt[i]), _Tagged(merged, i)) for i, ids in enumerate(prompts)]
     watcher = asyncio.create_task(watch_cut())
-    generated, open_streams = 0, len(prompts)
+    generated, open_streams, error = 0, set(range(len(prompts))), None
     try:
         while open_streams:
-            index, piece = await merged.get()
+            index, ev = await merged.get()
             if index < 0:
                 raise DrainCut(_cut_message(st))
-            if piece is None:
-                open_streams -= 1
+            if index not in open_streams:  # ended by a stop string; its last tokens were in flight
                 continue
-            delta, finish, ev = piece
+            if isinstance(ev, Exception):  # the others carry on; the stream then ends with the error
+                open_streams.discard(index)
+                error = error or _raised(ev)
+                continue
+            text = texts[index]
+            delta = text.push(ev.token_id, final=ev.finish_reason is not None)
+            finish = "stop" if text.stopped else ev.finish_reason
+            if finish:
+                open_streams.discard(index)
+                st.scheduler.cancel(tickets[index])
             clock.tick(index)
             generated += 1
             if chat:
@@ -387,8 +412,8 @@ async def _stream(request, st: _State, prompts, per_prompt: list[Sampling], head
                     choice["logprobs"] = {"tokens": [token_text(st.engine.tokenizer, ev.token_id, s.token_ids_as_text)],
                                           "token_logprobs": [ev.logprob], "top_logprobs": None}
                 await send([choice])
-        for t in tasks:
-            t.result()  # an engine error ends the stream with an error event, not as if complete
+        if error is not None:  # an engine error ends the stream with an error event, not as if complete
+            raise error
         if s.include_usage:
             await send([], usage=_usage(prompts, generated))
     except ConnectionResetError:  # the client left; nothing to report to
@@ -399,8 +424,9 @@ async def _stream(request, st: _State, prompts, per_prompt: list[Sampling], head
         request[STATS]["error"] = f"{kind}: {e}"[:300]
         await resp.write(f"data: {json.dumps({'error': {'message': str(e), 'type': kind}})}\n\n".encode())
     finally:
-        for t in [*tasks, watcher]:
-            t.cancel()
+        watcher.cancel()
+        for ticket in tickets:
+            st.scheduler.cancel(ticket)
     await resp.write(b"data: [DONE]\n\n")
     return resp
 
