@@ -13,6 +13,9 @@ $KILN_CACHE/bench-gguf). Their child also measures, back to back in the same pro
   client of kiln sees: kiln's server -> the llama_cpp engine -> llama-server);
 - `llama-bench` of the same build and the same file: `pp512` and `tg64` at the same threads.
 The `llama-bench` figures print as their own rows, with kiln serve's decode over llama-bench's.
+With `--threads` above 1 the child measures that pair again at 1 thread (llama-server and
+llama-bench both `-t 1`; on a 2-core machine that leaves a core to kiln's Python and the client):
+printed on its own line, labelled, beside the ratio at `--threads`, which is the headline one.
 
 Variants run in `--repeats` rounds in alternating order; every figure is the median of the rounds
 with its [min, max]. The load average is recorded around every child: the machine is shared, so
@@ -59,7 +62,7 @@ VARIANTS = {
     "llama-q4_K_M": {"backend": "llama_cpp", "parallel": 8, "ctx_per_slot": 1024, "gguf": "q4_K_M"},
 }
 METRICS = ("ttft_512_ms", "decode_tok_s_b1", "decode_tok_s_b8", "serve_tok_s_b1", "bench_tg_tok_s", "bench_pp512_tok_s",
-           "serve_over_bench")
+           "serve_over_bench", "serve_tok_s_b1_t1", "bench_tg_tok_s_t1", "serve_over_bench_t1")
 
 
 def gguf_artifact(checkpoint: Path, kind: str, threads: int) -> Path:
@@ -173,12 +176,24 @@ def measure(label: str, checkpoint: Path, threads: int, decode_tokens: int, orde
            "decode_tok_s_b8": round(b8, 2), "weight_bytes": weight_bytes,
            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
     if config.backend == "llama_cpp":
-        serve = lambda: {"serve_tok_s_b1": round(serve_decode_rate(engine_dir, prompt(16), decode_tokens), 2)}
-        bench = lambda: llama_bench(engine_dir / engine.manifest["build"]["file"], threads, decode_tokens)
-        first, second = (serve, bench) if order == 0 else (bench, serve)  # alternates with the round
-        row.update(first())
-        row.update(second())
-        row["serve_over_bench"] = round(row["serve_tok_s_b1"] / row["bench_tg_tok_s"], 3)
+        gguf_file = engine_dir / engine.manifest["build"]["file"]
+        row.update(serve_and_bench(engine_dir, gguf_file, threads, prompt(16), decode_tokens, order))
+        if threads > 1:  # the same pair at 1 thread: an engine folder of its own (the GGUF is linked)
+            one = engine_config({"config": {**variant, "threads": 1}})
+            one_dir = build_engine(one, checkpoint, checkpoint_hash, cache_root())
+            pair = serve_and_bench(one_dir, gguf_file, 1, prompt(16), decode_tokens, order)
+            row.update({f"{k}_t1": v for k, v in pair.items() if k != "bench_pp512_tok_s"})
+    return row
+
+
+def serve_and_bench(engine_dir: Path, gguf_file: Path, threads: int, prompt: list[int], decode_tokens: int,
+                    order: int) -> dict[str, float]:
+    """kiln serve's batch-1 decode and llama-bench's on the same file and threads, in alternating order."""
+    serve = lambda: {"serve_tok_s_b1": round(serve_decode_rate(engine_dir, prompt, decode_tokens), 2)}
+    bench = lambda: llama_bench(gguf_file, threads, decode_tokens)
+    first, second = (serve, bench) if order == 0 else (bench, serve)  # alternates with the round
+    row = {**first(), **second()}
+    row["serve_over_bench"] = round(row["serve_tok_s_b1"] / row["bench_tg_tok_s"], 3)
     return row
 
 
@@ -245,7 +260,11 @@ def print_table(rows: list[dict[str, Any]], bw: float) -> None:
             name = "  llama-bench"
             ttft = 512 / r["bench_pp512_tok_s"] * 1000
             print(f"{name:<18}{'':>8}{f'{ttft:.0f} (pp512)':>24}{_spread(r, 'bench_tg_tok_s'):>22}")
-            print(f"{'':<18}kiln serve / llama-bench decode: {_spread(r, 'serve_over_bench', '.3f')}")
+            print(f"{'':<18}kiln serve / llama-bench decode: {_spread(r, 'serve_over_bench', '.3f')}"
+                  f" at {r['config']['threads']} threads")
+            if "serve_over_bench_t1" in r:
+                print(f"{'':<18}  at 1 thread (a core left to kiln): kiln serve {_spread(r, 'serve_tok_s_b1_t1')}, "
+                      f"llama-bench {_spread(r, 'bench_tg_tok_s_t1')}, ratio {_spread(r, 'serve_over_bench_t1', '.3f')}")
 
 
 def main() -> None:
