@@ -33,7 +33,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -163,6 +163,7 @@ class _Sequence:
     request: GenerationRequest
     completion: Completion
     produced: int = 0
+    generated: list[int] = field(default_factory=list)
 
 
 class LlamaServerEngine(Engine):
@@ -214,16 +215,31 @@ class LlamaServerEngine(Engine):
 
     def add(self, request: GenerationRequest) -> int:
         check_request(request, self.max_positions)
-        r = request
-        body: dict[str, Any] = {"prompt": list(r.prompt_ids), "n_predict": r.max_new_tokens, "stream": True,
-                                "return_tokens": True, "temperature": r.temperature, "top_p": r.top_p,
-                                "ignore_eos": r.ignore_eos, "n_probs": 1, "cache_prompt": True}
-        if r.seed is not None:
-            body["seed"] = r.seed
-        seq = _Sequence(next(self._ids), r, Completion(_HOST, self.port, body, _SILENCE_S))
+        seq = _Sequence(next(self._ids), request, self._completion(request, list(request.prompt_ids),
+                                                                   request.max_new_tokens))
         self._seqs[seq.seq_id] = seq
         self._selector.register(seq.completion, selectors.EVENT_READ, seq)
         return seq.seq_id
+
+    def _completion(self, r: GenerationRequest, prompt: list[int], n: int) -> Completion:
+        # Never llama-server's ignore_eos: it sets every end-of-generation token's logit to -inf, so
+        # the greedy text differs from the reference's wherever that token would have been chosen
+        # (the demo model after a finished answer: <|im_end|>). kiln's ignore_eos means "do not
+        # stop", so an EOS stop is resumed from the text so far instead (_resume).
+        body: dict[str, Any] = {"prompt": prompt, "n_predict": n, "stream": True, "return_tokens": True,
+                                "temperature": r.temperature, "top_p": r.top_p, "n_probs": 1, "cache_prompt": True}
+        if r.seed is not None:
+            body["seed"] = r.seed
+        return Completion(_HOST, self.port, body, _SILENCE_S)
+
+    def _resume(self, seq: _Sequence) -> None:
+        """Continue a sequence llama-server ended at an end-of-generation token it was asked to
+        pass: the same request on prompt + tokens so far (its KV prefix is reused from the slot)."""
+        self._selector.unregister(seq.completion)
+        seq.completion.close()
+        r = seq.request
+        seq.completion = self._completion(r, [*r.prompt_ids, *seq.generated], r.max_new_tokens - seq.produced)
+        self._selector.register(seq.completion, selectors.EVENT_READ, seq)
 
     def has_work(self) -> bool:
         return bool(self._seqs)
@@ -260,6 +276,7 @@ class LlamaServerEngine(Engine):
         done = bool(chunk.get("stop"))
         for k, token in enumerate(ids):
             seq.produced += 1
+            seq.generated.append(int(token))
             lp = probs[k].get("logprob") if k < len(probs) else None
             last = token in r.stop_ids or seq.produced >= r.max_new_tokens
             finish = ("stop" if token in r.stop_ids else "length") if last else (
@@ -267,6 +284,9 @@ class LlamaServerEngine(Engine):
             out.append(TokenEvent(seq.seq_id, int(token), now, lp, finish))
             if last:
                 return True
+        if done and chunk.get("stop_type") == "eos" and r.ignore_eos and seq.generated:
+            self._resume(seq)  # the EOS token itself was streamed and is already in `out`
+            return False
         if done and not ids:  # the end came without a token (EOS is not streamed)
             eos = self.tokenizer.eos_token_id
             out.append(TokenEvent(seq.seq_id, eos if eos is not None else 0, now, None, _finish(chunk)))

@@ -59,6 +59,21 @@ def test_concurrent_mixed_lengths_greedy_matches_torch(llama_f32, torch_engine):
     assert parity.identical_fraction(got, want) >= parity.FULL["identical"]
 
 
+
+def test_ignore_eos_passes_the_end_token_as_torch_does(llama_f32, torch_engine):
+    """kiln's ignore_eos means "do not stop", not llama-server's "never choose an end token" (every
+    end-of-generation logit at -inf). After these two ids the tiny Llama's greedy choice is
+    <|endoftext|> (id 0, ahead of the next by 0.014 in logit), as the demo model chooses <|im_end|>
+    after a finished answer: the tokens match torch's through that token and after it, with other
+    requests in flight. (Found by searching random contexts; id 2 is the pad token, whose zero
+    embedding gives a uniform distribution, a tie no engine need break alike.)"""
+    end = [28531, 41735]
+    ps = [end, *mixed_prompts(llama_f32.vocab_size)[:3], end]
+    got, want = parity.greedy(llama_f32, ps), parity.greedy(torch_engine, ps)
+    assert want[0][0] == 0, want[0]  # the case this test needs: torch's first token ends generation
+    assert got[0] == want[0] and got[-1] == want[-1], (got[0], want[0])
+    assert parity.identical_fraction(got, want) >= parity.FULL["identical"]
+
 def test_streamed_logprobs_match_torch_scores(llama_f32, torch_engine):
     ps = mixed_prompts(llama_f32.vocab_size, 1)[:4]
     ids = [llama_f32.add(GenerationRequest(p, 8, ignore_eos=True)) for p in ps]
