@@ -131,6 +131,10 @@ class EngineBackend(abc.ABC):
     scores: ClassVar[bool] = True
     # The formats a quantized artifact may come in; None: any of artifact_formats.
     quantized_formats: ClassVar[tuple[str, ...] | None] = None
+    # Raised when what the backend's engines generate or score changes with the same build (its
+    # adapter code, not a library): part of the engine's cache key, so every stage that measured
+    # the old behaviour is measured again. 0 keeps the keys engines had before it existed.
+    revision: ClassVar[int] = 0
 
     def __init__(self, config: EngineConfig):
         self.config = config

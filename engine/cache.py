@@ -68,9 +68,9 @@ def hardware_fingerprint() -> dict[str, Any]:
     return {"cpu": _cpu(), "gpus": _gpus()}
 
 
-def engine_key(config: EngineConfig, checkpoint_hash: str, versions: dict, hardware: Any) -> str:
+def engine_key(config: EngineConfig, checkpoint_hash: str, versions: dict, hardware: Any, revision: int = 0) -> str:
     blob = {"config": config.model_dump(mode="json"), "checkpoint": checkpoint_hash,
-            "versions": versions, "hardware": hardware}
+            "versions": versions, "hardware": hardware, **({"revision": revision} if revision else {})}
     return hash_of(blob)[:24]
 
 
@@ -87,7 +87,7 @@ def write_engine(config: EngineConfig, checkpoint_dir: Path, checkpoint_hash: st
         "source": {"path": str(Path(checkpoint_dir).resolve()), "sha256": checkpoint_hash},
         "versions": versions,
         "hardware": hardware,
-        "key": engine_key(config, checkpoint_hash, versions, hardware),
+        "key": engine_key(config, checkpoint_hash, versions, hardware, cls.revision),
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "build": fields,
     }
@@ -100,7 +100,7 @@ def build_engine(config: EngineConfig, checkpoint_dir: Path, checkpoint_hash: st
     cls = BACKENDS.get(config.backend)
     versions = library_versions(getattr(cls, "libraries", ()), keep_missing=True)
     hardware = hardware_fingerprint() if getattr(cls, "hardware_bound", True) else None
-    final = Path(cache_root) / "engines" / engine_key(config, checkpoint_hash, versions, hardware)
+    final = Path(cache_root) / "engines" / engine_key(config, checkpoint_hash, versions, hardware, cls.revision)
     if (final / MANIFEST).is_file():
         return final
     with atomic_dir(final) as scratch:

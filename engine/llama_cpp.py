@@ -83,6 +83,7 @@ class LlamaCppBackend(EngineBackend):
     libraries: ClassVar[tuple[str, ...]] = ("gguf", "transformers")
     artifact_formats: ClassVar[tuple[str, ...]] = ("safetensors", "gguf")
     quantized_formats: ClassVar[tuple[str, ...] | None] = ("gguf",)  # it converts only unquantized safetensors
+    revision: ClassVar[int] = 1  # 1: ignore_eos resumes past an EOS instead of llama-server's -inf EOS bias
 
     def build(self, checkpoint: Path, out_dir: Path) -> dict[str, Any]:
         from kiln.optimize import gguf
