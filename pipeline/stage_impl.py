@@ -95,6 +95,7 @@ def engine(ctx: RunContext, role: str, art: ModelArtifact) -> Path:
     gate then compares the two models served the same way, so what it sees comes from the
     optimization, not from knobs that happen to suit one arm. Tuning the baseline separately
     would confound the two."""
+    from kiln.engine.base import BACKENDS
     from kiln.engine.cache import build_engine
     from kiln.evaluate import parity
     from kiln.evaluate.tune import with_knobs
@@ -117,9 +118,12 @@ def engine(ctx: RunContext, role: str, art: ModelArtifact) -> Path:
             f"parity_{k}": summary[k] for k in ("identical", "max_abs_logprob", "mean_abs_logprob")
             if summary[k] is not None}}
 
-    # "parity" keys the stage, so an engine built before the smoke check existed is checked once.
+    # "parity" keys the stage, so an engine built before the smoke check existed is checked once; the
+    # backend's revision (engine/cache.py's key holds it too) so a changed adapter is built and measured again.
+    revision = BACKENDS.get(cfg.backend).revision
     outcome = run_stage(ctx, "engine", role, {"backend": cfg.model_dump(mode="json"), "artifact": art.manifest["sha256"],
-                                              "parity": {"prompts": parity.PROMPTS, "tokens": parity.NEW_TOKENS}},
+                                              "parity": {"prompts": parity.PROMPTS, "tokens": parity.NEW_TOKENS},
+                                              **({"revision": revision} if revision else {})},
                         compute, artifacts=("parity.json",), portable=False)
     return Path(outcome.result["engine_dir"])
 
