@@ -258,6 +258,15 @@ def _alive_kiln(pid: int | None) -> bool:
         return False
 
 
+def _running(pid: int) -> bool:
+    """Not yet exited. An exiting process empties its cmdline before it becomes a zombie (or is
+    reaped), so _alive_kiln turns False while it may still be tearing down: wait on its state."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
 def recover_crashed_walk(state_path: Path, api_key: str | None = None, log: Callable[[str], None] = print,
                          timeout_s: float = 60) -> bool:
     """Roll back a walk whose controller died mid-walk: all traffic to stable, then stop the
@@ -289,7 +298,10 @@ def recover_crashed_walk(state_path: Path, api_key: str | None = None, log: Call
         if _alive_kiln(pid):
             os.kill(pid, signal.SIGTERM)  # each drains what it is serving
             deadline = time.monotonic() + timeout_s
-            while _alive_kiln(pid) and time.monotonic() < deadline:
+            while _running(pid) and time.monotonic() < deadline:
                 time.sleep(0.1)
+            if _running(pid):
+                log(f"canary: the old {name} (pid {pid}) did not stop within {timeout_s:g} s; killing it")
+                os.kill(pid, signal.SIGKILL)
     atomic_write_json(state_path, {**state, "status": "rolled_back", "reason": "controller died mid-walk; recovered"})
     return True

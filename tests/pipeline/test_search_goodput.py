@@ -48,8 +48,13 @@ def test_a_goodput_search_serves_every_candidate_and_confirms_the_winners_load(t
         load = json.loads((run_dir / "candidates" / name / "stages" / "load-pair.json").read_text())
         goodput = json.loads((Path(load["path"]) / "result.json").read_text())["per_role"]
         assert all(len(goodput[r]["repeats"]["load_goodput"]) == 2 for r in ("baseline", "candidate"))
-    if record["winner"] is None:  # a busy machine may leave both undecided; then nothing was confirmed
-        assert "a fresh load stage" not in proc.stdout
+    if record["winner"] is None:
+        # A busy machine may leave both undecided (nothing confirmed), or leave the screening's pick
+        # undecided on its fresh load stage (measured under two test workers: 0.73x [0.03, 19.9]).
+        confirmed = [r for r in rows.values() if r["confirmed"] is not None]
+        assert ("a fresh load stage" in proc.stdout) == bool(confirmed)
+        assert all("on its confirmation benchmark" in r["eliminated"] for r in confirmed), confirmed
+        assert len(confirmed) <= 1
         return
     winner = rows[record["winner"]]
     assert winner["screened"]["ratio"] == max(r["screened"]["ratio"] for r in rows.values() if not r["eliminated"])
