@@ -165,6 +165,7 @@ class _Sequence:
     completion: Completion
     produced: int = 0
     generated: list[int] = field(default_factory=list)
+    streamed: int = 0  # tokens the current completion has streamed (0 again after a resume)
 
 
 class LlamaServerEngine(Engine):
@@ -240,6 +241,7 @@ class LlamaServerEngine(Engine):
         seq.completion.close()
         r = seq.request
         seq.completion = self._completion(r, [*r.prompt_ids, *seq.generated], r.max_new_tokens - seq.produced)
+        seq.streamed = 0
         self._selector.register(seq.completion, selectors.EVENT_READ, seq)
 
     def has_work(self) -> bool:
@@ -278,6 +280,7 @@ class LlamaServerEngine(Engine):
         for k, token in enumerate(ids):
             seq.produced += 1
             seq.generated.append(int(token))
+            seq.streamed += 1
             lp = probs[k].get("logprob") if k < len(probs) else None
             last = token in r.stop_ids or seq.produced >= r.max_new_tokens
             finish = ("stop" if token in r.stop_ids else "length") if last else (
@@ -285,8 +288,10 @@ class LlamaServerEngine(Engine):
             out.append(TokenEvent(seq.seq_id, int(token), now, lp, finish))
             if last:
                 return True
-        if done and chunk.get("stop_type") == "eos" and r.ignore_eos and seq.generated:
-            self._resume(seq)  # the EOS token itself was streamed and is already in `out`
+        # Resumed only when this completion streamed its tokens (the EOS among them, already in `out`):
+        # an EOS that came without a token must not be re-asked for forever; it ends below instead.
+        if done and chunk.get("stop_type") == "eos" and r.ignore_eos and seq.streamed:
+            self._resume(seq)
             return False
         if done and not ids:  # the end came without a token (EOS is not streamed)
             eos = self.tokenizer.eos_token_id
