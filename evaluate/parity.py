@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from kiln.engine.base import Engine, GenerationRequest
-from kiln.pipeline.errors import ExitCode, KilnError
+from kiln.pipeline.errors import BadInput, ExitCode, KilnError
 
 PROMPTS = 3
 NEW_TOKENS = 8
@@ -110,13 +110,26 @@ def check_build(engine: Engine, reference: Engine, prompts: Sequence[list[int]],
     return figures
 
 
-def reference_checkpoint(artifact: Path, source: Path | str | None) -> Path:
+def reference_checkpoint(artifact: Path, *sources: Path | str | None) -> Path:
     """The checkpoint the reference loads: the artifact itself when it is Hugging Face safetensors,
-    else (a GGUF file, say) the unquantized source it was made from."""
+    else (a GGUF file, say) the first of `sources`, the unquantized checkpoints it was made from,
+    that still holds one. A cached artifact outlives the folder it was made from (a tiny model
+    built in a test's temporary folder, a checkpoint moved since): the caller names the run's own
+    copy of the source first."""
     artifact = Path(artifact)
-    if source is None or ((artifact / "config.json").is_file() and any(artifact.glob("*.safetensors"))):
+    if _is_checkpoint(artifact):
         return artifact
-    return Path(source)
+    named = [Path(s) for s in sources if s is not None]
+    for source in named:
+        if _is_checkpoint(source):
+            return source
+    tried = ", ".join(str(s) for s in named) or "none recorded"
+    raise BadInput(f"{artifact}: not a safetensors checkpoint, and no unquantized source to check it against is left "
+                   f"(tried: {tried}). Point model.path at the checkpoint this artifact was made from.")
+
+
+def _is_checkpoint(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
 def reference_engine(checkpoint: Path, threads: int | None = None) -> Engine:

@@ -145,7 +145,7 @@ def _parity_smoke(ctx: RunContext, engine_dir: Path, art: ModelArtifact) -> dict
     # A float32 torch engine is the reference backend itself: it is checked against itself one
     # request at a time (its batching), without loading the checkpoint a second time.
     itself = manifest["backend"] == "torch" and manifest["config"].get("dtype") == "float32"
-    checkpoint = parity.reference_checkpoint(art.path, art.manifest.get("source"))
+    checkpoint = parity.reference_checkpoint(art.path, *_unquantized_sources(ctx, art))
     reference = engine if itself else parity.reference_engine(checkpoint, getattr(ctx.recipe.engine, "threads", None))
     try:
         label = f"the {manifest['backend']} engine {engine_dir.name} ({_precision(manifest)})"
@@ -160,6 +160,18 @@ def _parity_smoke(ctx: RunContext, engine_dir: Path, art: ModelArtifact) -> dict
     ctx.console.print(f"  parity vs {figures['reference']}: {figures['identical']:.0%} of {figures['prompts']} greedy prompts "
                       f"identical, max |delta log-prob| {figures['max_abs_logprob']}", markup=False)
     return figures
+
+
+def _unquantized_sources(ctx: RunContext, art: ModelArtifact) -> list[Path | str | None]:
+    """Where the unquantized weights `art` was made from are, best first: this run's baseline
+    artifact (a `none` pass-through in the cache) when it was made from the same source, then the
+    folder the artifact's manifest recorded, which a reused stage may have outlived."""
+    sources: list[Path | str | None] = []
+    base = ctx.outcomes.get("optimize:baseline")
+    if base is not None and base.result["manifest"].get("source_sha256") == art.manifest.get("source_sha256"):
+        sources.append(base.path / "model")
+    sources.append(art.manifest.get("source"))
+    return sources
 
 
 def _precision(manifest: dict[str, Any]) -> str:

@@ -12,7 +12,7 @@ from kiln.evaluate.parity import (
     reference_engine,
     unquantized,
 )
-from kiln.pipeline.errors import ExitCode
+from kiln.pipeline.errors import BadInput, ExitCode
 from tests.evaluate.broken_engine import BatchBrokenEngine
 
 
@@ -73,6 +73,13 @@ def test_the_reference_loads_safetensors_or_the_source(tmp_path, tiny_model_dir)
     gguf.mkdir()
     (gguf / "config.json").write_text("{}")  # a GGUF artifact: config and tokenizer, no safetensors
     assert reference_checkpoint(gguf, str(tiny_model_dir)) == tiny_model_dir
+    # A cached artifact outlives the folder it was made from: the run's own copy is named first,
+    # a vanished source is passed over, and with none left the refusal names what was tried.
+    gone = tmp_path / "deleted-since"
+    assert reference_checkpoint(gguf, gone, str(tiny_model_dir)) == tiny_model_dir
+    assert reference_checkpoint(gguf, tiny_model_dir, gone) == tiny_model_dir
+    with pytest.raises(BadInput, match="deleted-since"):
+        reference_checkpoint(gguf, None, gone)
 
 
 class _TokensOnly(TorchEngine):

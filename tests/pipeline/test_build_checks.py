@@ -90,3 +90,21 @@ def test_a_recipe_whose_candidate_decodes_wrongly_when_batched_fails_the_run(tmp
     assert checks == {"agreement:top1_agreement": "Successful", "agreement:served_prefix": "Failed"}, outcome.to_dict()
     assert outcome.verdict.value == "Failed" and int(outcome.exit_code) == 1
     assert any(e.crowded_steps for e in loaded)  # the broken engine served, and was batched
+
+
+def test_a_gguf_build_is_checked_against_the_runs_own_copy_of_its_source(tmp_path):
+    # A reused gguf optimize stage records the folder it was made from; a deterministic tiny model
+    # gives the same stage key from another temporary folder, deleted since. The run's baseline
+    # artifact (same source hash) is the reference's checkpoint, the recorded folder only after it.
+    from types import SimpleNamespace
+
+    from kiln.optimize.base import ModelArtifact
+    from kiln.pipeline.stage_impl import _unquantized_sources
+
+    baseline = SimpleNamespace(path=tmp_path / "optimize-baseline", result={"manifest": {"source_sha256": "abc"}})
+    art = ModelArtifact(path=tmp_path / "gguf", manifest={"source": "/tmp/gone", "source_sha256": "abc"})
+    ctx = SimpleNamespace(outcomes={"optimize:baseline": baseline})
+    assert _unquantized_sources(ctx, art) == [tmp_path / "optimize-baseline" / "model", "/tmp/gone"]
+    other = ModelArtifact(path=tmp_path / "gguf", manifest={"source": "/src", "source_sha256": "def"})
+    assert _unquantized_sources(ctx, other) == ["/src"]  # another model's baseline is no reference
+    assert _unquantized_sources(SimpleNamespace(outcomes={}), art) == ["/tmp/gone"]
