@@ -153,7 +153,7 @@ def search_record(arms: list[Any], winner: Any, policy: Any) -> dict[str, Any]:
         if evidence and "decode_tok_s" in evidence["candidate"].metrics:  # the confirmation's, where there is one
             tok_s = evidence["candidate"].metrics["decode_tok_s"]
             base_tok_s += evidence["baseline"].repeats.get("decode_tok_s", [])
-        rows.append({"name": arm.name, "engine": _serving(arm.ctx.recipe.engine), "optimize": arm.ctx.recipe.optimize.method,
+        rows.append({"name": arm.name, "engine": _serving(arm.ctx.recipe.engine, arm.ctx.recipe.optimize), "optimize": arm.ctx.recipe.optimize.method,
                      "verdict": arm.outcome.verdict.value if arm.outcome else None, "eliminated": arm.eliminated,
                      "reached": arm.reached, "screened": arm.screened, "confirmed": arm.confirmed,
                      "perplexity": ppl, "decode_tok_s": tok_s, "cost_per_1m": _per_million(price, tok_s),
@@ -173,8 +173,13 @@ def search_record(arms: list[Any], winner: Any, policy: Any) -> dict[str, Any]:
             "confidence": policy.confidence, "price_per_hour": price, "baseline": baseline, "candidates": rows}
 
 
-def _serving(cfg: Any) -> str:
-    precision = next((str(v) for k in ("dtype", "weights", "quantization") if (v := getattr(cfg, k, None))), "")
+def _serving(cfg: Any, optimize: Any = None) -> str:
+    """The backend and what it computes in: a GGUF artifact's own type (llama_cpp's `precision`
+    applies only to a checkpoint it converts), else the engine's dtype, weights or quantization."""
+    if getattr(optimize, "method", None) == "gguf":
+        return f"{cfg.backend} {optimize.type}"
+    keys = ("dtype", "weights", "quantization", "precision")
+    precision = next((str(v) for k in keys if (v := getattr(cfg, k, None))), "")
     return f"{cfg.backend} {precision}".strip()
 
 

@@ -73,7 +73,7 @@ def test_the_llama_cpp_candidate_is_a_search_candidate_like_any_other(gguf_run):
     record = json.loads((run_dir / "search.json").read_text())
     assert record["winner"] == NAME and record["confidence"] == pytest.approx(0.95)
     [row] = record["candidates"]
-    assert (row["name"], row["engine"], row["optimize"]) == (NAME, "llama_cpp", "gguf"), row
+    assert (row["name"], row["engine"], row["optimize"]) == (NAME, "llama_cpp q8_0", "gguf"), row
     assert row["eliminated"] is None and row["reached"] == "rest" and row["verdict"] == "Successful", row
     assert row["screened"]["pairs"] >= 2 and row["confirmed"] is None  # a lone candidate is not re-measured
     bench = json.loads((run_dir / "stages" / "benchmark-pair.json").read_text())

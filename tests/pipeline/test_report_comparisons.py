@@ -50,3 +50,14 @@ def test_report_shows_the_paired_table_after_the_checks():
     assert re.search(r"\| word_swap_acc \| 1 \| 0\.9 \| -0\.1 \| \[-0\.\d+, -0\.\d+\] at 95% \| 0\.000488 \| "
                      r"mcnemar-exact\S* n=120 \|", md), section
     assert "| perplexity |" in section and "%" in rows[0]
+
+
+def test_the_candidates_table_names_what_each_engine_computes_in():
+    from kiln.engine.base import BACKENDS
+    from kiln.optimize.base import QUANTIZERS
+    from kiln.pipeline.report import _serving
+
+    llama = BACKENDS.config("llama_cpp")(threads=1)
+    assert _serving(llama, QUANTIZERS.config("gguf")(type="q4_K_M")) == "llama_cpp q4_K_M"  # the file's own type
+    assert _serving(llama, QUANTIZERS.config("none")()) == "llama_cpp f32"  # converted at engine.precision
+    assert _serving(BACKENDS.config("torch")()) == "torch float32"

@@ -5,6 +5,7 @@ at the first phase it fails, measures the winner's speed again and reports every
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -193,7 +194,7 @@ def test_the_single_candidate_form_still_validates_and_names_a_missing_optimize(
 
 def test_a_search_no_candidate_passes_is_a_gate_failure_not_an_error(search_run, tmp_path):
     """Only the speed check changed: every stage but the benchmark is reused, and the benchmark,
-    whose key holds the checks it may stop on, stops after its first round, already Failed."""
+    whose key holds the checks it may stop on, stops before its last round, already Failed."""
     raw = yaml.safe_load(search_run["recipe"].read_text())
     raw["gate"]["checks"][3]["min_ratio"] = 100.0  # no engine decodes 100x faster
     recipe = tmp_path / "impossible.yaml"
@@ -206,7 +207,10 @@ def test_a_search_no_candidate_passes_is_a_gate_failure_not_an_error(search_run,
     assert record["winner"] is None and all(c["eliminated"] for c in record["candidates"])
     [timed] = [c for c in record["candidates"] if c["reached"] == "speed"]
     rounds = raw["evaluate"]["benchmark"]["repeats"]
-    assert f"benchmark stopped after round 1 of {rounds}" in timed["eliminated"], timed
+    # Round 1's few pairs may leave even 100x undecided at the looks' stricter level on a busy
+    # machine (seen in CI under two workers: stopped after round 2 of 3); it must stop before the end.
+    stopped = re.search(rf"benchmark stopped after round (\d+) of {rounds}\b", timed["eliminated"])
+    assert stopped and int(stopped[1]) < rounds, timed
     repeats = json.loads((run_dir / "candidates" / timed["name"] / "stages" / "benchmark-pair.json").read_text())
     samples = json.loads((Path(repeats["path"]) / "repeats.json").read_text())
     assert len(samples["candidate"]["decode_tok_s"]) == raw["evaluate"]["benchmark"]["num_prompts"]
