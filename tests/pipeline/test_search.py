@@ -213,7 +213,7 @@ def test_a_search_no_candidate_passes_is_a_gate_failure_not_an_error(search_run,
     assert stopped and int(stopped[1]) < rounds, timed
     repeats = json.loads((run_dir / "candidates" / timed["name"] / "stages" / "benchmark-pair.json").read_text())
     samples = json.loads((Path(repeats["path"]) / "repeats.json").read_text())
-    assert len(samples["candidate"]["decode_tok_s"]) == raw["evaluate"]["benchmark"]["num_prompts"]
+    assert len(samples["candidate"]["decode_tok_s"]) == raw["evaluate"]["benchmark"]["num_prompts"] * int(stopped[1])
     verdict = json.loads((run_dir / "verdict.json").read_text())
     assert {c["verdict"] for c in verdict["checks"]} <= {"Successful", "Failed", "Inconclusive"}, verdict
     assert "no candidate passed every check" in verdict["rule"]
