@@ -30,17 +30,23 @@ SDIST = f"llama_cpp_python-{VERSION}.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 TARGETS = ("llama-server", "llama-quantize", "llama-tokenize", "llama-perplexity", "llama-bench")
 LIBRARY = "libllama.so"  # what the binding loads; the libggml*.so it links sit beside it
+# No AMX, whatever the CPU flags say: GGML_NATIVE compiles ggml's AMX matmul wherever cpuid reports AMX,
+# and on this project's 2-core VMs that do (amx_tile, amx_int8, the kernel granting XTILEDATA),
+# llama-server and llama-bench died at their first prompt batch on q8_0 and q4_0 at 2 threads (SIGILL
+# at tilezero in tinygemm_kernel_amx, a general protection fault on the other thread); f32 ran. Batch-1
+# decode takes the AVX512-VNNI path either way. GCC's explicit -mno-* wins over -march=native's flags.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 CMAKE_FLAGS = ("-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                "-DLLAMA_BUILD_EXAMPLES=OFF", "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON",
                "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON", "-DCMAKE_INSTALL_RPATH=$ORIGIN",
-               "-DLLAMA_OPENSSL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF")
+               "-DLLAMA_OPENSSL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}")
 BINDING = "python"  # the sdist's llama_cpp/ package is copied to <install>/python/llama_cpp
 # One patch to the vendored llama-server, applied before building (part of the cache key). In stream
 # mode the server sends a token only once the generated text ends in complete UTF-8, and a token
 # held back that way is never sent: the stream loses its id (seen on the tiny random Llama: 16
 # tokens generated, none streamed). kiln needs every id, so with `return_tokens` a held-back token
 # is streamed at once with empty text (the text still arrives with the token that completes it).
-PATCH_ID = "kiln2"  # the build's cache key: kiln2 added the shared libraries and the binding
+PATCH_ID = "kiln3"  # the build's cache key: kiln2 added the shared libraries and the binding, kiln3 no AMX
 PATCH_FILE = "tools/server/server-context.cpp"
 PATCH_FROM = """        if (incomplete) {
             slot.has_next_token = true;
