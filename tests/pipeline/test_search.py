@@ -31,8 +31,10 @@ CHECKS = [
     {"kind": "quality", "metric": "perplexity", "margin": 0.05, "relative": True},
     {"kind": "agreement", "metric": "top1_agreement", "min": 0.9999},
     # What this file tests is the phases, not the machine: a busy CI host must not turn the speed
-    # check Inconclusive (measured here: CPU pressure 0.43 with torch's own 2 threads on 2 cores).
-    {"kind": "performance", "metric": "decode_tok_s", "min_ratio": 0.3, "max_cpu_pressure": None},
+    # check Inconclusive (measured here: CPU pressure 0.43 with torch's own 2 threads on 2 cores; and
+    # fp32-copy against its identical baseline at 0.85x [0.37, 1.96] while the other test worker ran
+    # llama.cpp, per-prompt rates 11-224 tok/s: Inconclusive at 0.3). 0.1 still fails a 10x slower copy.
+    {"kind": "performance", "metric": "decode_tok_s", "min_ratio": 0.1, "max_cpu_pressure": None},
     {"kind": "agreement", "metric": "served_prefix", "min": 0.3},
 ]
 
