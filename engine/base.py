@@ -42,6 +42,9 @@ class GenerationRequest:
     temperature: float = 0.0  # 0: greedy
     seed: int | None = None  # 0..2**63-1
     top_p: float = 1.0  # nucleus sampling when temperature > 0: the smallest set of tokens with this mass
+    # Report each generated token's log-probability (TokenEvent.logprob). Unasked, an engine may leave
+    # it None: llama-server computes a softmax over the whole vocabulary for every token to give it.
+    logprobs: bool = False
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ Runtime: `llama-server` on 127.0.0.1 at a free port, `--parallel` slots with con
 (a request that arrives mid-decode takes a free slot at the server's next step), health-checked
 at start and stopped on `close`. Generation streams llama-server's native `/completion` with
 token-ID prompts and `return_tokens`, so token ids come back exactly; the streamed logprob of
-each token is llama.cpp's (`n_probs: 1`). Stop token ids are applied here (the server knows only
+each token is llama.cpp's (`n_probs: 1`, asked only when the request wants it). Stop token ids are applied here (the server knows only
 stop strings): the stream is closed at the first one. `step()` reads every sequence's stream on
 the caller's own thread (llama_cpp_stream.py): no client thread sits between llama-server and
 kiln's scheduler, so a token costs kiln serve one thread wake-up less.
@@ -229,7 +229,9 @@ class LlamaServerEngine(Engine):
         # (the demo model after a finished answer: <|im_end|>). kiln's ignore_eos means "do not
         # stop", so an EOS stop is resumed from the text so far instead (_resume).
         body: dict[str, Any] = {"prompt": prompt, "n_predict": n, "stream": True, "return_tokens": True,
-                                "temperature": r.temperature, "top_p": r.top_p, "n_probs": 1, "cache_prompt": True}
+                                "temperature": r.temperature, "top_p": r.top_p, "cache_prompt": True}
+        if r.logprobs:  # n_probs makes the server softmax the whole vocabulary for every token
+            body["n_probs"] = 1
         if r.seed is not None:
             body["seed"] = r.seed
         return Completion(_HOST, self.port, body, _SILENCE_S)

@@ -212,7 +212,9 @@ async def _events(st: _State, ids: list[int], s: Sampling) -> AsyncIterator[Toke
 
 
 def _generation(ids: list[int], s: Sampling) -> GenerationRequest:
-    return GenerationRequest(ids, s.max_tokens, s.ignore_eos, s.stop_token_ids, s.temperature, s.seed, s.top_p)
+    # Only a streamed choice takes its logprobs from the events; a non-streamed one scores them (_add_logprobs).
+    return GenerationRequest(ids, s.max_tokens, s.ignore_eos, s.stop_token_ids, s.temperature, s.seed, s.top_p,
+                             logprobs=s.stream and s.logprobs is not None)
 
 
 def _raised(error: Exception) -> Exception:

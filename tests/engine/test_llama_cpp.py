@@ -76,7 +76,7 @@ def test_ignore_eos_passes_the_end_token_as_torch_does(llama_f32, torch_engine):
 
 def test_streamed_logprobs_match_torch_scores(llama_f32, torch_engine):
     ps = mixed_prompts(llama_f32.vocab_size, 1)[:4]
-    ids = [llama_f32.add(GenerationRequest(p, 8, ignore_eos=True)) for p in ps]
+    ids = [llama_f32.add(GenerationRequest(p, 8, ignore_eos=True, logprobs=True)) for p in ps]
     events: dict[int, list] = {i: [] for i in ids}
     while llama_f32.has_work():
         for e in llama_f32.step():
@@ -86,6 +86,44 @@ def test_streamed_logprobs_match_torch_scores(llama_f32, torch_engine):
         assert events[i][-1].finish_reason == "length" and len(tokens) == 8
         want = torch_engine.score([(p, tokens)])[0].token_logprobs
         assert np.abs(np.subtract([e.logprob for e in events[i]], want)).max() < parity.FULL["logprob_atol"]
+    # Unasked, the server is not made to softmax the vocabulary for every token (it costs decode speed)
+    unasked = list(llama_f32.generate([GenerationRequest(ps[0], 4, ignore_eos=True)]))
+    assert [e.logprob for e in unasked] == [None] * 4
+
+
+def test_kiln_serve_streams_concurrent_mixed_lengths_with_and_without_logprobs(llama_f32, torch_engine):
+    """The openai SDK against kiln serve over this engine: eight streamed requests of mixed prompt
+    lengths at once, half asking logprobs=0. Every stream carries torch's greedy tokens; the ones
+    that asked carry log-probs matching torch's scores, the others none."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from kiln.engine.server_thread import ServerThread
+
+    ps = mixed_prompts(llama_f32.vocab_size, 3)
+    want = parity.greedy(torch_engine, ps, 8)
+    with ServerThread(llama_f32, model_name="tiny") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+        def stream(i: int) -> list:
+            extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+            return list(client.completions.create(model="tiny", prompt=ps[i], max_tokens=8, temperature=0, stream=True,
+                                                  logprobs=0 if i % 2 else None, extra_body=extra))
+
+        with ThreadPoolExecutor(len(ps)) as pool:
+            chunks = list(pool.map(stream, range(len(ps))))
+    for i, got in enumerate(chunks):
+        choices = [c.choices[0] for c in got if c.choices]
+        if i % 2:
+            tokens = [int(t.split(":")[1]) for c in choices for t in c.logprobs.tokens]
+            assert tokens == want[i], i
+            lps = [lp for c in choices for lp in c.logprobs.token_logprobs]
+            ref = torch_engine.score([(ps[i], tokens)])[0].token_logprobs
+            assert np.abs(np.subtract(lps, ref)).max() < parity.FULL["logprob_atol"], i
+        else:
+            assert all(c.logprobs is None for c in choices)
+            assert "".join(c.text for c in choices) == llama_f32.tokenizer.decode(want[i]), i
 
 
 def test_request_joins_mid_decode(llama_f32):
