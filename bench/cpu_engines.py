@@ -60,6 +60,7 @@ VARIANTS = {
     "llama-q8_0": {"backend": "llama_cpp", "parallel": 8, "ctx_per_slot": 1024, "gguf": "q8_0"},
     "llama-q4_0": {"backend": "llama_cpp", "parallel": 8, "ctx_per_slot": 1024, "gguf": "q4_0"},
     "llama-q4_K_M": {"backend": "llama_cpp", "parallel": 8, "ctx_per_slot": 1024, "gguf": "q4_K_M"},
+    "llama-q5_K_M": {"backend": "llama_cpp", "parallel": 8, "ctx_per_slot": 1024, "gguf": "q5_K_M"},
 }
 METRICS = ("ttft_512_ms", "decode_tok_s_b1", "decode_tok_s_b8", "serve_tok_s_b1", "bench_tg_tok_s", "bench_pp512_tok_s",
            "serve_over_bench", "serve_tok_s_b1_t1", "bench_tg_tok_s_t1", "serve_over_bench_t1")
