@@ -53,6 +53,8 @@ VARIANTS = {
     "ov-fp32": {"backend": "openvino", "weights": "fp32"},
     "ov-int8": {"backend": "openvino", "weights": "int8"},
     "ov-int4": {"backend": "openvino", "weights": "int4"},
+    # bf16 activations need a KV cache other than f32 (OpenVINO: "expect kvcache type bf16, current: f32")
+    "ov-int8-bf16": {"backend": "openvino", "weights": "int8", "activations": "bf16", "kv_cache_precision": "u8"},
     "ct2-fp32": {"backend": "ctranslate2", "quantization": "float32"},
     "ct2-int8f32": {"backend": "ctranslate2", "quantization": "int8_float32"},
     "ct2-int8": {"backend": "ctranslate2", "quantization": "int8"},
