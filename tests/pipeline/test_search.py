@@ -160,7 +160,8 @@ def test_the_benchmark_stops_on_the_speed_checks_only_each_at_a_share_of_the_con
     # What a look calls Failed, the final judgment on the same pairs calls Failed too.
     rng = np.random.default_rng(0)
     stopped = 0
-    for ratio in (0.1, 0.25, 0.29, 0.31, 0.5):
+    floor = next(c["min_ratio"] for c in CHECKS if c.get("metric") == "decode_tok_s")
+    for ratio in (floor / 3, floor * 5 / 6, floor * 0.97, floor * 1.03, floor * 5 / 3):  # around the floor
         base = list(rng.uniform(9, 11, 8))
         cand = [b * ratio * rng.lognormal(0, 0.1) for b in base]
         ev = Evidence("candidate", repeats={"decode_tok_s": cand}), Evidence("baseline", repeats={"decode_tok_s": base})
