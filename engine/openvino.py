@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kiln.engine import full_logits
 from kiln.engine.base import (BACKENDS, REBUILD, Engine, EngineBackend, EngineConfig, GenerationRequest, Score,
@@ -45,6 +45,15 @@ class OpenVINOConfig(EngineConfig):
     max_batch_size: int = Field(16, ge=1, description="sequences decoded together; the rest wait")
     max_batched_tokens: int = Field(2048, ge=16, description="tokens per step (long prompts are chunked)")
     score_batch_tokens: int = Field(4096, ge=1, description="padded tokens per scoring forward pass")
+
+    @model_validator(mode="after")
+    def _bf16_cache(self) -> OpenVINOConfig:
+        # Refused by OpenVINO only when the engine loads ("Check 'key_cache_type == ov::element::bf16 ...'
+        # failed"), after the build; f16 and u8 caches load with bf16 activations (measured on the demo model).
+        if self.activations == "bf16" and self.kv_cache_precision == "f32":
+            raise ValueError("activations: bf16 needs kv_cache_precision f16 or u8: OpenVINO's CPU plugin "
+                             "refuses an f32 KV cache with bf16 inference")
+        return self
 
 
 @BACKENDS.register("openvino", OpenVINOConfig)

@@ -53,6 +53,7 @@ def test_recipe_bytes(tmp_path, case, needle):
     (["gate.checks.99.margin=1"], "not an index"),
     (["engine={backend: ctranslate2}"], "cannot take optimize.method 'int8_weight_only'"),
     (["engine={backend: openvino}"], "cannot take optimize.method"),
+    (["optimize.method=none", "engine={backend: openvino, activations: bf16}"], "kv_cache_precision f16 or u8"),
     (["model.dtype=float16"], "engine.dtype"), (["model.trust_remote_code=true"], "engine.trust_remote_code"),
 ])
 def test_set_values(tmp_path, sets, needle):
