@@ -107,7 +107,8 @@ def test_server_limited_run_is_labelled_server_with_sends_on_time(small_server):
 def test_an_absurd_rate_is_client_limited(instant_server):
     # 3000 req/s was absurd on the 2-core CI machines until one sent all of it on time (send lag p99
     # 2.4 ms, 2026-12-02); no Python client sends 100,000 a second, and stopping at 0.3 s late bounds the run.
-    s = run_load(instant_server.url, _config(100_000, 1.5, saturation={"max_lateness_s": 0.3, "check_interval_s": 0.1})).summary
+    rule = {"max_lateness_s": 0.3, "check_interval_s": 0.1}
+    s = run_load(instant_server.url, _config(100_000, 1.5, saturation=rule)).summary
     assert s.limited_by == "client" and s.stopped_early and s.stopped_early.startswith("client-limited")
 
 
