@@ -61,6 +61,7 @@ VARIANTS = {
     # parallel 8: the batch-8 figure needs 8 server slots; 1024 context each holds the 512-token prompt
     "llama-q8_0": {"backend": "llama_cpp", "parallel": 8, "ctx_per_slot": 1024, "gguf": "q8_0"},
     "llama-q4_0": {"backend": "llama_cpp", "parallel": 8, "ctx_per_slot": 1024, "gguf": "q4_0"},
+    "llama-q4_1": {"backend": "llama_cpp", "parallel": 8, "ctx_per_slot": 1024, "gguf": "q4_1"},
     "llama-q4_K_M": {"backend": "llama_cpp", "parallel": 8, "ctx_per_slot": 1024, "gguf": "q4_K_M"},
     "llama-q5_K_M": {"backend": "llama_cpp", "parallel": 8, "ctx_per_slot": 1024, "gguf": "q5_K_M"},
 }
