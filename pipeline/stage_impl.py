@@ -205,29 +205,30 @@ def _text_path(spec: str) -> Path:
     return path
 
 
-PHASES = ("quality", "speed", "rest")
+PHASES = ("quality", "agreement", "speed", "rest")
 
 
 def evaluate(ctx: RunContext, engines: dict[str, Path], phases: tuple[str, ...] = PHASES,
              loaded: LazyEngines | None = None) -> None:
-    """Quality of each arm and agreement between them (quality), the interleaved decode benchmark
-    (speed), then the served text, lm-eval tasks and load over HTTP (rest): the cheap checks first,
-    so a search stops a candidate that failed one before its expensive stages."""
+    """Perplexity of each arm (quality), token agreement between them (agreement), the interleaved
+    decode benchmark (speed), then the served text, lm-eval tasks and load over HTTP (rest): the cheap
+    checks first, so a search stops a candidate that failed one before its expensive stages."""
     from kiln.engine.loader import load_engine
     from kiln.evaluate.quality.base import documents
 
     q = ctx.recipe.evaluate.quality
     own = loaded is None
     loaded = LazyEngines(engines, load_engine) if loaded is None else loaded
-    if "quality" in phases:
+    if "quality" in phases or ("agreement" in phases and q.agreement):
         text = _text_path(q.perplexity.text).read_text()
         docs = token_ids(ctx, engines["baseline"], {"documents": hash_of(text), "seq_len": q.perplexity.seq_len,
                                                     "max_documents": q.perplexity.max_documents},
                          lambda tok: documents(tok, text, q.perplexity.seq_len, q.perplexity.max_documents))
         text_inputs = {"text": q.perplexity.text, "docs_hash": hash_of(docs)}
-        for role in engines:
-            _perplexity(ctx, role, loaded, engines[role], docs, text_inputs)
-        if q.agreement:
+        if "quality" in phases:
+            for role in engines:
+                _perplexity(ctx, role, loaded, engines[role], docs, text_inputs)
+        if "agreement" in phases and q.agreement:
             _agreement(ctx, loaded, engines, docs, text_inputs)
     if "speed" in phases:
         benchmark(ctx, loaded, engines)

@@ -21,7 +21,7 @@ CANDIDATES = [
     {"name": "torch-int8", "optimize": {"method": "int8_weight_only"}, "engine": {"backend": "torch", "threads": 2}},
     # On a 2-layer model the engines' speeds are close and move with the machine's load, so what
     # decides here is quality: only the unchanged weights keep top-1 agreement at 1 (int8 on torch
-    # measured 0.996-0.999, on CTranslate2 0.988); the two int8 candidates stop after the quality phase.
+    # measured 0.996-0.999, on CTranslate2 0.988); the two int8 candidates stop after the agreement phase.
     {"name": "ct2-int8", "optimize": {"method": "none"},
      "engine": {"backend": "ctranslate2", "quantization": "int8_float32", "threads": 2}},
     {"name": "fp32-copy", "optimize": {"method": "none"}, "engine": {"backend": "torch", "threads": 2}},
@@ -69,11 +69,11 @@ def test_every_candidate_is_judged_and_the_best_passing_one_wins(search_run):
     assert record["confidence"] == pytest.approx(family_confidence(0.95, 3))
     passing = [c for c in rows.values() if c["eliminated"] is None]
     assert [c["name"] for c in passing] == ["fp32-copy"] == [record["winner"]], rows
-    # The int8 candidates fail top-1 agreement: they stop after the quality phase and never spend
-    # the benchmark or the served text (successive elimination).
+    # The int8 candidates pass perplexity and fail top-1 agreement: they stop after the agreement phase
+    # and never spend the benchmark or the served text (successive elimination).
     for name in ("torch-int8", "ct2-int8"):
         row = rows[name]
-        assert "after its quality stages" in row["eliminated"] and row["reached"] == "quality", row
+        assert "after its agreement stages" in row["eliminated"] and row["reached"] == "agreement", row
         assert "agreement:top1_agreement" in row["eliminated"], row
         for stage in ("benchmark-pair", "served-candidate"):
             assert not (run_dir / "candidates" / name / "stages" / f"{stage}.json").exists(), (name, stage)
@@ -137,8 +137,9 @@ def test_phases_put_cheap_checks_first():
     policy = GateSection.model_validate({"checks": CHECKS + [
         {"kind": "quality", "metric": "word_swap_acc", "margin": 0.1},
         {"kind": "performance", "metric": "load_goodput", "min_ratio": 1.0}]})
-    assert [phase_of(c) for c in policy.checks] == ["build", "quality", "quality", "speed", "rest", "rest", "rest"]
+    assert [phase_of(c) for c in policy.checks] == ["build", "quality", "agreement", "speed", "rest", "rest", "rest"]
     assert up_to(policy, "build").checks == policy.checks[:1]
+    assert up_to(policy, "quality").checks == policy.checks[:2]  # perplexity decided before agreement runs
     assert len(up_to(policy, "speed").checks) == 4 and up_to(policy, PHASES[-1]).checks == policy.checks
     family = for_family(policy, 4)
     assert family.confidence == pytest.approx(0.9875) and policy.confidence == 0.95
