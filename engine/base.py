@@ -45,6 +45,10 @@ class GenerationRequest:
     # Report each generated token's log-probability (TokenEvent.logprob). Unasked, an engine may leave
     # it None: llama-server computes a softmax over the whole vocabulary for every token to give it.
     logprobs: bool = False
+    # The engine may reuse the KV cache of an earlier request that shared this prompt's prefix (llama-server's
+    # prompt cache). A benchmark that sends the same prompts round after round sets False, or the engine that
+    # caches reports a time to first token without the prefill the engine that does not cache pays for.
+    cache_prompt: bool = True
 
 
 @dataclass(frozen=True)

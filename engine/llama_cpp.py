@@ -219,18 +219,18 @@ class LlamaServerEngine(Engine):
     def add(self, request: GenerationRequest) -> int:
         check_request(request, self.max_positions)
         seq = _Sequence(next(self._ids), request, self._completion(request, list(request.prompt_ids),
-                                                                   request.max_new_tokens))
+                                                                   request.max_new_tokens, request.cache_prompt))
         self._seqs[seq.seq_id] = seq
         self._selector.register(seq.completion, selectors.EVENT_READ, seq)
         return seq.seq_id
 
-    def _completion(self, r: GenerationRequest, prompt: list[int], n: int) -> Completion:
+    def _completion(self, r: GenerationRequest, prompt: list[int], n: int, cache_prompt: bool) -> Completion:
         # Never llama-server's ignore_eos: it sets every end-of-generation token's logit to -inf, so
         # the greedy text differs from the reference's wherever that token would have been chosen
         # (the demo model after a finished answer: <|im_end|>). kiln's ignore_eos means "do not
         # stop", so an EOS stop is resumed from the text so far instead (_resume).
         body: dict[str, Any] = {"prompt": prompt, "n_predict": n, "stream": True, "return_tokens": True,
-                                "temperature": r.temperature, "top_p": r.top_p, "cache_prompt": True}
+                                "temperature": r.temperature, "top_p": r.top_p, "cache_prompt": cache_prompt}
         if r.logprobs:  # n_probs makes the server softmax the whole vocabulary for every token
             body["n_probs"] = 1
         if r.seed is not None:
@@ -243,7 +243,8 @@ class LlamaServerEngine(Engine):
         self._selector.unregister(seq.completion)
         seq.completion.close()
         r = seq.request
-        seq.completion = self._completion(r, [*r.prompt_ids, *seq.generated], r.max_new_tokens - seq.produced)
+        # Always from the slot's cache: the prompt and the tokens so far are this sequence's own, already prefilled.
+        seq.completion = self._completion(r, [*r.prompt_ids, *seq.generated], r.max_new_tokens - seq.produced, True)
         seq.streamed = 0
         self._selector.register(seq.completion, selectors.EVENT_READ, seq)
 

@@ -419,7 +419,7 @@ def benchmark(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], co
     run_stage(ctx, "benchmark", "pair",
               {"engines": {r: p.name for r, p in engines.items()}, "config": b.model_dump(mode="json"),
                "hardware": hardware_fingerprint(), "prompts": hash_of(prompts), "pairing": "per-prompt",
-               "records": "contention", **({"confirmation": 1} if confirmation else {}),
+               "records": "contention", "prefill": "uncached", **({"confirmation": 1} if confirmation else {}),
                **({"stops_when_failed": futility.model_dump(mode="json")} if futility else {})},
               compute)
 

@@ -74,6 +74,31 @@ def test_ignore_eos_passes_the_end_token_as_torch_does(llama_f32, torch_engine):
     assert got[0] == want[0] and got[-1] == want[-1], (got[0], want[0])
     assert parity.identical_fraction(got, want) >= parity.FULL["identical"]
 
+def test_cache_prompt_false_prefills_the_whole_prompt_again(llama_f32, monkeypatch):
+    """The decode benchmark repeats its prompts every round: with llama-server's prompt cache the
+    engine's time to first token would leave out the prefill that an engine without one pays for.
+    llama-server's own count of prompt tokens it evaluated (`timings.prompt_n`, in the last chunk
+    of each stream) shows what kiln asked for, and the cache still serves a request that allows it."""
+    from kiln.engine import llama_cpp
+
+    finals: list[dict] = []
+
+    class Recording(llama_cpp.Completion):
+        def feed(self):
+            chunks = super().feed()
+            finals.extend(c for c in chunks if c.get("stop"))
+            return chunks
+
+    monkeypatch.setattr(llama_cpp, "Completion", Recording)
+    prompt = mixed_prompts(llama_f32.vocab_size, 5)[6]  # 60 tokens
+    for cache in (True, False, True):  # the first fills a slot's cache; then one without, one with
+        for _ in llama_f32.generate([GenerationRequest(prompt, 4, ignore_eos=True, cache_prompt=cache)]):
+            pass
+    evaluated = [f["timings"]["prompt_n"] for f in finals]
+    assert len(evaluated) == 3 and evaluated[1] == len(prompt), evaluated
+    assert evaluated[2] < len(prompt), evaluated  # served from the cache
+
+
 def test_streamed_logprobs_match_torch_scores(llama_f32, torch_engine):
     ps = mixed_prompts(llama_f32.vocab_size, 1)[:4]
     ids = [llama_f32.add(GenerationRequest(p, 8, ignore_eos=True, logprobs=True)) for p in ps]
