@@ -77,16 +77,23 @@ def test_ignore_eos_passes_the_end_token_as_torch_does(llama_f32, torch_engine):
 def test_cache_prompt_false_prefills_the_whole_prompt_again(llama_f32, monkeypatch):
     """The decode benchmark repeats its prompts every round: with llama-server's prompt cache the
     engine's time to first token would leave out the prefill that an engine without one pays for.
-    llama-server's own count of prompt tokens it evaluated (`timings.prompt_n`, in the last chunk
-    of each stream) shows what kiln asked for, and the cache still serves a request that allows it."""
+    llama-server's own count of prompt tokens it evaluated (`timings.prompt_n`, sent with every chunk
+    when the test adds `timings_per_token`) shows what kiln asked for, and the cache still serves a
+    request that allows it."""
     from kiln.engine import llama_cpp
 
-    finals: list[dict] = []
+    evaluated: list[int] = []
 
     class Recording(llama_cpp.Completion):
+        def __init__(self, host, port, body, timeout_s):
+            super().__init__(host, port, {**body, "timings_per_token": True}, timeout_s)
+            self.first = True
+
         def feed(self):
             chunks = super().feed()
-            finals.extend(c for c in chunks if c.get("stop"))
+            if self.first and chunks:
+                evaluated.append(chunks[0]["timings"]["prompt_n"])
+                self.first = False
             return chunks
 
     monkeypatch.setattr(llama_cpp, "Completion", Recording)
@@ -94,7 +101,6 @@ def test_cache_prompt_false_prefills_the_whole_prompt_again(llama_f32, monkeypat
     for cache in (True, False, True):  # the first fills a slot's cache; then one without, one with
         for _ in llama_f32.generate([GenerationRequest(prompt, 4, ignore_eos=True, cache_prompt=cache)]):
             pass
-    evaluated = [f["timings"]["prompt_n"] for f in finals]
     assert len(evaluated) == 3 and evaluated[1] == len(prompt), evaluated
     assert evaluated[2] < len(prompt), evaluated  # served from the cache
 
