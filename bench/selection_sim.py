@@ -159,7 +159,7 @@ def main() -> None:
                     help="perplexity documents per arm (default: the fewest the family's check may pass on)")
     ap.add_argument("--spread", type=float, default=0.02, help="sd of the per-document per-token log-ratio")
     ap.add_argument("--speed", type=float, default=3.0, help="every candidate's true speed-up")
-    ap.add_argument("--pairs", type=int, default=48, help="decode benchmark pairs (demo.yaml: 48)")
+    ap.add_argument("--pairs", type=int, default=48, help="decode benchmark pairs (recipes/demo.yaml: 24)")
     ap.add_argument("--pair-sd", type=float, default=0.17, help="per-pair log-ratio sd (measured on the demo)")
     ap.add_argument("--run-sd", type=float, default=0.04, help="log-ratio shift between benchmark runs")
     ap.add_argument("--seed", type=int, default=20261201)
