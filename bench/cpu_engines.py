@@ -5,7 +5,8 @@ For each backend x precision: TTFT of a 512-token prompt, decode tok/s at batch 
 bandwidth, and the speed-up over torch fp32. Bandwidth and the decode-rate method are the ones
 bench/engines.py uses (numpy copy over the engine's thread count), so every row is measured the
 same way. Engines are built once into kiln's engine cache (OpenVINO/CTranslate2 conversion takes
-minutes) and each variant runs in its own process, so peak RSS is its own.
+minutes) and each variant runs in its own process, so peak RSS (VmHWM) is its own; a llama.cpp row adds
+llama-server's, where its weights and KV cache live.
 
 The llama.cpp variants (`llama-q8_0`, ...) serve a GGUF file the `gguf` method made (cached under
 $KILN_CACHE/bench-gguf). Their child also measures, back to back in the same process and round:
@@ -33,7 +34,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import signal
 import socket
 import statistics
@@ -173,12 +173,14 @@ def measure(label: str, checkpoint: Path, threads: int, decode_tokens: int, orde
     b1 = common._decode_rate(engine, [prompt(16)], decode_tokens)
     b8 = common._decode_rate(engine, [prompt(16) for _ in range(8)], decode_tokens)
     weight_bytes = engine.manifest["build"].get("weight_bytes") or common.weight_bytes(engine, checkpoint)
+    server = getattr(engine, "process", None)  # llama_cpp: the weights and KV cache live in llama-server
+    rss_mb = common.peak_rss_mb() + (common.peak_rss_mb(server.pid) if server else 0)
     engine.close()
     row = {"label": label, "config": config.model_dump(mode="json"), "engine_dir": str(engine_dir),
            "build_or_cache_s": round(build_s, 1), "load_s": round(load_s, 2),
            "ttft_512_ms": round(statistics.median(ttfts) * 1000, 1), "decode_tok_s_b1": round(b1, 2),
            "decode_tok_s_b8": round(b8, 2), "weight_bytes": weight_bytes,
-           "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
+           "peak_rss_mb": rss_mb}
     if config.backend == "llama_cpp":
         gguf_file = engine_dir / engine.manifest["build"]["file"]
         row.update(serve_and_bench(engine_dir, gguf_file, threads, prompt(16), decode_tokens, order))
@@ -219,7 +221,7 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
         return runs[-1]
     row = dict(ok[0])
     row["rounds"] = len(ok)
-    row["peak_rss_mb"] = max(r["peak_rss_mb"] for r in ok)
+    row["peak_rss_mb"] = min(r["peak_rss_mb"] for r in ok)  # a round that built the engine peaks higher
     row["load_1min"] = [round(x, 2) for r in ok for x in r["load_1min"]]
     for key in METRICS:
         if key in row:

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -78,6 +77,18 @@ def weight_bytes(engine, checkpoint: Path) -> int:
     return sum(p.stat().st_size for p in checkpoint.glob("*.safetensors"))
 
 
+def peak_rss_mb(pid: int | str = "self") -> int:
+    """A process's own peak resident set (VmHWM), in MB.
+
+    Not getrusage's ru_maxrss: Linux carries that across fork and exec, so every child of a parent
+    that once held 2 GB reports 2 GB (every row of one cpu_engines run read 2016 MB).
+    """
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return round(int(line.split()[1]) / 1024)
+    return 0
+
+
 def _decode_rate(engine, prompts: list[list[int]], n: int) -> float:
     """Tokens/s after every sequence has its first token (prefill excluded)."""
     from kiln.engine.base import GenerationRequest
@@ -124,7 +135,7 @@ def measure(variant: dict[str, Any], threads: int | None, decode_tokens: int) ->
         b8 = _decode_rate(engine, [prompt(16) for _ in range(8)], decode_tokens)
         wbytes = weight_bytes(engine, checkpoint)
         engine.close()
-    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss_mb = peak_rss_mb()
     return {"label": variant["label"], "config": config.model_dump(mode="json"), "checkpoint": str(checkpoint),
             "load_s": round(load_s, 2), "ttft_512_ms": round(statistics.median(ttfts) * 1000, 1),
             "ttft_512_ms_all": [round(t * 1000, 1) for t in ttfts],
