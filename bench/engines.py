@@ -78,15 +78,10 @@ def weight_bytes(engine, checkpoint: Path) -> int:
 
 
 def peak_rss_mb(pid: int | str = "self") -> int:
-    """A process's own peak resident set (VmHWM), in MB.
+    """A process's own peak resident set in MB (VmHWM; ru_maxrss would carry the parent's)."""
+    from kiln.pipeline.stages import peak_rss_bytes
 
-    Not getrusage's ru_maxrss: Linux carries that across fork and exec, so every child of a parent
-    that once held 2 GB reports 2 GB (every row of one cpu_engines run read 2016 MB).
-    """
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return round(int(line.split()[1]) / 1024)
-    return 0
+    return round(peak_rss_bytes(pid) / 2**20)
 
 
 def _decode_rate(engine, prompts: list[list[int]], n: int) -> float:

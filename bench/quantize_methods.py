@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -52,6 +51,7 @@ def quantize_worker(model: Path, spec: dict, out: Path) -> dict:
     from kiln.optimize.memory import plan_memory
     from kiln.pipeline.files import atomic_dir
     from kiln.pipeline.stage_impl import calibration_text
+    from kiln.pipeline.stages import peak_rss_bytes
 
     config = TypeAdapter(QUANTIZERS.config_union()).validate_python(spec)
     quantizer = QUANTIZERS.create(config)
@@ -64,7 +64,7 @@ def quantize_worker(model: Path, spec: dict, out: Path) -> dict:
     with atomic_dir(out) as scratch:
         fields = quantizer.quantize(model, scratch, calibration)
     return {"quantize_s": time.perf_counter() - start - calib_s, "calibration_s": calib_s,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_rss_bytes": peak_rss_bytes(),  # this worker's own VmHWM (ru_maxrss carries the parent's)
             "planned_quantize_bytes": plan.steps[0].total if len(plan.steps) > 1 else 0.0,
             "planned_serve_bytes": plan.steps[-1].total, "manifest": fields}
 

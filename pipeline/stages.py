@@ -66,9 +66,27 @@ def run_tags(ctx: RunContext) -> dict[str, str]:
     return {"kiln.recipe": ctx.recipe.name, "kiln.recipe_hash": ctx.recipe.digest()}
 
 
-def peak_rss_bytes() -> int:
-    """Peak resident memory of this process so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def reset_peak_rss() -> None:
+    """Start a new peak for `peak_rss_bytes`: Linux resets a process's VmHWM when "5" is written
+    to its clear_refs. Stages run one after another in one process, so each stage's manifest
+    holds its own peak, not the largest of every stage before it."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:  # not Linux, or a kernel without it: the peak then covers the process so far
+        pass
+
+
+def peak_rss_bytes(pid: int | str = "self") -> int:
+    """Peak resident memory of a process (this one by default) since its last `reset_peak_rss` or
+    its start: VmHWM, not getrusage's ru_maxrss, which Linux carries across fork and exec (a child
+    of a 2 GB parent reports 2 GB)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        if pid != "self":
+            raise
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # no /proc: KiB on Linux
+    return next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:"))
 
 
 def run_stage(ctx: RunContext, stage: str, role: str, inputs: dict[str, Any],
@@ -140,6 +158,7 @@ def _compute(ctx: RunContext, label: str, key: str, inputs: dict[str, Any],
              compute: Callable[[Path], dict[str, Any]], path: Path) -> None:
     ctx.console.print(f"[bold]▶ {escape(label)}[/bold]")
     start = time.perf_counter()
+    reset_peak_rss()
     with atomic_dir(path) as tmp:
         result = compute(tmp)
         wall = time.perf_counter() - start
