@@ -81,7 +81,7 @@ def check_request(request: GenerationRequest, max_positions: int) -> None:
 
 
 class Engine(abc.ABC):
-    """A loaded engine. Not thread-safe: one scheduler loop drives it."""
+    """A loaded engine. Not thread-safe: one scheduler loop drives it (see `readiness_fd`)."""
 
     tokenizer: Any
     manifest: dict[str, Any]
@@ -104,6 +104,19 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def has_work(self) -> bool: ...
+
+    def readiness_fd(self) -> int | None:
+        """For an engine whose tokens are computed elsewhere (a server it reads over sockets): a file
+        descriptor that turns readable when `poll` has something to return. The server's event loop
+        then watches it and calls `add`, `poll` and `cancel` itself, with no thread in the token's
+        path, while `score` and `next_token_logprobs` run on the scheduler thread: such an engine
+        keeps generation and scoring apart. None (the default): `step` computes, on that thread."""
+        return None
+
+    def poll(self) -> list[TokenEvent]:
+        """The tokens that have arrived, without blocking (only engines with a `readiness_fd`).
+        Raises, as `step` does, for a sequence that failed or a server silent for too long."""
+        raise NotImplementedError(f"{type(self).__name__} computes in step(); it has no readiness_fd")
 
     @abc.abstractmethod
     def score(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[Score]:

@@ -190,6 +190,7 @@ class LlamaServerEngine(Engine):
         self._ids = itertools.count()
         self._seqs: dict[int, _Sequence] = {}
         self._selector = selectors.DefaultSelector()
+        self._heard = time.monotonic()  # when a stream last delivered bytes (poll)
 
     @classmethod
     def start(cls, gguf_path: Path, tokenizer_dir: Path, config: LlamaCppConfig) -> LlamaServerEngine:
@@ -218,6 +219,8 @@ class LlamaServerEngine(Engine):
 
     def add(self, request: GenerationRequest) -> int:
         check_request(request, self.max_positions)
+        if not self._seqs:  # the silence `poll` measures starts with the first sequence
+            self._heard = time.monotonic()
         seq = _Sequence(next(self._ids), request, self._completion(request, list(request.prompt_ids),
                                                                    request.max_new_tokens, request.cache_prompt))
         self._seqs[seq.seq_id] = seq
@@ -257,23 +260,46 @@ class LlamaServerEngine(Engine):
             self._selector.unregister(seq.completion)
             seq.completion.close()
 
+    def readiness_fd(self) -> int | None:
+        """The selector's own descriptor (epoll on Linux): readable while any stream has bytes waiting."""
+        fileno = getattr(self._selector, "fileno", None)  # a select()-based selector has none
+        return fileno() if fileno else None
+
     def step(self) -> list[TokenEvent]:
         """Wait for at least one token from any sequence, then return all that arrived."""
         out: list[TokenEvent] = []
         while self._seqs and not out:
             ready = self._selector.select(_SILENCE_S)
             if not ready:
-                raise RuntimeError(f"llama-server at {self.server_url} sent nothing for {_SILENCE_S:g} s")
-            now = time.perf_counter()
-            for key, _ in ready:
-                seq = key.data
-                try:
-                    chunks = seq.completion.feed()
-                except Exception:
-                    self.cancel(seq.seq_id)
-                    raise
-                if any(self._tokens(seq, chunk, now, out) for chunk in chunks):
-                    self.cancel(seq.seq_id)
+                raise self._silent()
+            out = self._read(ready)
+        return out
+
+    def poll(self) -> list[TokenEvent]:
+        if not self._seqs:
+            return []
+        ready = self._selector.select(0)
+        if not ready and time.monotonic() - self._heard > _SILENCE_S:
+            raise self._silent()
+        return self._read(ready)
+
+    def _silent(self) -> RuntimeError:
+        return RuntimeError(f"llama-server at {self.server_url} sent nothing for {_SILENCE_S:g} s")
+
+    def _read(self, ready: list[tuple[selectors.SelectorKey, int]]) -> list[TokenEvent]:
+        out: list[TokenEvent] = []
+        now = time.perf_counter()
+        if ready:
+            self._heard = time.monotonic()
+        for key, _ in ready:
+            seq = key.data
+            try:
+                chunks = seq.completion.feed()
+            except Exception:
+                self.cancel(seq.seq_id)
+                raise
+            if any(self._tokens(seq, chunk, now, out) for chunk in chunks):
+                self.cancel(seq.seq_id)
         return out
 
     def _tokens(self, seq: _Sequence, chunk: dict[str, Any], now: float, out: list[TokenEvent]) -> bool:

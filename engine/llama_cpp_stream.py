@@ -1,11 +1,11 @@
-"""llama-server's streamed `/completion`, read on the thread that steps the engine.
+"""llama-server's streamed `/completion`, read by whoever drives the engine, with no thread between.
 
 The `llama_cpp` engine keeps one HTTP/1.1 connection per sequence and waits on all of them
-with one selector inside `step()`, so a token goes from llama-server's socket to the caller's
-thread with no thread in between. Serving through an event loop thread instead (the `remote`
-backend's way) costs every token a cross-thread hand-off and the GIL going back and forth;
-on a machine whose cores llama-server's threads keep busy, kiln serve decoded 10-25% below
-llama-bench that way (docs/engines.md, "One run with llama.cpp").
+with one selector: `step()` blocks on it; under kiln serve the event loop watches the selector's
+own descriptor and `poll()`s when a stream has bytes, so a token goes from llama-server's socket
+to the client's response on one thread. A reader thread of its own (the `remote` backend's way)
+costs every token a cross-thread hand-off and the GIL going back and forth; on a machine whose
+cores llama-server's threads keep busy, every such wake-up stalls its decode (docs/engines.md).
 
 A `Completion` is one request: `send` writes it, `feed` takes what the socket delivered and
 returns the SSE payloads completed so far; the HTTP status is checked once the headers are in.

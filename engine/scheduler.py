@@ -6,6 +6,12 @@ calls `step()` while there is work, and hands each step's tokens back to the eve
 step (continuous batching is the engine's job; feeding it promptly is ours). Serving metrics
 are measured here, from the engine's own token timestamps.
 
+An engine whose tokens come from elsewhere over sockets (llama.cpp's llama-server: its
+`readiness_fd`) is read by the event loop itself instead: the loop adds, polls and cancels its
+sequences, and the thread runs only scoring. A token then reaches its HTTP response with no
+thread hop; on two cores that llama-server's threads keep busy, every wake-up of another thread
+stalls its decode (docs/engines.md).
+
 A failing step fails only the request that caused it: the server validates requests before they
 get here, and should one still break the shared step, each request in flight is retried alone
 from the tokens it has delivered; those that step alone carry on, the one that fails again gets
@@ -28,6 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from kiln.engine import metric_names as names
 from kiln.engine.base import Engine, GenerationRequest, TokenEvent
 
+_WATCH_S = 5.0  # a loop-driven engine is polled this often too, so a server gone silent is noticed
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -77,6 +84,8 @@ class Scheduler:
         self._by_seq: dict[int, Ticket] = {}
         self._thread = threading.Thread(target=self._run, name="kiln-scheduler", daemon=True)
         self._stopping = False
+        self._fd = engine.readiness_fd()  # not None: the event loop drives generation (_poll)
+        self._watchdog: asyncio.TimerHandle | None = None  # set while the loop watches _fd
 
     def start(self) -> None:
         self._thread.start()
@@ -86,6 +95,13 @@ class Scheduler:
         self._inbox.put(("wake", None))
         self._thread.join(timeout=30)
 
+    def detach(self) -> None:
+        """Stop watching a loop-driven engine (on the event loop, before the engine closes)."""
+        if self._watchdog is not None:
+            self.loop.remove_reader(self._fd)
+            self._watchdog.cancel()
+            self._watchdog = None
+
     # ----- called from the event loop -------------------------------------------------------
 
     def submit(self, request: GenerationRequest, events: Any = None) -> Ticket:
@@ -93,12 +109,20 @@ class Scheduler:
         self.metrics.running.inc()
         self.metrics.waiting.inc()
         self.metrics.prompt_tokens.inc(len(request.prompt_ids))
-        self._inbox.put(("add", ticket))
+        if self._fd is None:
+            self._inbox.put(("add", ticket))
+        else:  # watched from the first request on: warm-up generated on the thread before
+            self._watch()
+            self._add(ticket, request)
         return ticket
 
     def cancel(self, ticket: Ticket) -> None:
-        if not ticket.done:
+        if ticket.done:
+            return
+        if self._fd is None:
             self._inbox.put(("cancel", ticket))
+        else:
+            self._cancel(ticket)
 
     def call(self, fn: Callable[[Engine], Any]) -> asyncio.Future:
         """Run `fn(engine)` on the scheduler thread (scoring); await the returned future."""
@@ -106,11 +130,39 @@ class Scheduler:
         self._inbox.put(("call", (fn, future)))
         return future
 
-    # ----- the scheduler thread -------------------------------------------------------------
+    # ----- a loop-driven engine, on the event loop ------------------------------------------
+
+    def _watch(self) -> None:
+        if self._watchdog is None:
+            self.loop.add_reader(self._fd, self._poll)
+            self._watchdog = self.loop.call_later(_WATCH_S, self._tick)
+
+    def _tick(self) -> None:
+        self._watchdog = self.loop.call_later(_WATCH_S, self._tick)
+        if self.engine.has_work():
+            self._poll()
+
+    def _poll(self) -> None:
+        try:
+            events = self.engine.poll()
+        except Exception as e:
+            self._isolate(e)
+            return
+        if events:
+            _deliver(self._account(events))
+
+    # ----- the scheduler thread (and what both drivers share) -------------------------------
+
+    def _on_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run `fn` on the event loop: now if this is the loop-driven path, else handed over."""
+        if self._fd is None:
+            self.loop.call_soon_threadsafe(fn, *args)
+        else:
+            fn(*args)
 
     def _run(self) -> None:
         while not self._stopping:
-            busy = self.engine.has_work()
+            busy = self._fd is None and self.engine.has_work()
             try:  # block only when idle; while decoding, take what is queued and step
                 item = self._inbox.get(block=not busy)
                 self._handle(*item)
@@ -118,7 +170,7 @@ class Scheduler:
                     self._handle(*self._inbox.get_nowait())
             except queue.Empty:
                 pass
-            if self.engine.has_work():
+            if self._fd is None and self.engine.has_work():
                 try:
                     events = self.engine.step()
                 except Exception as e:
@@ -129,9 +181,8 @@ class Scheduler:
     def _handle(self, kind: str, payload: Any) -> None:
         if kind == "add":
             self._add(payload, payload.request)
-        elif kind == "cancel" and payload.seq_id in self._by_seq:
-            self.engine.cancel(payload.seq_id)
-            self._finish(self._by_seq.pop(payload.seq_id))
+        elif kind == "cancel":
+            self._cancel(payload)
         elif kind == "call":
             fn, future = payload
             try:
@@ -139,6 +190,11 @@ class Scheduler:
             except Exception as e:
                 result, error = None, e
             self.loop.call_soon_threadsafe(_resolve, future, result, error)
+
+    def _cancel(self, t: Ticket) -> None:
+        if t.seq_id in self._by_seq:
+            self.engine.cancel(t.seq_id)
+            self._finish(self._by_seq.pop(t.seq_id))
 
     def _add(self, t: Ticket, request: GenerationRequest) -> bool:
         try:
@@ -167,7 +223,7 @@ class Scheduler:
                 self._drop(t)
                 self._fail(t, e)
                 continue
-            self.loop.call_soon_threadsafe(_deliver, self._account(events))
+            self._on_loop(_deliver, self._account(events))
             if not t.done:
                 self._drop(t)
                 survivors.append(t)
@@ -184,7 +240,7 @@ class Scheduler:
 
     def _fail(self, t: Ticket, error: Exception) -> None:
         self._finish(t)
-        self.loop.call_soon_threadsafe(t.events.put_nowait, error)
+        self._on_loop(t.events.put_nowait, error)
 
     def _account(self, events: list[TokenEvent]) -> list[tuple[Ticket, TokenEvent]]:
         """Update metrics and bookkeeping; pair each event with its ticket for delivery."""

@@ -453,6 +453,7 @@ def create_app(load: Callable[[], Engine], api_key: str | None = None, model_nam
     async def on_cleanup(_app):
         _app[STARTER].cancel()
         if st.scheduler:
+            st.scheduler.detach()
             await asyncio.get_running_loop().run_in_executor(None, st.scheduler.stop)
         if st.engine and st.owns:
             st.engine.close()

@@ -157,6 +157,121 @@ def test_kiln_serve_streams_concurrent_mixed_lengths_with_and_without_logprobs(l
             assert "".join(c.text for c in choices) == llama_f32.tokenizer.decode(want[i]), i
 
 
+def test_kiln_serve_drives_the_engine_from_its_event_loop(llama_f32, torch_engine, monkeypatch):
+    """Under kiln serve the event loop reads llama-server's streams itself (readiness_fd, poll):
+    once the server is up no thread steps the engine, and a scoring request (non-streamed
+    logprobs: prompt and answer scored on the scheduler thread) runs beside streams decoding."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from kiln.engine.server_thread import ServerThread
+
+    ps = mixed_prompts(llama_f32.vocab_size, 4)
+    want = parity.greedy(torch_engine, ps, 12)
+    with ServerThread(llama_f32, model_name="tiny") as server:
+        def stepped() -> list:
+            raise AssertionError("a thread stepped the engine the event loop drives")
+
+        monkeypatch.setattr(llama_f32, "step", stepped)  # after the warm-up, which generates on the thread
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+        def stream(i: int) -> str:
+            chunks = client.completions.create(model="tiny", prompt=ps[i], max_tokens=12, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
+            return "".join(c.choices[0].text for c in chunks if c.choices)
+
+        def scored() -> openai.types.Completion:
+            return client.completions.create(model="tiny", prompt=ps[0], max_tokens=12, temperature=0, logprobs=0,
+                                             extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+
+        with ThreadPoolExecutor(len(ps) + 1) as pool:
+            answer = pool.submit(scored)
+            texts = list(pool.map(stream, range(len(ps))))
+            answer = answer.result()
+    assert texts == [llama_f32.tokenizer.decode(w) for w in want]
+    tokens = [int(t.split(":")[1]) for t in answer.choices[0].logprobs.tokens]
+    assert tokens == want[0]
+    ref = torch_engine.score([(ps[0], tokens)])[0].token_logprobs
+    assert np.abs(np.subtract(answer.choices[0].logprobs.token_logprobs, ref)).max() < parity.FULL["logprob_atol"]
+
+
+def test_a_stream_that_breaks_fails_its_request_alone(llama_f32, torch_engine, monkeypatch):
+    """One llama-server stream breaks mid-decode (injected into its reader, again when resumed):
+    that request's stream ends with an error event, the streams decoding beside it end with torch's
+    tokens (the scheduler retried them from what they had delivered), and the server serves on."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    import kiln.engine.llama_cpp as llama_cpp
+    from kiln.engine.server_thread import ServerThread
+
+    ps = mixed_prompts(llama_f32.vocab_size, 5)[:5]
+    poison = ps[4]
+    want = parity.greedy(torch_engine, ps[:4], 24)
+
+    class Breaking(llama_cpp.Completion):
+        def __init__(self, host, port, body, timeout_s):
+            super().__init__(host, port, body, timeout_s)
+            self.poisoned = body["prompt"][: len(poison)] == poison
+            self.resumed, self.fed = len(body["prompt"]) > len(poison), 0
+
+        def feed(self) -> list:
+            out = super().feed()
+            self.fed += bool(out)
+            if self.poisoned and (self.fed > 3 or self.resumed and out):
+                raise RuntimeError("injected: the stream broke")
+            return out
+
+    monkeypatch.setattr(llama_cpp, "Completion", Breaking)
+    with ServerThread(llama_f32, model_name="tiny") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+        def stream(prompt: list[int]) -> str:
+            chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
+            return "".join(c.choices[0].text for c in chunks if c.choices)
+
+        with ThreadPoolExecutor(len(ps)) as pool:
+            texts = [pool.submit(stream, p) for p in ps]
+            with pytest.raises(openai.APIError, match="injected: the stream broke"):
+                texts[4].result()
+            texts = [t.result() for t in texts[:4]]
+        after = stream(ps[0])
+    assert texts == [llama_f32.tokenizer.decode(w) for w in want]
+    assert after == texts[0]
+
+
+def test_a_silent_llama_server_fails_its_streams_and_serving_goes_on(llama_f32, monkeypatch):
+    """llama-server stops answering (SIGSTOP) while kiln serve streams from it: the event loop gets no
+    readable socket, so the scheduler's watchdog polls, and the stream ends with an error naming the
+    silence. Once llama-server runs again, the next request is answered."""
+    import os
+    import signal
+
+    import openai
+
+    import kiln.engine.llama_cpp as llama_cpp
+    import kiln.engine.scheduler as scheduler
+    from kiln.engine.server_thread import ServerThread
+
+    monkeypatch.setattr(llama_cpp, "_SILENCE_S", 1.0)
+    monkeypatch.setattr(scheduler, "_WATCH_S", 0.2)
+    p = mixed_prompts(llama_f32.vocab_size, 6)[1]
+    with ServerThread(llama_f32, model_name="tiny") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        request = {"model": "tiny", "prompt": p, "max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
+        os.kill(llama_f32.process.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(openai.APIError, match="sent nothing for 1 s"):
+                list(client.completions.create(stream=True, **request))
+        finally:
+            os.kill(llama_f32.process.pid, signal.SIGCONT)
+        answer = client.completions.create(**request)
+    assert answer.choices[0].text == llama_f32.tokenizer.decode(parity.greedy(llama_f32, [p], 8)[0])
+
+
 def test_request_joins_mid_decode(llama_f32):
     """A request added while another decodes streams at once (no wait for the first to end),
     and both produce what they produce alone."""
