@@ -207,7 +207,8 @@ class Scheduler:
 
     def _isolate(self, error: Exception) -> None:
         """A shared step failed and which request caused it is unknown: step each request alone
-        (from the tokens it has delivered), fail those that fail again, resume the others together."""
+        (from the tokens it has delivered), fail those that fail again, resume the others together.
+        For a loop-driven engine this runs on the event loop, which each lone step blocks for a token."""
         suspects = list(self._by_seq.values())
         logging.getLogger("kiln.serve").warning("engine step failed (%s: %s); retrying its %d requests one by one",
                                                 type(error).__name__, error, len(suspects))
