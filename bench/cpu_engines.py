@@ -9,11 +9,13 @@ minutes) and each variant runs in its own process, so peak RSS (VmHWM) is its ow
 llama-server's, where its weights and KV cache live.
 
 The llama.cpp variants (`llama-q8_0`, ...) serve a GGUF file the `gguf` method made (cached under
-$KILN_CACHE/bench-gguf). Their child also measures, back to back in the same process and round:
+$KILN_CACHE/bench-gguf). Their child also measures, in pairs back to back (PAIRS of them, in
+alternating order, one kiln serve process for all):
 - `kiln serve` over that engine: decode tok/s of one streamed batch-1 request over HTTP (what a
   client of kiln sees: kiln's server -> the llama_cpp engine -> llama-server);
-- `llama-bench` of the same build and the same file: `pp512` and `tg64` at the same threads.
-The `llama-bench` figures print as their own rows, with kiln serve's decode over llama-bench's.
+- `llama-bench` of the same build and the same file: `tg64` at the same threads (and `pp512` once).
+The `llama-bench` figures print as their own rows, with kiln serve's decode over llama-bench's: the
+median of the pairs' ratios in a round (each ratio's two sides seconds apart), then over the rounds.
 With `--threads` above 1 the child measures that pair again at 1 thread (llama-server and
 llama-bench both `-t 1`; on a 2-core machine that leaves a core to kiln's Python and the client):
 printed on its own line, labelled, beside the ratio at `--threads`, which is the headline one.
@@ -31,6 +33,7 @@ Writes bench/results/cpu_engines.json and prints a table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -41,6 +44,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +69,7 @@ VARIANTS = {
     "llama-q4_K_M": {"backend": "llama_cpp", "parallel": 8, "ctx_per_slot": 1024, "gguf": "q4_K_M"},
     "llama-q5_K_M": {"backend": "llama_cpp", "parallel": 8, "ctx_per_slot": 1024, "gguf": "q5_K_M"},
 }
+PAIRS = 3  # (kiln serve, llama-bench) pairs per round and thread count
 METRICS = ("ttft_512_ms", "decode_tok_s_b1", "decode_tok_s_b8", "serve_tok_s_b1", "bench_tg_tok_s", "bench_pp512_tok_s",
            "serve_over_bench", "serve_tok_s_b1_t1", "bench_tg_tok_s_t1", "serve_over_bench_t1")
 
@@ -82,8 +87,9 @@ def gguf_artifact(checkpoint: Path, kind: str, threads: int) -> Path:
     return out
 
 
-def serve_decode_rate(engine_dir: Path, prompt: list[int], n: int) -> float:
-    """Decode tok/s of one streamed request through a `kiln serve` process (first token excluded)."""
+@contextlib.contextmanager
+def kiln_serve(engine_dir: Path) -> Iterator[str]:
+    """A `kiln serve` process over `engine_dir` on a free loopback port, ready; its URL."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -102,18 +108,7 @@ def serve_decode_rate(engine_dir: Path, prompt: list[int], n: int) -> float:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"kiln serve {engine_dir} did not become ready") from None
                 time.sleep(0.2)
-        rates = []
-        for _ in range(2):  # the first warms the server's path; the second is measured
-            body = json.dumps({"prompt": prompt, "max_tokens": n, "ignore_eos": True, "temperature": 0,
-                               "stream": True}).encode()
-            req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
-            times = []
-            with urllib.request.urlopen(req, timeout=300) as r:
-                for line in r:
-                    if line.startswith(b"data: {") and b'"choices"' in line:
-                        times.append(time.perf_counter())
-            rates.append((len(times) - 1) / (times[-1] - times[0]))
-        return rates[-1]
+        yield url
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -123,16 +118,30 @@ def serve_decode_rate(engine_dir: Path, prompt: list[int], n: int) -> float:
             proc.wait()
 
 
-def llama_bench(gguf_path: Path, threads: int, n: int) -> dict[str, float]:
-    """`llama-bench` of the same build on the same file: prompt 512 and decode n tokens, tok/s."""
+def stream_decode_rate(url: str, prompt: list[int], n: int) -> float:
+    """Decode tok/s of one streamed batch-1 request to kiln serve at `url` (first token excluded)."""
+    body = json.dumps({"prompt": prompt, "max_tokens": n, "ignore_eos": True, "temperature": 0,
+                       "stream": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+    times = []
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for line in r:
+            if line.startswith(b"data: {") and b'"choices"' in line:
+                times.append(time.perf_counter())
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def llama_bench(gguf_path: Path, threads: int, n: int, prefill: bool = True) -> dict[str, float]:
+    """`llama-bench` of the same build on the same file: decode n tokens (and prompt 512 if `prefill`), tok/s."""
     from kiln.pipeline.llama_cpp_build import binary
 
-    out = subprocess.run([str(binary("llama-bench")), "-m", str(gguf_path), "-t", str(threads), "-p", "512",
-                          "-n", str(n), "-r", "2", "-o", "json"], capture_output=True, text=True, check=True)
+    out = subprocess.run([str(binary("llama-bench")), "-m", str(gguf_path), "-t", str(threads),
+                          "-p", "512" if prefill else "0", "-n", str(n), "-r", "2", "-o", "json"],
+                         capture_output=True, text=True, check=True)
     rows = json.loads(out.stdout)
     tg = next(r for r in rows if r["n_gen"] == n)
-    pp = next(r for r in rows if r["n_prompt"] == 512)
-    return {"bench_tg_tok_s": round(tg["avg_ts"], 2), "bench_pp512_tok_s": round(pp["avg_ts"], 2)}
+    pp = next((r for r in rows if r["n_prompt"] == 512), None)
+    return {"bench_tg_tok_s": round(tg["avg_ts"], 2), **({"bench_pp512_tok_s": round(pp["avg_ts"], 2)} if pp else {})}
 
 
 def measure(label: str, checkpoint: Path, threads: int, decode_tokens: int, order: int = 0) -> dict[str, Any]:
@@ -193,14 +202,28 @@ def measure(label: str, checkpoint: Path, threads: int, decode_tokens: int, orde
 
 
 def serve_and_bench(engine_dir: Path, gguf_file: Path, threads: int, prompt: list[int], decode_tokens: int,
-                    order: int) -> dict[str, float]:
-    """kiln serve's batch-1 decode and llama-bench's on the same file and threads, in alternating order."""
-    serve = lambda: {"serve_tok_s_b1": round(serve_decode_rate(engine_dir, prompt, decode_tokens), 2)}
-    bench = lambda: llama_bench(gguf_file, threads, decode_tokens)
-    first, second = (serve, bench) if order == 0 else (bench, serve)  # alternates with the round
-    row = {**first(), **second()}
-    row["serve_over_bench"] = round(row["serve_tok_s_b1"] / row["bench_tg_tok_s"], 3)
-    return row
+                    order: int, pairs: int = PAIRS) -> dict[str, Any]:
+    """kiln serve's batch-1 decode and llama-bench's on the same file and threads: one kiln serve process
+    and `pairs` back-to-back (stream, llama-bench) pairs in alternating order, so each ratio compares two
+    measurements seconds apart (this VM's speed drifts by a fifth within a minute). Medians of the pairs."""
+    serve, bench, ratios = [], [], []
+    with kiln_serve(engine_dir) as url:
+        stream_decode_rate(url, prompt, decode_tokens)  # warms the server's path
+        for i in range(pairs):
+            stream = lambda: stream_decode_rate(url, prompt, decode_tokens)  # noqa: E731
+            tg = lambda: llama_bench(gguf_file, threads, decode_tokens, prefill=i == 0)  # noqa: E731
+            if (i + order) % 2 == 0:
+                rate, row = stream(), tg()
+            else:
+                row, rate = tg(), stream()
+            serve.append(rate)
+            bench.append(row)
+            ratios.append(rate / row["bench_tg_tok_s"])
+    return {"serve_tok_s_b1": round(statistics.median(serve), 2),
+            "bench_tg_tok_s": round(statistics.median(b["bench_tg_tok_s"] for b in bench), 2),
+            "bench_pp512_tok_s": bench[0]["bench_pp512_tok_s"],
+            "serve_over_bench": round(statistics.median(ratios), 3),
+            "serve_over_bench_pairs": [round(r, 3) for r in ratios]}
 
 
 def run_child(label: str, args, round_: int) -> dict[str, Any]:
@@ -223,6 +246,9 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     row["rounds"] = len(ok)
     row["peak_rss_mb"] = min(r["peak_rss_mb"] for r in ok)  # a round that built the engine peaks higher
     row["load_1min"] = [round(x, 2) for r in ok for x in r["load_1min"]]
+    for key in ("serve_over_bench_pairs", "serve_over_bench_pairs_t1"):
+        if key in row:
+            row[key] = [r[key] for r in ok]  # every round's pairs
     for key in METRICS:
         if key in row:
             values = [r[key] for r in ok]
@@ -248,6 +274,10 @@ def _spread(r: dict[str, Any], key: str, fmt: str = ".1f") -> str:
     return f"{r[key]:{fmt}} [{lo:{fmt}}, {hi:{fmt}}]"
 
 
+def _times(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"  # None: no torch-fp32 row in this run
+
+
 def print_table(rows: list[dict[str, Any]], bw: float) -> None:
     print(f"\nmemory bandwidth (numpy copy): {bw:.1f} GB/s; medians of the rounds [min, max]")
     head = (f"{'variant':<18}{'weights':>8}{'TTFT 512 ms':>24}{'b1 tok/s':>22}{'b8 tok/s':>22}"
@@ -259,7 +289,7 @@ def print_table(rows: list[dict[str, Any]], bw: float) -> None:
             continue
         print(f"{r['label']:<18}{r['weight_bytes'] / 1e6:>6.0f}MB{_spread(r, 'ttft_512_ms', '.0f'):>24}"
               f"{_spread(r, 'decode_tok_s_b1'):>22}{_spread(r, 'decode_tok_s_b8'):>22}{r['peak_rss_mb']:>5.0f}MB"
-              f"{r['mbu_b1']:>7.0%}{r.get('speedup_b1_vs_torch', float('nan')):>10.2f}x")
+              f"{r['mbu_b1']:>7.0%}{_times(r.get('speedup_b1_vs_torch')):>11}")
         if "serve_tok_s_b1" in r:
             name = "  kiln serve"
             print(f"{name:<18}{'':>8}{'':>24}{_spread(r, 'serve_tok_s_b1'):>22}")
