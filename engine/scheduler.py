@@ -1,4 +1,4 @@
-"""The scheduler thread: the only code that touches the engine while the server runs.
+"""The scheduler: the only code that touches the engine while the server runs (a thread, or the loop).
 
 HTTP handlers (asyncio) submit requests and scoring jobs; this thread adds them to the engine,
 calls `step()` while there is work, and hands each step's tokens back to the event loop in one
