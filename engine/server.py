@@ -5,8 +5,9 @@ per tenant). Routes: POST /v1/completions (streaming SSE or not; echo + logprobs
 `local-completions` can score), POST /v1/chat/completions, GET /v1/models, GET /health (503
 until the engine is loaded and warmed up, and again while draining), GET /metrics (Prometheus).
 One scheduler owns the engine (scheduler.py: its thread steps it, or the event loop polls an engine
-that reads its tokens from sockets); a client that disconnects has its sequence cancelled. Every client mistake is an OpenAI-style JSON 4xx (request.py validates a request before
-it joins the shared batch; unknown routes, wrong methods and oversized bodies answer JSON too).
+that reads its tokens from sockets); a client that disconnects has its sequence cancelled. Every
+client mistake is an OpenAI-style JSON 4xx (request.py validates a request before it joins the
+shared batch; unknown routes, wrong methods and oversized bodies answer JSON too).
 
 Production guards come from engine/admission.py (shared with `kiln route`): a bounded queue
 (slots = the engine's batch, a wait bounded in time; full: a fast 429 whose Retry-After is the
