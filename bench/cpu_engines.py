@@ -210,12 +210,12 @@ def serve_and_bench(engine_dir: Path, gguf_file: Path, threads: int, prompt: lis
     with kiln_serve(engine_dir) as url:
         stream_decode_rate(url, prompt, decode_tokens)  # warms the server's path
         for i in range(pairs):
-            stream = lambda: stream_decode_rate(url, prompt, decode_tokens)  # noqa: E731
-            tg = lambda: llama_bench(gguf_file, threads, decode_tokens, prefill=i == 0)  # noqa: E731
-            if (i + order) % 2 == 0:
-                rate, row = stream(), tg()
-            else:
-                row, rate = tg(), stream()
+            stream_first = (i + order) % 2 == 0
+            if stream_first:
+                rate = stream_decode_rate(url, prompt, decode_tokens)
+            row = llama_bench(gguf_file, threads, decode_tokens, prefill=i == 0)
+            if not stream_first:
+                rate = stream_decode_rate(url, prompt, decode_tokens)
             serve.append(rate)
             bench.append(row)
             ratios.append(rate / row["bench_tg_tok_s"])
