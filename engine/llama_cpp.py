@@ -7,7 +7,8 @@ Runtime: `llama-server` on 127.0.0.1 at a free port, `--parallel` slots with con
 (a request that arrives mid-decode takes a free slot at the server's next step), health-checked
 at start and stopped on `close`. Generation streams llama-server's native `/completion` with
 token-ID prompts and `return_tokens`, so token ids come back exactly; the streamed logprob of
-each token is llama.cpp's (`n_probs: 1`, asked only when the request wants it). Stop token ids
+each token is llama.cpp's (`n_probs: 1`, asked only when the request wants it). Every request names
+its sampler chain (`_sampling`), so llama-server's defaults (top_k 40, min_p 0.05) never apply. Stop token ids
 are applied here (the server knows only stop strings): the stream is closed at the first one.
 `step()` reads every sequence's stream on the caller's own thread (llama_cpp_stream.py): no client
 thread sits between llama-server and kiln's scheduler, so a token costs kiln serve one thread
@@ -233,7 +234,7 @@ class LlamaServerEngine(Engine):
         # (the demo model after a finished answer: <|im_end|>). kiln's ignore_eos means "do not
         # stop", so an EOS stop is resumed from the text so far instead (_resume).
         body: dict[str, Any] = {"prompt": prompt, "n_predict": n, "stream": True, "return_tokens": True,
-                                "temperature": r.temperature, "top_p": r.top_p, "cache_prompt": cache_prompt}
+                                "cache_prompt": cache_prompt, **_sampling(r)}
         if r.logprobs:  # n_probs makes the server softmax the whole vocabulary for every token
             body["n_probs"] = 1
         if r.seed is not None:
@@ -364,6 +365,17 @@ class LlamaServerEngine(Engine):
                 self.process.wait(timeout=30)
         if self.server_log is not None:
             self.server_log.close()
+
+
+def _sampling(r: GenerationRequest) -> dict[str, Any]:
+    """llama-server's sampler chain for kiln's sampling, named whole. Its default chain truncates to
+    the top 40 tokens and to min_p 0.05 and applies top_p before the temperature; kiln's (like torch,
+    OpenVINO, CTranslate2 and the OpenAI API) divides by the temperature, then keeps the nucleus, and
+    truncates nothing else. Greedy is top_k 1: the argmax, without the default chain's partial sort
+    of the whole vocabulary for its top 40 on every token."""
+    if r.temperature == 0:
+        return {"samplers": ["top_k"], "top_k": 1}
+    return {"samplers": ["temperature", "top_p"], "temperature": r.temperature, "top_p": r.top_p}
 
 
 def _finish(chunk: dict[str, Any]) -> str:

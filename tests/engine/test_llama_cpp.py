@@ -290,6 +290,45 @@ def test_request_joins_mid_decode(llama_f32):
     assert order.index(late) < len(order) - order[::-1].index(first) - 1  # late streamed before first ended
 
 
+def _probs(logprobs: np.ndarray, temperature: float) -> np.ndarray:
+    scaled = logprobs / temperature
+    p = np.exp(scaled - scaled.max(-1, keepdims=True))
+    return p / p.sum(-1, keepdims=True)
+
+
+def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """Per row, the tokens of the top-p nucleus: those with less than top_p of mass before them."""
+    order = np.argsort(-probs, -1)
+    ranked = np.take_along_axis(probs, order, -1)
+    mask = np.zeros(probs.shape, dtype=bool)
+    np.put_along_axis(mask, order, np.cumsum(ranked, -1) - ranked < top_p, -1)
+    return mask
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.1, 0.5)])
+def test_sampling_follows_kiln_not_llama_servers_default_chain(llama_f32, temperature, top_p):
+    """Sampled tokens come from kiln's distribution, as torch's: logits over the temperature, then
+    the top-p nucleus, nothing else cut. llama-server's default chain keeps only the top 40 tokens
+    (under 1% of the tiny random model's mass at temperature 1) and cuts the nucleus before the
+    temperature (at 0.1 and top_p 0.5, a nucleus that would put about half the picks outside kiln's).
+    24 first tokens, one per seed, all from the prompt's next-token distribution."""
+    prompt = mixed_prompts(llama_f32.vocab_size)[2]
+    requests = [GenerationRequest(prompt, 1, ignore_eos=True, temperature=temperature, top_p=top_p, seed=seed)
+                for seed in range(24)]
+    tokens = [e.token_id for e in llama_f32.generate(requests)]
+    row = llama_f32.next_token_logprobs([prompt])[0][-1:]
+    kiln = _probs(row, temperature)[0]
+    if top_p == 1.0:
+        assert np.sort(kiln)[-40:].sum() < 0.01
+        ranks = [(kiln > kiln[t]).sum() for t in tokens]
+        assert sum(r < 40 for r in ranks) <= 2, ranks
+    else:
+        inside = _nucleus(kiln[None], top_p)[0]
+        wider = kiln * _nucleus(_probs(row, 1.0), top_p)[0]  # llama-server's order: untempered nucleus first
+        assert (1 - wider[~inside].sum() / wider.sum()) ** len(tokens) < 1e-3  # it would fail this test
+        assert _nucleus(kiln[None], top_p + 0.01)[0][tokens].all()
+
+
 def test_stop_token_and_cancel(llama_f32):
     p = parity.prompts(llama_f32.tokenizer, 1)[0]
     tokens = parity.greedy(llama_f32, [p], 8)[0]
