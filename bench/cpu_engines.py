@@ -13,7 +13,9 @@ $KILN_CACHE/bench-gguf). Their child also measures, in pairs back to back (PAIRS
 alternating order, one kiln serve process for all):
 - `kiln serve` over that engine: decode tok/s of one streamed batch-1 request over HTTP (what a
   client of kiln sees: kiln's server -> the llama_cpp engine -> llama-server);
-- `llama-bench` of the same build and the same file: `tg64` at the same threads (and `pp512` once).
+- `llama-bench` of the same build and the same file: `tg64` at the same threads and at the depth of the
+  stream's prompt (`-d 16`: the same positions 16-79 the stream decodes; on the demo model `tg64` from
+  position 0 reads ~5% faster), `tg64` from position 0 beside it, and `pp512` once.
 The `llama-bench` figures print as their own rows, with kiln serve's decode over llama-bench's: the
 median of the pairs' ratios in a round (each ratio's two sides seconds apart), then over the rounds.
 With `--threads` above 1 the child measures that pair again at 1 thread (llama-server and
@@ -21,8 +23,9 @@ llama-bench both `-t 1`; on a 2-core machine that leaves a core to kiln's Python
 printed on its own line, labelled, beside the ratio at `--threads`, which is the headline one.
 
 Variants run in `--repeats` rounds in alternating order; every figure is the median of the rounds
-with its [min, max]. The load average is recorded around every child: the machine is shared, so
-compare rows of one run, never across runs.
+with its [min, max]. The load average is recorded around every child, and the share of CPU time the
+hypervisor took (steal, from /proc/stat) during it: the machine is shared, so compare rows of one run,
+never across runs.
 
     python bench/cpu_engines.py                      # all default variants, 2 threads
     python bench/cpu_engines.py --only torch-fp32 --only llama-q8_0 --repeats 1
@@ -71,7 +74,8 @@ VARIANTS = {
 }
 PAIRS = 3  # (kiln serve, llama-bench) pairs per round and thread count
 METRICS = ("ttft_512_ms", "decode_tok_s_b1", "decode_tok_s_b8", "serve_tok_s_b1", "bench_tg_tok_s", "bench_pp512_tok_s",
-           "serve_over_bench", "serve_tok_s_b1_t1", "bench_tg_tok_s_t1", "serve_over_bench_t1")
+           "serve_over_bench", "bench_tg_d0_tok_s", "serve_over_bench_d0", "serve_tok_s_b1_t1", "bench_tg_tok_s_t1",
+           "serve_over_bench_t1", "bench_tg_d0_tok_s_t1", "serve_over_bench_d0_t1")
 
 
 def gguf_artifact(checkpoint: Path, kind: str, threads: int) -> Path:
@@ -131,17 +135,19 @@ def stream_decode_rate(url: str, prompt: list[int], n: int) -> float:
     return (len(times) - 1) / (times[-1] - times[0])
 
 
-def llama_bench(gguf_path: Path, threads: int, n: int, prefill: bool = True) -> dict[str, float]:
-    """`llama-bench` of the same build on the same file: decode n tokens (and prompt 512 if `prefill`), tok/s."""
+def llama_bench(gguf_path: Path, threads: int, n: int, depth: int, prefill: bool = True) -> dict[str, float]:
+    """`llama-bench` of the same build on the same file, tok/s: decode n tokens after `depth` tokens of
+    context and from position 0 (and prompt 512 from position 0 if `prefill`)."""
     from kiln.pipeline.llama_cpp_build import binary
 
     out = subprocess.run([str(binary("llama-bench")), "-m", str(gguf_path), "-t", str(threads),
-                          "-p", "512" if prefill else "0", "-n", str(n), "-r", "2", "-o", "json"],
+                          "-p", "512" if prefill else "0", "-n", str(n), "-d", f"0,{depth}", "-r", "2", "-o", "json"],
                          capture_output=True, text=True, check=True)
     rows = json.loads(out.stdout)
-    tg = next(r for r in rows if r["n_gen"] == n)
-    pp = next((r for r in rows if r["n_prompt"] == 512), None)
-    return {"bench_tg_tok_s": round(tg["avg_ts"], 2), **({"bench_pp512_tok_s": round(pp["avg_ts"], 2)} if pp else {})}
+    tg = {r["n_depth"]: r["avg_ts"] for r in rows if r["n_gen"] == n}
+    pp = next((r for r in rows if r["n_prompt"] == 512 and r["n_depth"] == 0), None)
+    return {"bench_tg_tok_s": round(tg[depth], 2), "bench_tg_d0_tok_s": round(tg[0], 2),
+            **({"bench_pp512_tok_s": round(pp["avg_ts"], 2)} if pp else {})}
 
 
 def measure(label: str, checkpoint: Path, threads: int, decode_tokens: int, order: int = 0) -> dict[str, Any]:
@@ -203,9 +209,10 @@ def measure(label: str, checkpoint: Path, threads: int, decode_tokens: int, orde
 
 def serve_and_bench(engine_dir: Path, gguf_file: Path, threads: int, prompt: list[int], decode_tokens: int,
                     order: int, pairs: int = PAIRS) -> dict[str, Any]:
-    """kiln serve's batch-1 decode and llama-bench's on the same file and threads: one kiln serve process
-    and `pairs` back-to-back (stream, llama-bench) pairs in alternating order, so each ratio compares two
-    measurements seconds apart (this VM's speed drifts by a fifth within a minute). Medians of the pairs."""
+    """kiln serve's batch-1 decode and llama-bench's on the same file and threads, at the same positions
+    (llama-bench `-d len(prompt)`): one kiln serve process and `pairs` back-to-back (stream, llama-bench)
+    pairs in alternating order, so each ratio compares two measurements seconds apart (this VM's speed
+    drifts by a fifth within a minute). Medians of the pairs."""
     serve, bench, ratios = [], [], []
     with kiln_serve(engine_dir) as url:
         stream_decode_rate(url, prompt, decode_tokens)  # warms the server's path
@@ -213,28 +220,45 @@ def serve_and_bench(engine_dir: Path, gguf_file: Path, threads: int, prompt: lis
             stream_first = (i + order) % 2 == 0
             if stream_first:
                 rate = stream_decode_rate(url, prompt, decode_tokens)
-            row = llama_bench(gguf_file, threads, decode_tokens, prefill=i == 0)
+            row = llama_bench(gguf_file, threads, decode_tokens, len(prompt), prefill=i == 0)
             if not stream_first:
                 rate = stream_decode_rate(url, prompt, decode_tokens)
             serve.append(rate)
             bench.append(row)
             ratios.append(rate / row["bench_tg_tok_s"])
+    from_0 = [rate / row["bench_tg_d0_tok_s"] for rate, row in zip(serve, bench, strict=True)]
     return {"serve_tok_s_b1": round(statistics.median(serve), 2),
             "bench_tg_tok_s": round(statistics.median(b["bench_tg_tok_s"] for b in bench), 2),
+            "bench_tg_d0_tok_s": round(statistics.median(b["bench_tg_d0_tok_s"] for b in bench), 2),
             "bench_pp512_tok_s": bench[0]["bench_pp512_tok_s"],
             "serve_over_bench": round(statistics.median(ratios), 3),
-            "serve_over_bench_pairs": [round(r, 3) for r in ratios]}
+            "serve_over_bench_d0": round(statistics.median(from_0), 3),
+            "serve_over_bench_pairs": [round(r, 3) for r in ratios],
+            "serve_over_bench_d0_pairs": [round(r, 3) for r in from_0]}
 
 
 def run_child(label: str, args, round_: int) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", label, "--model", str(args.model), "--round", str(round_),
            "--threads", str(args.threads), "--decode-tokens", str(args.decode_tokens)]
-    load_before = os.getloadavg()[0]
+    load_before, ticks_before = os.getloadavg()[0], cpu_ticks()
     out = subprocess.run(cmd, capture_output=True, text=True, check=False, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("KILN_BENCH_RESULT ")]
     if out.returncode != 0 or not lines:
         return {"label": label, "error": out.stderr.strip().splitlines()[-1:] or ["no output"]}
-    return {**json.loads(lines[-1].split(" ", 1)[1]), "load_1min": [load_before, os.getloadavg()[0]]}
+    return {**json.loads(lines[-1].split(" ", 1)[1]), "load_1min": [load_before, os.getloadavg()[0]],
+            "steal_pct": steal_pct(ticks_before, cpu_ticks())}
+
+
+def cpu_ticks() -> tuple[int, int]:
+    """(steal, all) CPU ticks of the whole machine so far, from /proc/stat's first line."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    return fields[7], sum(fields)
+
+
+def steal_pct(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The share of CPU time between two `cpu_ticks` readings that the hypervisor gave to someone else."""
+    return round(100 * (after[0] - before[0]) / max(after[1] - before[1], 1), 1)
 
 
 def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -246,7 +270,9 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     row["rounds"] = len(ok)
     row["peak_rss_mb"] = min(r["peak_rss_mb"] for r in ok)  # a round that built the engine peaks higher
     row["load_1min"] = [round(x, 2) for r in ok for x in r["load_1min"]]
-    for key in ("serve_over_bench_pairs", "serve_over_bench_pairs_t1"):
+    row["steal_pct"] = [r["steal_pct"] for r in ok]
+    for key in ("serve_over_bench_pairs", "serve_over_bench_pairs_t1", "serve_over_bench_d0_pairs",
+                "serve_over_bench_d0_pairs_t1"):
         if key in row:
             row[key] = [r[key] for r in ok]  # every round's pairs
     for key in METRICS:
@@ -297,10 +323,12 @@ def print_table(rows: list[dict[str, Any]], bw: float) -> None:
             ttft = 512 / r["bench_pp512_tok_s"] * 1000
             print(f"{name:<18}{'':>8}{f'{ttft:.0f} (pp512)':>24}{_spread(r, 'bench_tg_tok_s'):>22}")
             print(f"{'':<18}kiln serve / llama-bench decode: {_spread(r, 'serve_over_bench', '.3f')}"
-                  f" at {r['config']['threads']} threads")
+                  f" at {r['config']['threads']} threads (same positions; against tg from position 0 "
+                  f"{_spread(r, 'bench_tg_d0_tok_s')}: {_spread(r, 'serve_over_bench_d0', '.3f')})")
             if "serve_over_bench_t1" in r:
                 print(f"{'':<18}  at 1 thread (a core left to kiln): kiln serve {_spread(r, 'serve_tok_s_b1_t1')}, "
-                      f"llama-bench {_spread(r, 'bench_tg_tok_s_t1')}, ratio {_spread(r, 'serve_over_bench_t1', '.3f')}")
+                      f"llama-bench {_spread(r, 'bench_tg_tok_s_t1')}, ratio {_spread(r, 'serve_over_bench_t1', '.3f')}"
+                      f" (from position 0: {_spread(r, 'serve_over_bench_d0_t1', '.3f')})")
 
 
 def main() -> None:
@@ -324,7 +352,7 @@ def main() -> None:
     from kiln.pipeline.files import atomic_write_json
 
     labels = args.only or list(VARIANTS)
-    load_start = os.getloadavg()
+    load_start, ticks_start = os.getloadavg(), cpu_ticks()
     samples, runs = [common.bandwidth(args.threads)], {label: [] for label in labels}
     for r in range(args.repeats):
         for label in labels if r % 2 == 0 else reversed(labels):
@@ -336,12 +364,15 @@ def main() -> None:
     finish(rows, bw)
     atomic_write_json(args.out, {"model": str(args.model), "machine": platform.processor() or platform.machine(),
                                  "cpus": os.cpu_count(), "load_average_start": load_start,
-                                 "load_average_end": os.getloadavg(), "threads": args.threads,
+                                 "load_average_end": os.getloadavg(), "steal_pct": steal_pct(ticks_start, cpu_ticks()),
+                                 "threads": args.threads,
                                  "bandwidth_gb_s": round(bw, 2),
                                  "bandwidth_samples_gb_s": [round(b, 2) for b in samples],
                                  "decode_tokens": args.decode_tokens, "repeats": args.repeats, "results": rows})
     print_table(rows, bw)
-    print(f"\nwrote {args.out}")
+    print(f"\nload average {load_start[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end; "
+          f"steal {steal_pct(ticks_start, cpu_ticks())}% of CPU time over the run")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
