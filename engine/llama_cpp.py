@@ -7,9 +7,10 @@ Runtime: `llama-server` on 127.0.0.1 at a free port, `--parallel` slots with con
 (a request that arrives mid-decode takes a free slot at the server's next step), health-checked
 at start and stopped on `close`. Generation streams llama-server's native `/completion` with
 token-ID prompts and `return_tokens`, so token ids come back exactly; the streamed logprob of
-each token is llama.cpp's (`n_probs: 1`, asked only when the request wants it). Every request names
-its sampler chain (`_sampling`), so llama-server's defaults (top_k 40, min_p 0.05) never apply. Stop token ids
-are applied here (the server knows only stop strings): the stream is closed at the first one.
+each token is llama.cpp's (`n_probs: 1`, asked only when the request wants it). Every request
+names its sampler chain (`_sampling`), so llama-server's defaults (top_k 40, min_p 0.05) never
+apply. Stop token ids are applied here (the server knows only stop strings): the stream is closed
+at the first one.
 `step()` reads every sequence's stream on the caller's own thread (llama_cpp_stream.py): no client
 thread sits between llama-server and kiln's scheduler, so a token costs kiln serve one thread
 wake-up less.
