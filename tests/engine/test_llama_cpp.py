@@ -290,19 +290,15 @@ def test_request_joins_mid_decode(llama_f32):
     assert order.index(late) < len(order) - order[::-1].index(first) - 1  # late streamed before first ended
 
 
-def _probs(logprobs: np.ndarray, temperature: float) -> np.ndarray:
-    scaled = logprobs / temperature
-    p = np.exp(scaled - scaled.max(-1, keepdims=True))
-    return p / p.sum(-1, keepdims=True)
+def _kiln_sampling(logprobs: np.ndarray, temperature: float, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """The distribution kiln's torch engine samples from (softmax over the temperature) and its top-p
+    nucleus as a mask, by the torch engine's own `_nucleus`."""
+    import torch
 
+    from kiln.engine.hf_torch import _nucleus
 
-def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
-    """Per row, the tokens of the top-p nucleus: those with less than top_p of mass before them."""
-    order = np.argsort(-probs, -1)
-    ranked = np.take_along_axis(probs, order, -1)
-    mask = np.zeros(probs.shape, dtype=bool)
-    np.put_along_axis(mask, order, np.cumsum(ranked, -1) - ranked < top_p, -1)
-    return mask
+    probs = torch.softmax(torch.from_numpy(logprobs) / temperature, -1)
+    return probs.numpy(), (_nucleus(probs, top_p) > 0).numpy()
 
 
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.1, 0.5)])
@@ -316,17 +312,16 @@ def test_sampling_follows_kiln_not_llama_servers_default_chain(llama_f32, temper
     requests = [GenerationRequest(prompt, 1, ignore_eos=True, temperature=temperature, top_p=top_p, seed=seed)
                 for seed in range(24)]
     tokens = [e.token_id for e in llama_f32.generate(requests)]
-    row = llama_f32.next_token_logprobs([prompt])[0][-1:]
-    kiln = _probs(row, temperature)[0]
+    row = llama_f32.next_token_logprobs([prompt])[0][-1]
+    kiln, inside = _kiln_sampling(row, temperature, top_p)
     if top_p == 1.0:
         assert np.sort(kiln)[-40:].sum() < 0.01
         ranks = [(kiln > kiln[t]).sum() for t in tokens]
         assert sum(r < 40 for r in ranks) <= 2, ranks
     else:
-        inside = _nucleus(kiln[None], top_p)[0]
-        wider = kiln * _nucleus(_probs(row, 1.0), top_p)[0]  # llama-server's order: untempered nucleus first
+        wider = kiln * _kiln_sampling(row, 1.0, top_p)[1]  # llama-server's order: untempered nucleus first
         assert (1 - wider[~inside].sum() / wider.sum()) ** len(tokens) < 1e-3  # it would fail this test
-        assert _nucleus(kiln[None], top_p + 0.01)[0][tokens].all()
+        assert _kiln_sampling(row, temperature, top_p + 0.01)[1][tokens].all()
 
 
 def test_stop_token_and_cancel(llama_f32):
