@@ -23,9 +23,9 @@ llama-bench both `-t 1`; on a 2-core machine that leaves a core to kiln's Python
 printed on its own line, labelled, beside the ratio at `--threads`, which is the headline one.
 
 Variants run in `--repeats` rounds in alternating order; every figure is the median of the rounds
-with its [min, max]. The load average is recorded around every child, and the share of CPU time the
-hypervisor took (steal, from /proc/stat) during it: the machine is shared, so compare rows of one run,
-never across runs.
+with its [min, max]. The load average is recorded around every child, and how busy the machine was
+during it (kiln.evaluate.contention: the hypervisor's steal, CPU pressure): the machine is shared, so
+compare rows of one run, never across runs.
 
     python bench/cpu_engines.py                      # all default variants, 2 threads
     python bench/cpu_engines.py --only torch-fp32 --only llama-q8_0 --repeats 1
@@ -53,6 +53,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 import engines as common
+
+from kiln.evaluate import contention
 
 OUT = Path(__file__).parent / "results" / "cpu_engines.json"
 VARIANTS = {
@@ -240,25 +242,13 @@ def serve_and_bench(engine_dir: Path, gguf_file: Path, threads: int, prompt: lis
 def run_child(label: str, args, round_: int) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", label, "--model", str(args.model), "--round", str(round_),
            "--threads", str(args.threads), "--decode-tokens", str(args.decode_tokens)]
-    load_before, ticks_before = os.getloadavg()[0], cpu_ticks()
+    load_before, busy_before = os.getloadavg()[0], contention.read()
     out = subprocess.run(cmd, capture_output=True, text=True, check=False, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("KILN_BENCH_RESULT ")]
     if out.returncode != 0 or not lines:
         return {"label": label, "error": out.stderr.strip().splitlines()[-1:] or ["no output"]}
     return {**json.loads(lines[-1].split(" ", 1)[1]), "load_1min": [load_before, os.getloadavg()[0]],
-            "steal_pct": steal_pct(ticks_before, cpu_ticks())}
-
-
-def cpu_ticks() -> tuple[int, int]:
-    """(steal, all) CPU ticks of the whole machine so far, from /proc/stat's first line."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
-    return fields[7], sum(fields)
-
-
-def steal_pct(before: tuple[int, int], after: tuple[int, int]) -> float:
-    """The share of CPU time between two `cpu_ticks` readings that the hypervisor gave to someone else."""
-    return round(100 * (after[0] - before[0]) / max(after[1] - before[1], 1), 1)
+            "contention": contention.between(busy_before, contention.read())}
 
 
 def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -270,7 +260,7 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     row["rounds"] = len(ok)
     row["peak_rss_mb"] = min(r["peak_rss_mb"] for r in ok)  # a round that built the engine peaks higher
     row["load_1min"] = [round(x, 2) for r in ok for x in r["load_1min"]]
-    row["steal_pct"] = [r["steal_pct"] for r in ok]
+    row["contention"] = [r["contention"] for r in ok]
     for key in ("serve_over_bench_pairs", "serve_over_bench_pairs_t1", "serve_over_bench_d0_pairs",
                 "serve_over_bench_d0_pairs_t1"):
         if key in row:
@@ -352,7 +342,7 @@ def main() -> None:
     from kiln.pipeline.files import atomic_write_json
 
     labels = args.only or list(VARIANTS)
-    load_start, ticks_start = os.getloadavg(), cpu_ticks()
+    load_start, busy_start = os.getloadavg(), contention.read()
     samples, runs = [common.bandwidth(args.threads)], {label: [] for label in labels}
     for r in range(args.repeats):
         for label in labels if r % 2 == 0 else reversed(labels):
@@ -362,16 +352,17 @@ def main() -> None:
     bw = statistics.median(samples)
     rows = [median_of(runs[label]) for label in labels]
     finish(rows, bw)
+    busy = contention.between(busy_start, contention.read())
     atomic_write_json(args.out, {"model": str(args.model), "machine": platform.processor() or platform.machine(),
                                  "cpus": os.cpu_count(), "load_average_start": load_start,
-                                 "load_average_end": os.getloadavg(), "steal_pct": steal_pct(ticks_start, cpu_ticks()),
+                                 "load_average_end": os.getloadavg(), "contention": busy,
                                  "threads": args.threads,
                                  "bandwidth_gb_s": round(bw, 2),
                                  "bandwidth_samples_gb_s": [round(b, 2) for b in samples],
                                  "decode_tokens": args.decode_tokens, "repeats": args.repeats, "results": rows})
     print_table(rows, bw)
     print(f"\nload average {load_start[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end; "
-          f"steal {steal_pct(ticks_start, cpu_ticks())}% of CPU time over the run")
+          f"steal {busy['cpu_steal'] or 0:.1%} of CPU time, CPU pressure {busy['cpu_pressure'] or 0:.1%} over the run")
     print(f"wrote {args.out}")
 
 
