@@ -124,8 +124,9 @@ def kiln_serve(engine_dir: Path) -> Iterator[str]:
             proc.wait()
 
 
-def stream_decode_rate(url: str, prompt: list[int], n: int) -> float:
-    """Decode tok/s of one streamed batch-1 request to kiln serve at `url` (first token excluded)."""
+def stream_decode(url: str, prompt: list[int], n: int) -> tuple[float, list[float]]:
+    """Decode tok/s of one streamed batch-1 request to kiln serve at `url` (first token excluded), and the
+    gaps between its tokens' arrivals (s)."""
     body = json.dumps({"prompt": prompt, "max_tokens": n, "ignore_eos": True, "temperature": 0,
                        "stream": True}).encode()
     req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
@@ -134,7 +135,7 @@ def stream_decode_rate(url: str, prompt: list[int], n: int) -> float:
         for line in r:
             if line.startswith(b"data: {") and b'"choices"' in line:
                 times.append(time.perf_counter())
-    return (len(times) - 1) / (times[-1] - times[0])
+    return (len(times) - 1) / (times[-1] - times[0]), [b - a for a, b in zip(times, times[1:])]
 
 
 def llama_bench(gguf_path: Path, threads: int, n: int, depth: int, prefill: bool = True) -> dict[str, float]:
@@ -215,21 +216,25 @@ def serve_and_bench(engine_dir: Path, gguf_file: Path, threads: int, prompt: lis
     (llama-bench `-d len(prompt)`): one kiln serve process and `pairs` back-to-back (stream, llama-bench)
     pairs in alternating order, so each ratio compares two measurements seconds apart (this VM's speed
     drifts by a fifth within a minute). Medians of the pairs."""
-    serve, bench, ratios = [], [], []
+    serve, bench, ratios, gaps = [], [], [], []
     with kiln_serve(engine_dir) as url:
-        stream_decode_rate(url, prompt, decode_tokens)  # warms the server's path
+        stream_decode(url, prompt, decode_tokens)  # warms the server's path
         for i in range(pairs):
             stream_first = (i + order) % 2 == 0
             if stream_first:
-                rate = stream_decode_rate(url, prompt, decode_tokens)
+                rate, stream_gaps = stream_decode(url, prompt, decode_tokens)
             row = llama_bench(gguf_file, threads, decode_tokens, len(prompt), prefill=i == 0)
             if not stream_first:
-                rate = stream_decode_rate(url, prompt, decode_tokens)
+                rate, stream_gaps = stream_decode(url, prompt, decode_tokens)
             serve.append(rate)
+            gaps += stream_gaps
             bench.append(row)
             ratios.append(rate / row["bench_tg_tok_s"])
     from_0 = [rate / row["bench_tg_d0_tok_s"] for rate, row in zip(serve, bench, strict=True)]
+    deciles = statistics.quantiles(gaps, n=10)
     return {"serve_tok_s_b1": round(statistics.median(serve), 2),
+            # p10 far below p50 would mean tokens arrive in bursts, which inflate a first-to-last rate
+            "serve_gap_ms_p10_p50_p90": [round(deciles[i] * 1000, 2) for i in (0, 4, 8)],
             "bench_tg_tok_s": round(statistics.median(b["bench_tg_tok_s"] for b in bench), 2),
             "bench_tg_d0_tok_s": round(statistics.median(b["bench_tg_d0_tok_s"] for b in bench), 2),
             "bench_pp512_tok_s": bench[0]["bench_pp512_tok_s"],
@@ -237,6 +242,19 @@ def serve_and_bench(engine_dir: Path, gguf_file: Path, threads: int, prompt: lis
             "serve_over_bench_d0": round(statistics.median(from_0), 3),
             "serve_over_bench_pairs": [round(r, 3) for r in ratios],
             "serve_over_bench_d0_pairs": [round(r, 3) for r in from_0]}
+
+
+def cpu_identity() -> dict[str, str]:
+    """The CPU's name, family and model from /proc/cpuinfo: a VM's name alone ("AMD EPYC") tells
+    generations apart no better than platform.processor(), which is empty on Linux."""
+    wanted = {"model name": "name", "cpu family": "family", "model": "model"}
+    found: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in wanted and wanted[key.strip()] not in found:
+                found[wanted[key.strip()]] = value.strip()
+    return found
 
 
 def run_child(label: str, args, round_: int) -> dict[str, Any]:
@@ -262,7 +280,7 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     row["load_1min"] = [round(x, 2) for r in ok for x in r["load_1min"]]
     row["contention"] = [r["contention"] for r in ok]
     for key in ("serve_over_bench_pairs", "serve_over_bench_pairs_t1", "serve_over_bench_d0_pairs",
-                "serve_over_bench_d0_pairs_t1"):
+                "serve_over_bench_d0_pairs_t1", "serve_gap_ms_p10_p50_p90", "serve_gap_ms_p10_p50_p90_t1"):
         if key in row:
             row[key] = [r[key] for r in ok]  # every round's pairs
     for key in METRICS:
@@ -294,6 +312,12 @@ def _times(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"  # None: no torch-fp32 row in this run
 
 
+def _gaps(r: dict[str, Any], suffix: str = "") -> str:
+    """The stream's inter-token gaps, p10/p50/p90 ms, each the median over the rounds."""
+    rounds = r["serve_gap_ms_p10_p50_p90" + suffix]
+    return "/".join(f"{statistics.median(g[i] for g in rounds):.1f}" for i in range(3))
+
+
 def print_table(rows: list[dict[str, Any]], bw: float) -> None:
     print(f"\nmemory bandwidth (numpy copy): {bw:.1f} GB/s; medians of the rounds [min, max]")
     head = (f"{'variant':<18}{'weights':>8}{'TTFT 512 ms':>24}{'b1 tok/s':>22}{'b8 tok/s':>22}"
@@ -308,7 +332,8 @@ def print_table(rows: list[dict[str, Any]], bw: float) -> None:
               f"{r['mbu_b1']:>7.0%}{_times(r.get('speedup_b1_vs_torch')):>11}")
         if "serve_tok_s_b1" in r:
             name = "  kiln serve"
-            print(f"{name:<18}{'':>8}{'':>24}{_spread(r, 'serve_tok_s_b1'):>22}")
+            print(f"{name:<18}{'':>8}{'':>24}{_spread(r, 'serve_tok_s_b1'):>22}"
+                  f"   gaps between tokens p10/p50/p90 {_gaps(r)} ms")
             name = "  llama-bench"
             ttft = 512 / r["bench_pp512_tok_s"] * 1000
             print(f"{name:<18}{'':>8}{f'{ttft:.0f} (pp512)':>24}{_spread(r, 'bench_tg_tok_s'):>22}")
@@ -318,7 +343,7 @@ def print_table(rows: list[dict[str, Any]], bw: float) -> None:
             if "serve_over_bench_t1" in r:
                 print(f"{'':<18}  at 1 thread (a core left to kiln): kiln serve {_spread(r, 'serve_tok_s_b1_t1')}, "
                       f"llama-bench {_spread(r, 'bench_tg_tok_s_t1')}, ratio {_spread(r, 'serve_over_bench_t1', '.3f')}"
-                      f" (from position 0: {_spread(r, 'serve_over_bench_d0_t1', '.3f')})")
+                      f" (from position 0: {_spread(r, 'serve_over_bench_d0_t1', '.3f')}; gaps {_gaps(r, '_t1')} ms)")
 
 
 def main() -> None:
@@ -354,7 +379,7 @@ def main() -> None:
     finish(rows, bw)
     busy = contention.between(busy_start, contention.read())
     atomic_write_json(args.out, {"model": str(args.model), "machine": platform.processor() or platform.machine(),
-                                 "cpus": os.cpu_count(), "load_average_start": load_start,
+                                 "cpu": cpu_identity(), "cpus": os.cpu_count(), "load_average_start": load_start,
                                  "load_average_end": os.getloadavg(), "contention": busy,
                                  "threads": args.threads,
                                  "bandwidth_gb_s": round(bw, 2),
