@@ -1,5 +1,5 @@
 """`gguf`: convert a safetensors checkpoint to one GGUF file (f32/f16/bf16) and quantize it with
-llama.cpp's `llama-quantize` (q8_0, q4_0, q4_1, q4_K_M, q5_K_M).
+llama.cpp's `llama-quantize` (q8_0, q6_K, q5_0, q4_0, q4_1, iq4_nl, q4_K_M, q5_K_M).
 
 Both tools come from the llama.cpp build kiln makes at install time (pipeline/llama_cpp_build.py):
 the vendored `convert_hf_to_gguf.py` (run with this interpreter; it needs PyPI `gguf`, pinned to
@@ -45,10 +45,13 @@ log = logging.getLogger("kiln")
 
 GGUF_FILE = "model.gguf"
 CONVERT_TYPES = {"f32": "F32", "f16": "F16", "bf16": "BF16"}  # the converter's --outtype -> tensor type
-QUANT_TYPES = {"q8_0": ("Q8_0", "Q8_0"), "q4_0": ("Q4_0", "Q4_0"),  # ftype -> (llama-quantize name, main type)
-               "q4_1": ("Q4_1", "Q4_1"), "q4_K_M": ("Q4_K_M", "Q4_K"), "q5_K_M": ("Q5_K_M", "Q5_K")}
-BITS = {"f32": 32, "f16": 16, "bf16": 16, "q8_0": 8.5, "q4_0": 4.5, "q4_1": 5.0, "q4_K_M": 4.85,
-        "q5_K_M": 5.7}  # nominal
+# ftype -> (llama-quantize name, main type). iq4_nl: 4-bit blocks of 32 on a non-uniform grid; on x86
+# llama.cpp repacks it (as q4_0 and q4_K, not q4_1, q5_0, q6_K or q8_0) for a faster matmul.
+QUANT_TYPES = {"q8_0": ("Q8_0", "Q8_0"), "q6_K": ("Q6_K", "Q6_K"), "q5_0": ("Q5_0", "Q5_0"),
+               "q4_0": ("Q4_0", "Q4_0"), "q4_1": ("Q4_1", "Q4_1"), "iq4_nl": ("IQ4_NL", "IQ4_NL"),
+               "q4_K_M": ("Q4_K_M", "Q4_K"), "q5_K_M": ("Q5_K_M", "Q5_K")}
+BITS = {"f32": 32, "f16": 16, "bf16": 16, "q8_0": 8.5, "q6_K": 6.5625, "q5_0": 5.5, "q4_0": 4.5, "q4_1": 5.0,
+        "iq4_nl": 4.5, "q4_K_M": 4.85, "q5_K_M": 5.7}  # nominal
 # Text the tokenizer check always covers: spaces, digits, punctuation, accents, code, newlines.
 SAMPLE_TEXT = (
     "The quick brown fox jumps over the lazy dog.",
@@ -63,7 +66,7 @@ SAMPLE_TEXT = (
 
 class GgufConfig(QuantizerConfig):
     method: Literal["gguf"] = "gguf"
-    type: Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_K_M", "q5_K_M"] = Field(
+    type: Literal["f32", "f16", "bf16", "q8_0", "q6_K", "q5_0", "q4_0", "q4_1", "iq4_nl", "q4_K_M", "q5_K_M"] = Field(
         "q8_0", description="GGUF tensor type: f32/f16/bf16 straight from the converter, the rest via llama-quantize")
     threads: int | None = Field(None, ge=1, description="llama-quantize threads; None: all cores")
 

@@ -53,7 +53,8 @@ def test_unfixed_tokenizer_converts_to_spm_and_is_refused(tiny_model_dir, tmp_pa
 
 
 @pytest.mark.parametrize(("kind", "main", "low", "high"),
-                         [("q8_0", "Q8_0", 8.0, 9.5), ("q4_1", "Q4_1", 5.0, 9.0), ("q4_K_M", "Q4_K", 4.0, 9.0)])
+                         [("q8_0", "Q8_0", 8.0, 9.5), ("q4_1", "Q4_1", 5.0, 9.0), ("q5_0", "Q5_0", 5.5, 9.0),
+                          ("iq4_nl", "IQ4_NL", 4.5, 9.0), ("q4_K_M", "Q4_K", 4.0, 9.0), ("q6_K", "Q6_K", 6.0, 9.0)])
 def test_quantized_types(f32_artifact, tiny_model_dir, tmp_path, kind, main, low, high):
     fields = Gguf(GgufConfig(type=kind, threads=1)).quantize(tiny_model_dir, tmp_path, None)
     assert low <= fields["bits_per_weight"] <= high
@@ -61,7 +62,7 @@ def test_quantized_types(f32_artifact, tiny_model_dir, tmp_path, kind, main, low
     assert fields["tokenizer_model"] == "gpt2" and fields["tokenizer_check"]["identical"]
     if kind == "q8_0":
         assert fields["tensors_not_at_type"] == {}
-    elif kind == "q4_1":
+    elif kind in ("q4_1", "q5_0", "iq4_nl"):
         # every matrix row is a whole number of 32-wide blocks; llama-quantize keeps only the token
         # embedding (the output matrix too, when it is its own tensor) at a higher type
         assert fields["tensor_types"][main] > 0
