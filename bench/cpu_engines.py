@@ -12,7 +12,8 @@ The llama.cpp variants (`llama-q8_0`, ...) serve a GGUF file the `gguf` method m
 $KILN_CACHE/bench-gguf). Their child also measures, in pairs back to back (PAIRS of them, in
 alternating order, one kiln serve process for all):
 - `kiln serve` over that engine: decode tok/s of one streamed batch-1 request over HTTP (what a
-  client of kiln sees: kiln's server -> the llama_cpp engine -> llama-server);
+  client of kiln sees: kiln's server -> the llama_cpp engine -> llama-server), and the gaps between
+  its tokens' arrivals (p10/p50/p90: tokens in bursts would inflate a first-to-last rate);
 - `llama-bench` of the same build and the same file: `tg64` at the same threads and at the depth of the
   stream's prompt (`-d 16`: the same positions 16-79 the stream decodes; on the demo model `tg64` from
   position 0 reads ~5% faster), `tg64` from position 0 beside it, and `pp512` once.
