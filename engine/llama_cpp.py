@@ -1,5 +1,9 @@
 """The `llama_cpp` backend: kiln starts llama.cpp's `llama-server` and drives it over HTTP.
 
+That is the `server` runtime (the default, described here). `runtime: library` runs llama.cpp in
+kiln's process instead, batched by kiln (llama_cpp_library.py): the same GGUF, threads, slots and
+numerics, without the hop through a server process between each decode step and kiln.
+
 Build: the engine folder holds one GGUF file and the HF tokenizer files. A `gguf` artifact
 (optimize/gguf.py) is linked as it is; an unquantized safetensors checkpoint (the baseline) is
 converted at `precision` with the same converter and tokenizer check.
@@ -69,6 +73,9 @@ class LlamaCppConfig(EngineConfig):
     backend: Literal["llama_cpp"] = "llama_cpp"
     precision: Literal["f32", "f16", "bf16"] = Field(
         "f32", description="GGUF type when building from an unquantized checkpoint (a gguf artifact keeps its own)")
+    runtime: Literal["server", "library"] = Field(
+        "server", description="server: a llama-server process kiln streams from over HTTP; library: llama.cpp "
+        "in kiln's process, batched by kiln (llama_cpp_library.py): no hop between decode and kiln serve")
     threads: int | None = Field(None, ge=1, description="llama-server --threads; None: all cores")
     parallel: int = Field(4, ge=1, description="server slots: sequences decoded together (continuous batching)")
     ctx_per_slot: int = Field(2048, ge=16, description="context tokens each slot holds (prompt + output)")
@@ -120,7 +127,7 @@ class LlamaCppBackend(EngineBackend):
                 "build_seconds": round(time.perf_counter() - started, 1)}
 
     @classmethod
-    def load(cls, engine_dir: Path, **options: Any) -> LlamaServerEngine:
+    def load(cls, engine_dir: Path, **options: Any) -> Engine:
         from kiln.engine.loader import engine_config, read_manifest
 
         manifest = read_manifest(engine_dir)
@@ -128,7 +135,13 @@ class LlamaCppBackend(EngineBackend):
         path = Path(engine_dir) / manifest["build"]["file"]
         if not path.is_file():
             raise BadInput(f"{engine_dir}: {path.name} is missing. {REBUILD}")
-        engine = LlamaServerEngine.start(path, Path(engine_dir), config)
+        engine: Engine
+        if config.runtime == "library":
+            from kiln.engine.llama_cpp_library import LlamaLibraryEngine
+
+            engine = LlamaLibraryEngine(path, Path(engine_dir), config, _threads(config))
+        else:
+            engine = LlamaServerEngine.start(path, Path(engine_dir), config)
         engine.manifest = manifest
         return engine
 

@@ -21,6 +21,7 @@ import os
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -57,16 +58,21 @@ def binding() -> ModuleType:
 class LlamaLogits:
     """A llama.cpp context that returns logits for every token of packed sequences."""
 
-    def __init__(self, gguf_path: Path, n_ctx: int, n_batch: int, threads: int, cache_type: str = "f16",
+    def __init__(self, model: Path | Any, n_ctx: int, n_batch: int, threads: int, cache_type: str = "f16",
                  flash_attn: str = "auto", max_seqs: int = 64):
+        """`model`: a GGUF file to load, or a loaded `LlamaModel` to share (the caller keeps it)."""
         internals = binding()
         lib = internals.llama_cpp
         lib.llama_backend_init()
-        params = lib.llama_model_default_params()
-        self.model = internals.LlamaModel(path_model=str(gguf_path), params=params, verbose=True)
+        self.owns_model = isinstance(model, (str, Path))
+        self.model = internals.LlamaModel(path_model=str(model), params=lib.llama_model_default_params(),
+                                          verbose=True) if self.owns_model else model
         ctx = lib.llama_context_default_params()
         ctx.n_ctx, ctx.n_batch, ctx.n_ubatch = n_ctx, min(n_batch, n_ctx), min(n_batch, n_ctx)
-        ctx.n_seq_max, ctx.kv_unified = max_seqs, True  # one cache shared by the packed sequences
+        # One cache shared by the packed sequences. llama.cpp reserves an output row per sequence and
+        # aborts the process (GGML_ASSERT n_outputs_max) when there are more sequences than n_batch rows.
+        max_seqs = min(max_seqs, ctx.n_batch)
+        ctx.n_seq_max, ctx.kv_unified = max_seqs, True
         ctx.n_threads = ctx.n_threads_batch = threads
         ctx.type_k = ctx.type_v = GGML_TYPE[cache_type]
         ctx.flash_attn_type = FLASH_ATTN[flash_attn]
@@ -113,4 +119,5 @@ class LlamaLogits:
     def close(self) -> None:
         self.batch.close()
         self.context.close()
-        self.model.close()
+        if self.owns_model:
+            self.model.close()

@@ -1,6 +1,7 @@
-"""The `llama_cpp` backend (kiln-managed llama-server) against the torch reference on the tiny
-Llama: f32 greedy tokens and streamed log-probs under concurrent requests of mixed prompt
-lengths, a request joining mid-decode, stop ids and cancel, and in-process scoring (prompt
+"""The `llama_cpp` backend against the torch reference on the tiny Llama, in both runtimes (a
+kiln-managed llama-server, and llama.cpp in-process batched by kiln): f32 greedy tokens and
+streamed log-probs under concurrent requests of mixed prompt lengths, a request joining
+mid-decode, sampling, stop ids and cancel, kiln serve over it, and in-process scoring (prompt
 log-likelihoods and full next-token distributions through the binding) on mixed-length batches.
 Tolerances: parity.py (f32 at FULL; q8_0 at INT8)."""
 
@@ -28,8 +29,21 @@ def _built():
 
 @pytest.fixture(scope="module")
 def llama_f32(tiny_model_dir, tmp_path_factory):
+    """The server runtime (llama-server), for what only it does: HTTP streams, the prompt cache."""
     engine = parity.build(LlamaCppConfig(threads=1, parallel=4, ctx_per_slot=512, **EXACT), tiny_model_dir,
                           tmp_path_factory.mktemp("llama-f32"))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module", params=["server", "library"])
+def llama_any(request, tiny_model_dir, tmp_path_factory):
+    """Each runtime in turn, for the contract both keep: llama-server's slots, or llama.cpp in-process
+    batched by kiln (batch_size 16 there, so 25- to 60-token prompts are prefilled in chunks beside
+    sequences that decode)."""
+    batch = {"batch_size": 16} if request.param == "library" else {}
+    engine = parity.build(LlamaCppConfig(runtime=request.param, threads=1, parallel=4, ctx_per_slot=512, **batch,
+                                         **EXACT), tiny_model_dir, tmp_path_factory.mktemp(f"llama-{request.param}"))
     yield engine
     engine.close()
 
@@ -50,17 +64,17 @@ def test_manifest_and_server_flags(llama_f32):
     assert llama_f32.server_url.startswith("http://127.0.0.1:")
 
 
-def test_concurrent_mixed_lengths_greedy_matches_torch(llama_f32, torch_engine):
+def test_concurrent_mixed_lengths_greedy_matches_torch(llama_any, torch_engine):
     """More requests than slots, all submitted at once, prompts of 1-60 tokens: every sequence's
     greedy tokens equal torch's (the tokenizer's prompts and random ids both)."""
-    ps = parity.prompts(torch_engine.tokenizer) + mixed_prompts(llama_f32.vocab_size)
-    got, want = parity.greedy(llama_f32, ps), parity.greedy(torch_engine, ps)
+    ps = parity.prompts(torch_engine.tokenizer) + mixed_prompts(llama_any.vocab_size)
+    got, want = parity.greedy(llama_any, ps), parity.greedy(torch_engine, ps)
     assert all(len(g) == 16 for g in got)
     assert parity.identical_fraction(got, want) >= parity.FULL["identical"]
 
 
 
-def test_ignore_eos_passes_the_end_token_as_torch_does(llama_f32, torch_engine):
+def test_ignore_eos_passes_the_end_token_as_torch_does(llama_any, torch_engine):
     """kiln's ignore_eos means "do not stop", not llama-server's "never choose an end token" (every
     end-of-generation logit at -inf). After these two ids the tiny Llama's greedy choice is
     <|endoftext|> (id 0, ahead of the next by 0.014 in logit), as the demo model chooses <|im_end|>
@@ -68,11 +82,12 @@ def test_ignore_eos_passes_the_end_token_as_torch_does(llama_f32, torch_engine):
     requests in flight. (Found by searching random contexts; id 2 is the pad token, whose zero
     embedding gives a uniform distribution, a tie no engine need break alike.)"""
     end = [28531, 41735]
-    ps = [end, *mixed_prompts(llama_f32.vocab_size)[:3], end]
-    got, want = parity.greedy(llama_f32, ps), parity.greedy(torch_engine, ps)
+    ps = [end, *mixed_prompts(llama_any.vocab_size)[:3], end]
+    got, want = parity.greedy(llama_any, ps), parity.greedy(torch_engine, ps)
     assert want[0][0] == 0, want[0]  # the case this test needs: torch's first token ends generation
     assert got[0] == want[0] and got[-1] == want[-1], (got[0], want[0])
     assert parity.identical_fraction(got, want) >= parity.FULL["identical"]
+
 
 def test_cache_prompt_false_prefills_the_whole_prompt_again(llama_f32, monkeypatch):
     """The decode benchmark repeats its prompts every round: with llama-server's prompt cache the
@@ -105,12 +120,12 @@ def test_cache_prompt_false_prefills_the_whole_prompt_again(llama_f32, monkeypat
     assert evaluated[2] < len(prompt), evaluated  # served from the cache
 
 
-def test_streamed_logprobs_match_torch_scores(llama_f32, torch_engine):
-    ps = mixed_prompts(llama_f32.vocab_size, 1)[:4]
-    ids = [llama_f32.add(GenerationRequest(p, 8, ignore_eos=True, logprobs=True)) for p in ps]
+def test_streamed_logprobs_match_torch_scores(llama_any, torch_engine):
+    ps = mixed_prompts(llama_any.vocab_size, 1)[:4]
+    ids = [llama_any.add(GenerationRequest(p, 8, ignore_eos=True, logprobs=True)) for p in ps]
     events: dict[int, list] = {i: [] for i in ids}
-    while llama_f32.has_work():
-        for e in llama_f32.step():
+    while llama_any.has_work():
+        for e in llama_any.step():
             events[e.seq_id].append(e)
     for p, i in zip(ps, ids, strict=True):
         tokens = [e.token_id for e in events[i]]
@@ -118,11 +133,11 @@ def test_streamed_logprobs_match_torch_scores(llama_f32, torch_engine):
         want = torch_engine.score([(p, tokens)])[0].token_logprobs
         assert np.abs(np.subtract([e.logprob for e in events[i]], want)).max() < parity.FULL["logprob_atol"]
     # Unasked, the server is not made to softmax the vocabulary for every token (it costs decode speed)
-    unasked = list(llama_f32.generate([GenerationRequest(ps[0], 4, ignore_eos=True)]))
+    unasked = list(llama_any.generate([GenerationRequest(ps[0], 4, ignore_eos=True)]))
     assert [e.logprob for e in unasked] == [None] * 4
 
 
-def test_kiln_serve_streams_concurrent_mixed_lengths_with_and_without_logprobs(llama_f32, torch_engine):
+def test_kiln_serve_streams_concurrent_mixed_lengths_with_and_without_logprobs(llama_any, torch_engine):
     """The openai SDK against kiln serve over this engine: eight streamed requests of mixed prompt
     lengths at once, half asking logprobs=0. Every stream carries torch's greedy tokens; the ones
     that asked carry log-probs matching torch's scores, the others none."""
@@ -132,9 +147,9 @@ def test_kiln_serve_streams_concurrent_mixed_lengths_with_and_without_logprobs(l
 
     from kiln.engine.server_thread import ServerThread
 
-    ps = mixed_prompts(llama_f32.vocab_size, 3)
+    ps = mixed_prompts(llama_any.vocab_size, 3)
     want = parity.greedy(torch_engine, ps, 8)
-    with ServerThread(llama_f32, model_name="tiny") as server:
+    with ServerThread(llama_any, model_name="tiny") as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
         def stream(i: int) -> list:
@@ -154,7 +169,7 @@ def test_kiln_serve_streams_concurrent_mixed_lengths_with_and_without_logprobs(l
             assert np.abs(np.subtract(lps, ref)).max() < parity.FULL["logprob_atol"], i
         else:
             assert all(c.logprobs is None for c in choices)
-            assert "".join(c.text for c in choices) == llama_f32.tokenizer.decode(want[i]), i
+            assert "".join(c.text for c in choices) == llama_any.tokenizer.decode(want[i]), i
 
 
 def test_kiln_serve_drives_the_engine_from_its_event_loop(llama_f32, torch_engine, monkeypatch):
@@ -272,18 +287,18 @@ def test_a_silent_llama_server_fails_its_streams_and_serving_goes_on(llama_f32, 
     assert answer.choices[0].text == llama_f32.tokenizer.decode(parity.greedy(llama_f32, [p], 8)[0])
 
 
-def test_request_joins_mid_decode(llama_f32):
+def test_request_joins_mid_decode(llama_any):
     """A request added while another decodes streams at once (no wait for the first to end),
     and both produce what they produce alone."""
-    ps = mixed_prompts(llama_f32.vocab_size, 2)[:2]
-    alone = [parity.greedy(llama_f32, [p], 24)[0] for p in ps]
-    first = llama_f32.add(GenerationRequest(ps[0], 24, ignore_eos=True))
+    ps = mixed_prompts(llama_any.vocab_size, 2)[:2]
+    alone = [parity.greedy(llama_any, [p], 24)[0] for p in ps]
+    first = llama_any.add(GenerationRequest(ps[0], 24, ignore_eos=True))
     events = []
     while len([e for e in events if e.seq_id == first]) < 4:
-        events += llama_f32.step()
-    late = llama_f32.add(GenerationRequest(ps[1], 24, ignore_eos=True))
-    while llama_f32.has_work():
-        events += llama_f32.step()
+        events += llama_any.step()
+    late = llama_any.add(GenerationRequest(ps[1], 24, ignore_eos=True))
+    while llama_any.has_work():
+        events += llama_any.step()
     order = [e.seq_id for e in events]
     assert [e.token_id for e in events if e.seq_id == first] == alone[0]
     assert [e.token_id for e in events if e.seq_id == late] == alone[1]
@@ -302,17 +317,17 @@ def _kiln_sampling(logprobs: np.ndarray, temperature: float, top_p: float) -> tu
 
 
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.1, 0.5)])
-def test_sampling_follows_kiln_not_llama_servers_default_chain(llama_f32, temperature, top_p):
+def test_sampling_follows_kiln_not_llama_servers_default_chain(llama_any, temperature, top_p):
     """Sampled tokens come from kiln's distribution, as torch's: logits over the temperature, then
     the top-p nucleus, nothing else cut. llama-server's default chain keeps only the top 40 tokens
     (under 1% of the tiny random model's mass at temperature 1) and cuts the nucleus before the
     temperature (at 0.1 and top_p 0.5, a nucleus that would put about half the picks outside kiln's).
     24 first tokens, one per seed, all from the prompt's next-token distribution."""
-    prompt = mixed_prompts(llama_f32.vocab_size)[2]
+    prompt = mixed_prompts(llama_any.vocab_size)[2]
     requests = [GenerationRequest(prompt, 1, ignore_eos=True, temperature=temperature, top_p=top_p, seed=seed)
                 for seed in range(24)]
-    tokens = [e.token_id for e in llama_f32.generate(requests)]
-    row = llama_f32.next_token_logprobs([prompt])[0][-1]
+    tokens = [e.token_id for e in llama_any.generate(requests)]
+    row = llama_any.next_token_logprobs([prompt])[0][-1]
     kiln, inside = _kiln_sampling(row, temperature, top_p)
     if top_p == 1.0:
         assert np.sort(kiln)[-40:].sum() < 0.01
@@ -324,36 +339,59 @@ def test_sampling_follows_kiln_not_llama_servers_default_chain(llama_f32, temper
         assert _kiln_sampling(row, temperature, top_p + 0.01)[1][tokens].all()
 
 
-def test_stop_token_and_cancel(llama_f32):
-    p = parity.prompts(llama_f32.tokenizer, 1)[0]
-    tokens = parity.greedy(llama_f32, [p], 8)[0]
+def test_stop_token_and_cancel(llama_any):
+    p = parity.prompts(llama_any.tokenizer, 1)[0]
+    tokens = parity.greedy(llama_any, [p], 8)[0]
     stop = tokens[3]
-    stopped = list(llama_f32.generate([GenerationRequest(p, 8, stop_ids=(stop,), ignore_eos=True)]))
+    stopped = list(llama_any.generate([GenerationRequest(p, 8, stop_ids=(stop,), ignore_eos=True)]))
     assert [e.token_id for e in stopped] == tokens[: tokens.index(stop) + 1]
     assert stopped[-1].finish_reason == "stop"
-    keep = llama_f32.add(GenerationRequest(p, 8, ignore_eos=True))
-    drop = llama_f32.add(GenerationRequest(p, 200, ignore_eos=True))
-    events = llama_f32.step()
-    llama_f32.cancel(drop)
-    while llama_f32.has_work():
-        events += llama_f32.step()
+    keep = llama_any.add(GenerationRequest(p, 8, ignore_eos=True))
+    drop = llama_any.add(GenerationRequest(p, 200, ignore_eos=True))
+    events = llama_any.step()
+    llama_any.cancel(drop)
+    while llama_any.has_work():
+        events += llama_any.step()
     assert [e.token_id for e in events if e.seq_id == keep] == tokens
     assert len([e for e in events if e.seq_id == drop]) < 200
 
 
-def test_scores_and_distributions_match_torch(llama_f32, torch_engine):
+def test_scores_and_distributions_match_torch(llama_any, torch_engine):
     """Prompt log-likelihoods and full next-token distributions, f32 GGUF against torch fp32, in
     one batch of mixed lengths (1-60 tokens: packed into one llama.cpp context, each its own
     sequence) and with a sequence longer than one llama.cpp batch (cut across two decodes)."""
-    ps = parity.prompts(torch_engine.tokenizer) + mixed_prompts(llama_f32.vocab_size, 3)
+    ps = parity.prompts(torch_engine.tokenizer) + mixed_prompts(llama_any.vocab_size, 3)
     pairs = parity.score_pairs([p for p in ps if len(p) > 3])
-    assert parity.logprob_deltas(llama_f32, torch_engine, pairs).max() < parity.FULL["logprob_atol"]
-    assert [s.is_greedy for s in llama_f32.score(pairs)] == [s.is_greedy for s in torch_engine.score(pairs)]
-    seqs = mixed_prompts(llama_f32.vocab_size, 4)
-    got, want = llama_f32.next_token_logprobs(seqs), torch_engine.next_token_logprobs(seqs)
+    assert parity.logprob_deltas(llama_any, torch_engine, pairs).max() < parity.FULL["logprob_atol"]
+    assert [s.is_greedy for s in llama_any.score(pairs)] == [s.is_greedy for s in torch_engine.score(pairs)]
+    seqs = mixed_prompts(llama_any.vocab_size, 4)
+    got, want = llama_any.next_token_logprobs(seqs), torch_engine.next_token_logprobs(seqs)
     for g, w, p in zip(got, want, seqs, strict=True):
         assert g.shape == w.shape == (len(p), len(torch_engine.tokenizer))
         assert np.abs(g - w).max() < parity.FULL["logprob_atol"]
+
+
+def test_library_runtime_ends_a_sequence_whose_slot_is_full(tiny_model_dir, tmp_path, torch_engine):
+    """In-process, a slot holds ctx_per_slot positions: a sequence whose prompt and answer fill them
+    ends with "length", its neighbour (and the slot's next user) unharmed; a prompt that does not
+    fit is refused before it is queued."""
+    from kiln.engine.llama_cpp_library import LlamaLibraryEngine
+
+    engine = parity.build(LlamaCppConfig(runtime="library", threads=1, parallel=2, ctx_per_slot=32, **EXACT),
+                          tiny_model_dir, tmp_path / "e")
+    try:
+        assert isinstance(engine, LlamaLibraryEngine) and engine.manifest["config"]["runtime"] == "library"
+        long, short = mixed_prompts(engine.vocab_size, 7)[4][:30], mixed_prompts(engine.vocab_size, 7)[1]
+        got = parity.greedy(engine, [long, short], 8)
+        assert len(got[0]) == 2 and len(got[1]) == 8  # 30 + 2 = the slot's 32 positions
+        assert got == [w[: len(g)] for g, w in zip(got, parity.greedy(torch_engine, [long, short], 8), strict=True)]
+        ends = [e.finish_reason for e in engine.generate([GenerationRequest(long, 8, ignore_eos=True)])]
+        assert ends == [None, "length"]
+        with pytest.raises(BadInput, match="does not fit"):
+            engine.add(GenerationRequest(long + long, 4))
+        assert parity.greedy(engine, [short], 8) == [got[1]]
+    finally:
+        engine.close()
 
 
 def test_scoring_a_sequence_longer_than_a_batch(tiny_model_dir, tmp_path, torch_engine):
