@@ -39,14 +39,12 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from kiln.engine import full_logits
 from kiln.engine.base import (
     BACKENDS,
     REBUILD,
@@ -54,10 +52,10 @@ from kiln.engine.base import (
     EngineBackend,
     EngineConfig,
     GenerationRequest,
-    Score,
     TokenEvent,
     check_request,
 )
+from kiln.engine.llama_cpp_logits import InProcessScoring, LlamaLogits
 from kiln.engine.llama_cpp_stream import Completion
 from kiln.engine.remote import free_port, wait_healthy
 from kiln.pipeline.errors import BadInput
@@ -184,14 +182,13 @@ class _Sequence:
     streamed: int = 0  # tokens the current completion has streamed (0 again after a resume)
 
 
-class LlamaServerEngine(Engine):
+class LlamaServerEngine(InProcessScoring, Engine):
     """An engine that owns the llama-server process it talks to; `step` reads its streams."""
 
     process: subprocess.Popen | None = None
     server_log: Any = None
     server_url: str = ""
     max_positions: int = 2048
-    scorer: Any = None  # LlamaLogits, made on the first scoring call
     gguf_path: Path
     llama_config: LlamaCppConfig
 
@@ -343,33 +340,17 @@ class LlamaServerEngine(Engine):
             out.append(TokenEvent(seq.seq_id, eos if eos is not None else 0, now, None, _finish(chunk)))
         return done
 
-    # ----- scoring (in-process) -------------------------------------------------------------
+    # ----- scoring (in-process: InProcessScoring) -------------------------------------------
 
-    def _logits(self, seqs: list[list[int]]) -> list[Any]:
-        if self.scorer is None:
-            from kiln.engine.llama_cpp_logits import LlamaLogits
-
-            c = self.llama_config
-            self.scorer = LlamaLogits(self.gguf_path, c.ctx_per_slot, c.batch_size, _threads(c), c.cache_type,
-                                      c.flash_attn)
-        if max(map(len, seqs)) > self.max_positions:
-            raise BadInput(f"A sequence of {max(map(len, seqs))} tokens to score exceeds engine.ctx_per_slot "
-                           f"({self.max_positions}): raise it.")
-        return self.scorer(seqs)
-
-    def score(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[Score]:
-        return full_logits.scores(pairs, self._logits, self.max_positions)
-
-    def next_token_logprobs(self, ids: Sequence[list[int]]) -> list[Any]:
-        return full_logits.next_token_logprobs(ids, self._logits, self.max_positions)
+    def _new_scorer(self) -> LlamaLogits:
+        c = self.llama_config
+        return LlamaLogits(self.gguf_path, c.ctx_per_slot, c.batch_size, _threads(c), c.cache_type, c.flash_attn)
 
     def close(self) -> None:
         for seq_id in list(self._seqs):
             self.cancel(seq_id)
         self._selector.close()
-        if self.scorer is not None:
-            self.scorer.close()
-            self.scorer = None
+        self._close_scorer()
         if self.process and self.process.poll() is None:
             self.process.terminate()
             try:

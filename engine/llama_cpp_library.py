@@ -26,17 +26,15 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kiln.engine import full_logits
-from kiln.engine.base import Engine, GenerationRequest, Score, TokenEvent, check_request
-from kiln.engine.llama_cpp_logits import FLASH_ATTN, GGML_TYPE, LlamaLogits, binding
-from kiln.pipeline.errors import BadInput
+from kiln.engine.base import Engine, GenerationRequest, TokenEvent, check_request
+from kiln.engine.llama_cpp_logits import FLASH_ATTN, GGML_TYPE, InProcessScoring, LlamaLogits, binding
 
 if TYPE_CHECKING:
     from kiln.engine.llama_cpp import LlamaCppConfig
@@ -53,7 +51,7 @@ class _Seq:
     produced: int = 0
 
 
-class LlamaLibraryEngine(Engine):
+class LlamaLibraryEngine(InProcessScoring, Engine):
     """Generation and scoring in this process; `step` decodes (the scheduler thread calls it)."""
 
     def __init__(self, gguf_path: Path, tokenizer_dir: Path, config: LlamaCppConfig, threads: int):
@@ -83,7 +81,6 @@ class LlamaLibraryEngine(Engine):
         self._waiting: deque[_Seq] = deque()
         self._running: dict[int, _Seq] = {}
         self._free = list(range(config.parallel - 1, -1, -1))  # slots (llama.cpp sequence ids), popped from the end
-        self.scorer: LlamaLogits | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -174,30 +171,16 @@ class LlamaLibraryEngine(Engine):
             seq.pending.append(token)
         return TokenEvent(seq.seq_id, token, now, logprob, finish)
 
-    # ----- scoring --------------------------------------------------------------------------
+    # ----- scoring (InProcessScoring) -------------------------------------------------------
 
-    def _logits(self, seqs: list[list[int]]) -> list[Any]:
-        if self.scorer is None:
-            c = self.config
-            self.scorer = LlamaLogits(self.model, c.ctx_per_slot, c.batch_size, self.threads, c.cache_type,
-                                      c.flash_attn)
-        if max(map(len, seqs)) > self.max_positions:
-            raise BadInput(f"A sequence of {max(map(len, seqs))} tokens to score exceeds engine.ctx_per_slot "
-                           f"({self.max_positions}): raise it.")
-        return self.scorer(seqs)
-
-    def score(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[Score]:
-        return full_logits.scores(pairs, self._logits, self.max_positions)
-
-    def next_token_logprobs(self, ids: Sequence[list[int]]) -> list[Any]:
-        return full_logits.next_token_logprobs(ids, self._logits, self.max_positions)
+    def _new_scorer(self) -> LlamaLogits:
+        c = self.config
+        return LlamaLogits(self.model, c.ctx_per_slot, c.batch_size, self.threads, c.cache_type, c.flash_attn)
 
     def close(self) -> None:
         self._waiting.clear()
         self._running.clear()
-        if self.scorer is not None:
-            self.scorer.close()
-            self.scorer = None
+        self._close_scorer()
         self.batch.close()
         self.context.close()
         self.model.close()

@@ -19,12 +19,15 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
+from kiln.engine import full_logits
+from kiln.engine.base import Score
 from kiln.pipeline.errors import BadInput
 
 GGML_TYPE = {"f32": 0, "f16": 1}  # ggml_type of the KV cache
@@ -121,3 +124,33 @@ class LlamaLogits:
         self.context.close()
         if self.owns_model:
             self.model.close()
+
+
+class InProcessScoring:
+    """`score` and `next_token_logprobs` for both llama_cpp runtimes: a LlamaLogits context, made on
+    the first scoring call (a server that only generates never pays for it). Mixed in before Engine."""
+
+    scorer: LlamaLogits | None = None
+    max_positions: int
+
+    def _new_scorer(self) -> LlamaLogits:
+        raise NotImplementedError
+
+    def _logits(self, seqs: list[list[int]]) -> list[np.ndarray]:
+        if max(map(len, seqs)) > self.max_positions:
+            raise BadInput(f"A sequence of {max(map(len, seqs))} tokens to score exceeds engine.ctx_per_slot "
+                           f"({self.max_positions}): raise it.")
+        if self.scorer is None:
+            self.scorer = self._new_scorer()
+        return self.scorer(seqs)
+
+    def score(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[Score]:
+        return full_logits.scores(pairs, self._logits, self.max_positions)
+
+    def next_token_logprobs(self, ids: Sequence[list[int]]) -> list[Any]:
+        return full_logits.next_token_logprobs(ids, self._logits, self.max_positions)
+
+    def _close_scorer(self) -> None:
+        if self.scorer is not None:
+            self.scorer.close()
+            self.scorer = None

@@ -1,0 +1,144 @@
+"""The llama_cpp engine's two runtimes against `llama-bench`: batch-1 decode driven directly and
+through kiln serve.
+
+For each GGUF type, one engine folder per runtime (`server`: a llama-server process kiln streams
+from; `library`: llama.cpp in kiln's process, batched by kiln), same file, threads and slots. A
+round measures, in alternating order, each runtime's engine driven directly (what kiln's
+evaluate stage measures: a median of three 64-token greedy decodes after a 16-token prompt, first
+token excluded) and one stream through a `kiln serve` process over it, each framed by a
+`llama-bench` tg64 at depth 16 before and after (the same positions); a figure's ratio is to the
+mean of its two frames. Medians of the rounds with [min, max]; the load average and the machine's
+contention (steal, CPU pressure) are recorded.
+
+    python bench/llama_cpp_runtimes.py                        # q4_0, q4_1, q8_0; 2 threads; 5 rounds
+    python bench/llama_cpp_runtimes.py --type q4_0 --rounds 3 --threads 1
+
+Writes bench/results/llama_cpp_runtimes.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+import cpu_engines
+
+from kiln.evaluate import contention
+
+OUT = Path(__file__).parent / "results" / "llama_cpp_runtimes.json"
+RUNTIMES = ("server", "library")
+PROMPT = list(range(1000, 1016))
+
+
+def engine_dirs(checkpoint: Path, kind: str, threads: int) -> dict[str, Path]:
+    import kiln.engine.llama_cpp  # noqa: F401  (registers the backend)
+    from kiln.engine.cache import build_engine
+    from kiln.engine.loader import engine_config
+    from kiln.pipeline.demo import cache_root
+    from kiln.pipeline.files import cached_tree_hash
+
+    artifact = cpu_engines.gguf_artifact(checkpoint, kind, threads)
+    digest = cached_tree_hash(artifact, cache_root() / "hashes.json")
+    return {rt: build_engine(engine_config({"config": {"backend": "llama_cpp", "runtime": rt, "threads": threads,
+                                                        "parallel": 4}}), artifact, digest, cache_root())
+            for rt in RUNTIMES}
+
+
+def direct_rate(engine, n: int) -> float:
+    from kiln.engine.base import GenerationRequest
+
+    times = [e.time for e in engine.generate([GenerationRequest(PROMPT, n, ignore_eos=True, cache_prompt=False)])]
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def measure(kind: str, checkpoint: Path, threads: int, rounds: int, n: int) -> dict[str, Any]:
+    from kiln.engine.loader import load_engine
+
+    dirs = engine_dirs(checkpoint, kind, threads)
+    gguf = dirs["server"] / "model.gguf"
+    figures: dict[str, list[float]] = {f"{how}_{rt}": [] for rt in RUNTIMES for how in ("direct", "serve")}
+    ratios: dict[str, list[float]] = {k: [] for k in figures}
+    frames: list[float] = []
+    with contextlib.ExitStack() as stack:
+        engines = {rt: load_engine(d) for rt, d in dirs.items()}
+        for e in engines.values():
+            stack.callback(e.close)
+        urls = {rt: stack.enter_context(cpu_engines.kiln_serve(d)) for rt, d in dirs.items()}
+        for rt in RUNTIMES:  # warm both paths
+            direct_rate(engines[rt], 8)
+            cpu_engines.stream_decode(urls[rt], PROMPT, 8)
+        for r in range(rounds):
+            order = list(figures) if r % 2 == 0 else list(figures)[::-1]
+            for key in order:
+                how, rt = key.split("_")
+                before = cpu_engines.llama_bench(gguf, threads, n, len(PROMPT), prefill=False)["bench_tg_tok_s"]
+                rate = (statistics.median(direct_rate(engines[rt], n) for _ in range(3)) if how == "direct"
+                        else cpu_engines.stream_decode(urls[rt], PROMPT, n)[0])
+                after = cpu_engines.llama_bench(gguf, threads, n, len(PROMPT), prefill=False)["bench_tg_tok_s"]
+                figures[key].append(round(rate, 2))
+                ratios[key].append(round(rate / ((before + after) / 2), 3))
+                frames += [before, after]
+    row: dict[str, Any] = {"type": kind, "threads": threads, "engine_dirs": {k: str(v) for k, v in dirs.items()},
+                           "bench_tg_tok_s": _spread(frames), "bench_tg_tok_s_all": [round(f, 2) for f in frames]}
+    for key in figures:
+        row[f"{key}_tok_s"], row[f"{key}_over_bench"] = _spread(figures[key]), _spread(ratios[key])
+        row[f"{key}_over_bench_rounds"] = ratios[key]
+    return row
+
+
+def _spread(xs: list[float]) -> list[float]:
+    """[median, min, max]."""
+    return [round(statistics.median(xs), 3), round(min(xs), 3), round(max(xs), 3)]
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(f"{'GGUF':<8}{'thr':>4}  {'llama-bench':>12}  " + "  ".join(f"{k:>26}" for k in
+          ("direct server", "direct library", "kiln serve server", "kiln serve library")))
+    for r in rows:
+        cells = [f"{r[f'{k}_over_bench'][0]:.3f} [{r[f'{k}_over_bench'][1]:.3f}, {r[f'{k}_over_bench'][2]:.3f}]"
+                 for k in ("direct_server", "direct_library", "serve_server", "serve_library")]
+        head = f"{r['type']:<8}{r['threads']:>4}  {r['bench_tg_tok_s'][0]:>12.1f}  "
+        print(head + "  ".join(f"{c:>26}" for c in cells))
+    print("(each: decode tok/s over llama-bench's at the same positions, median of rounds [min, max])")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=None, help="checkpoint (default: the demo model)")
+    p.add_argument("--type", action="append", dest="types", help="GGUF type (repeatable)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--decode-tokens", type=int, default=64)
+    args = p.parse_args()
+    if args.model is None:
+        from kiln.pipeline.demo import demo_model_dir
+
+        args.model = demo_model_dir()
+    checkpoint = args.model
+    started, load0, busy0 = time.time(), os.getloadavg(), contention.read()
+    rows = [measure(kind, checkpoint, args.threads, args.rounds, args.decode_tokens)
+            for kind in args.types or ["q4_0", "q4_1", "q8_0"]]
+    from kiln.pipeline.files import atomic_write_json
+
+    result = {"machine": platform.processor() or platform.machine(), "cpu": cpu_engines.cpu_identity(),
+              "cpus": os.cpu_count(), "model": str(checkpoint), "load_average_start": load0,
+              "load_average_end": os.getloadavg(), "contention": contention.between(busy0, contention.read()),
+              "seconds": round(time.time() - started), "rows": rows}
+    atomic_write_json(OUT, result)
+    print_table(rows)
+    busy = result["contention"]
+    print(f"load average {load0[0]:.2f} at the start, {result['load_average_end'][0]:.2f} at the end; steal "
+          f"{busy['cpu_steal'] or 0:.1%} of CPU time, CPU pressure {busy['cpu_pressure'] or 0:.1%} over the run")
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
