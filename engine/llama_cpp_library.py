@@ -35,6 +35,7 @@ import numpy as np
 from kiln.engine import full_logits
 from kiln.engine.base import Engine, GenerationRequest, TokenEvent, check_request
 from kiln.engine.llama_cpp_logits import FLASH_ATTN, GGML_TYPE, InProcessScoring, LlamaLogits, binding
+from kiln.pipeline.errors import BadInput
 
 if TYPE_CHECKING:
     from kiln.engine.llama_cpp import LlamaCppConfig
@@ -90,6 +91,9 @@ class LlamaLibraryEngine(InProcessScoring, Engine):
 
     def add(self, request: GenerationRequest) -> int:
         check_request(request, self.max_positions)
+        bad = next((t for t in request.prompt_ids if not 0 <= t < self.vocab), None)
+        if bad is not None:  # refused here: one bad id in a shared batch would fail every sequence in it
+            raise BadInput(f"token id {bad} is outside the model's vocabulary of {self.vocab}.")
         rng = None
         if request.temperature > 0:
             rng = np.random.default_rng(request.seed)  # None: fresh entropy

@@ -374,7 +374,7 @@ def test_scores_and_distributions_match_torch(llama_any, torch_engine):
 def test_library_runtime_ends_a_sequence_whose_slot_is_full(tiny_model_dir, tmp_path, torch_engine):
     """In-process, a slot holds ctx_per_slot positions: a sequence whose prompt and answer fill them
     ends with "length", its neighbour (and the slot's next user) unharmed; a prompt that does not
-    fit is refused before it is queued."""
+    fit, or holds an id outside the vocabulary, is refused before it is queued."""
     from kiln.engine.llama_cpp_library import LlamaLibraryEngine
 
     engine = parity.build(LlamaCppConfig(runtime="library", threads=1, parallel=2, ctx_per_slot=32, **EXACT),
@@ -389,6 +389,8 @@ def test_library_runtime_ends_a_sequence_whose_slot_is_full(tiny_model_dir, tmp_
         assert ends == [None, "length"]
         with pytest.raises(BadInput, match="does not fit"):
             engine.add(GenerationRequest(long + long, 4))
+        with pytest.raises(BadInput, match="outside the model's vocabulary"):
+            engine.add(GenerationRequest([1, engine.vocab_size], 4))
         assert parity.greedy(engine, [short], 8) == [got[1]]
     finally:
         engine.close()
