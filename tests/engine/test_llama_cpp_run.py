@@ -1,7 +1,8 @@
-"""`kiln run` on a search whose one candidate is GGUF q8_0 served by llama.cpp, against the torch
-fp32 baseline, on the tiny Llama: perplexity, token agreement and an lm-eval task are computed
-through the llama_cpp engine (in-process scoring) and gated, and the search records the candidate
-as any other (search.json, the report's candidates table, an MLflow child run).
+"""`kiln run` on a search whose one candidate is GGUF q8_0 served by llama.cpp (each runtime in
+turn), against the torch fp32 baseline, on the tiny Llama: perplexity, token agreement and an
+lm-eval task are computed through the llama_cpp engine (in-process scoring) and gated, and the
+search records the candidate as any other (search.json, the report's candidates table, an MLflow
+child run).
 
 One candidate keeps this as cheap as the single-candidate run it replaces: the family's
 confidence is the gate's own (95%) and a lone winner gets no confirmation benchmark. Measured
@@ -26,20 +27,22 @@ CANDIDATE = {"name": NAME, "optimize": {"method": "gguf", "type": "q8_0", "threa
 PRICE = 2.0
 
 
-@pytest.fixture(scope="module")
-def gguf_run(tmp_path_factory, tiny_model_dir):
+@pytest.fixture(scope="module", params=["server", "library"])
+def gguf_run(request, tmp_path_factory, tiny_model_dir):
+    """The run, once per llama_cpp runtime (llama-server; llama.cpp in kiln's process, as the demo's)."""
     require_llama_cpp()
-    work = tmp_path_factory.mktemp("gguf-run")
+    work = tmp_path_factory.mktemp(f"gguf-run-{request.param}")
     raw = yaml.safe_load(yaml.safe_dump(TINY_RECIPE))
     del raw["optimize"], raw["engine"]
-    raw.update(name="tiny-gguf", model={"path": str(tiny_model_dir)}, candidates=[CANDIDATE],
+    candidate = {**CANDIDATE, "engine": {**CANDIDATE["engine"], "runtime": request.param}}
+    raw.update(name="tiny-gguf", model={"path": str(tiny_model_dir)}, candidates=[candidate],
                baseline={"engine": {"backend": "torch", "threads": 1}}, search={"price_per_hour": PRICE})
     raw["evaluate"]["quality"]["perplexity"]["max_documents"] = 24  # fewer cannot pass (bench/ppl_calibration.py)
     recipe = work / "tiny-gguf.yaml"
     recipe.write_text(yaml.safe_dump(raw))
     proc = kiln("run", str(recipe), cwd=work)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {"work": work, "proc": proc, "run_dir": next((work / "runs").iterdir())}
+    return {"work": work, "proc": proc, "run_dir": next((work / "runs").iterdir()), "runtime": request.param}
 
 
 def _engine_manifest(stages: Path, role: str) -> dict:
@@ -59,6 +62,7 @@ def test_every_quality_check_is_gated_through_llama_cpp(gguf_run):
     for stages in (run_dir / "stages", run_dir / "candidates" / NAME / "stages"):
         engine = _engine_manifest(stages, "candidate")
         assert engine["backend"] == "llama_cpp" and engine["build"]["type"] == "q8_0", stages
+        assert engine["config"]["runtime"] == gguf_run["runtime"], stages
         assert _engine_manifest(stages, "baseline")["backend"] == "torch", stages
     # q8_0 of a random tiny model stays near fp32 (sanity bounds; the gate judges the rest)
     ppl = checks["perplexity"]
