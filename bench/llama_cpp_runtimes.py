@@ -7,8 +7,10 @@ round measures, in alternating order, each runtime's engine driven directly (wha
 evaluate stage measures: a median of three 64-token greedy decodes after a 16-token prompt, first
 token excluded) and one stream through a `kiln serve` process over it, each framed by a
 `llama-bench` tg64 at depth 16 before and after (the same positions); a figure's ratio is to the
-mean of its two frames. Medians of the rounds with [min, max]; the load average and the machine's
-contention (steal, CPU pressure) are recorded.
+mean of its two frames. Each type other than `--reference` (q8_0) is also measured driven directly
+in the library runtime between two `llama-bench` runs of the reference's file: how the type kiln
+might pick decodes against plain llama.cpp at q8_0. Medians of the rounds with [min, max]; the
+load average and the machine's contention (steal, CPU pressure) are recorded.
 
     python bench/llama_cpp_runtimes.py                        # q4_0, q4_1, q8_0; 2 threads; 5 rounds
     python bench/llama_cpp_runtimes.py --type q4_0 --rounds 3 --threads 1
@@ -59,12 +61,17 @@ def direct_rate(engine, n: int) -> float:
     return (len(times) - 1) / (times[-1] - times[0])
 
 
-def measure(kind: str, checkpoint: Path, threads: int, rounds: int, n: int) -> dict[str, Any]:
+def measure(kind: str, checkpoint: Path, threads: int, rounds: int, n: int, reference: str | None) -> dict[str, Any]:
     from kiln.engine.loader import load_engine
+    from kiln.optimize.gguf import GGUF_FILE
 
     dirs = engine_dirs(checkpoint, kind, threads)
     gguf = dirs["server"] / "model.gguf"
     figures: dict[str, list[float]] = {f"{how}_{rt}": [] for rt in RUNTIMES for how in ("direct", "serve")}
+    frame_of = dict.fromkeys(figures, gguf)
+    if reference and reference != kind:  # this type through kiln against llama-bench of the reference type
+        figures["versus_library"] = []
+        frame_of["versus_library"] = cpu_engines.gguf_artifact(checkpoint, reference, threads) / GGUF_FILE
     ratios: dict[str, list[float]] = {k: [] for k in figures}
     frames: list[float] = []
     with contextlib.ExitStack() as stack:
@@ -79,14 +86,17 @@ def measure(kind: str, checkpoint: Path, threads: int, rounds: int, n: int) -> d
             order = list(figures) if r % 2 == 0 else list(figures)[::-1]
             for key in order:
                 how, rt = key.split("_")
-                before = cpu_engines.llama_bench(gguf, threads, n, len(PROMPT), prefill=False)["bench_tg_tok_s"]
-                rate = (statistics.median(direct_rate(engines[rt], n) for _ in range(3)) if how == "direct"
-                        else cpu_engines.stream_decode(urls[rt], PROMPT, n)[0])
-                after = cpu_engines.llama_bench(gguf, threads, n, len(PROMPT), prefill=False)["bench_tg_tok_s"]
+                frame = frame_of[key]
+                before = cpu_engines.llama_bench(frame, threads, n, len(PROMPT), prefill=False)["bench_tg_tok_s"]
+                rate = (cpu_engines.stream_decode(urls[rt], PROMPT, n)[0] if how == "serve"
+                        else statistics.median(direct_rate(engines[rt], n) for _ in range(3)))
+                after = cpu_engines.llama_bench(frame, threads, n, len(PROMPT), prefill=False)["bench_tg_tok_s"]
                 figures[key].append(round(rate, 2))
                 ratios[key].append(round(rate / ((before + after) / 2), 3))
-                frames += [before, after]
+                if frame == gguf:
+                    frames += [before, after]
     row: dict[str, Any] = {"type": kind, "threads": threads, "engine_dirs": {k: str(v) for k, v in dirs.items()},
+                           "reference": reference if "versus_library" in figures else None,
                            "bench_tg_tok_s": _spread(frames), "bench_tg_tok_s_all": [round(f, 2) for f in frames]}
     for key in figures:
         row[f"{key}_tok_s"], row[f"{key}_over_bench"] = _spread(figures[key]), _spread(ratios[key])
@@ -108,6 +118,11 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         head = f"{r['type']:<8}{r['threads']:>4}  {r['bench_tg_tok_s'][0]:>12.1f}  "
         print(head + "  ".join(f"{c:>26}" for c in cells))
     print("(each: decode tok/s over llama-bench's at the same positions, median of rounds [min, max])")
+    for r in rows:
+        if r["reference"]:
+            v = r["versus_library_over_bench"]
+            print(f"{r['type']} through kiln (library runtime, driven directly) over llama-bench of {r['reference']}: "
+                  f"{v[0]:.3f} [{v[1]:.3f}, {v[2]:.3f}]")
 
 
 def main() -> None:
@@ -117,6 +132,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--reference", default="q8_0", help="also frame each other type's library-runtime decode with "
+                   "llama-bench of this type (the rate a pick must match); '' for none")
     args = p.parse_args()
     if args.model is None:
         from kiln.pipeline.demo import demo_model_dir
@@ -124,7 +141,7 @@ def main() -> None:
         args.model = demo_model_dir()
     checkpoint = args.model
     started, load0, busy0 = time.time(), os.getloadavg(), contention.read()
-    rows = [measure(kind, checkpoint, args.threads, args.rounds, args.decode_tokens)
+    rows = [measure(kind, checkpoint, args.threads, args.rounds, args.decode_tokens, args.reference or None)
             for kind in args.types or ["q4_0", "q4_1", "q8_0"]]
     from kiln.pipeline.files import atomic_write_json
 
