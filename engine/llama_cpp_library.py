@@ -3,8 +3,8 @@
 The `server` runtime (llama_cpp.py) hands generation to a `llama-server` process and reads its
 token streams over HTTP; on a machine whose cores llama.cpp's threads fill, every hop a token
 takes there (llama-server's sampler and HTTP thread, a socket, kiln's parser) runs on a core a
-decode thread needs: driven directly, that engine decodes at batch 1 at ~0.89x `llama-bench`, this
-one at ~0.98x (bench/llama_cpp_runtimes.py, docs/engines.md). Here the decode loop is kiln's: one
+decode thread needs: driven directly, that engine decodes at batch 1 at 0.86-0.96x `llama-bench` on
+2 cores, this one at 0.95-0.99x (bench/llama_cpp_runtimes.py, docs/engines.md). Here the decode loop is kiln's: one
 llama.cpp context through the ctypes binding (the same build and binding the scorer uses,
 llama_cpp_logits.py), stepped by the scheduler thread, llama.cpp's threads computing while the
 ctypes call has released the GIL.
