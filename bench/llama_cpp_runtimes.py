@@ -66,7 +66,7 @@ def measure(kind: str, checkpoint: Path, threads: int, rounds: int, n: int, refe
     from kiln.optimize.gguf import GGUF_FILE
 
     dirs = engine_dirs(checkpoint, kind, threads)
-    gguf = dirs["server"] / "model.gguf"
+    gguf = dirs["server"] / GGUF_FILE  # the engine links the artifact's file under the same name
     figures: dict[str, list[float]] = {f"{how}_{rt}": [] for rt in RUNTIMES for how in ("direct", "serve")}
     frame_of = dict.fromkeys(figures, gguf)
     if reference and reference != kind:  # this type through kiln against llama-bench of the reference type

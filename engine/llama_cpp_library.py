@@ -34,7 +34,7 @@ import numpy as np
 
 from kiln.engine import full_logits
 from kiln.engine.base import Engine, GenerationRequest, TokenEvent, check_request
-from kiln.engine.llama_cpp_logits import FLASH_ATTN, GGML_TYPE, InProcessScoring, LlamaLogits, binding
+from kiln.engine.llama_cpp_logits import InProcessScoring, LlamaLogits, binding, load_model, new_context
 from kiln.pipeline.errors import BadInput
 
 if TYPE_CHECKING:
@@ -60,21 +60,13 @@ class LlamaLibraryEngine(InProcessScoring, Engine):
 
         internals = binding()
         lib = self.lib = internals.llama_cpp
-        lib.llama_backend_init()
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         self.manifest = {"backend": "llama_cpp", "config": config.model_dump(mode="json")}
         self.config, self.threads, self.max_positions = config, threads, config.ctx_per_slot
-        self.model = internals.LlamaModel(path_model=str(gguf_path), params=lib.llama_model_default_params(),
-                                          verbose=True)
+        self.model = load_model(gguf_path)
         capacity = config.batch_size + config.parallel  # every running sequence's token plus a prefill chunk
-        params = lib.llama_context_default_params()
-        params.n_ctx, params.n_batch, params.n_ubatch = config.parallel * config.ctx_per_slot, capacity, capacity
-        params.n_seq_max, params.kv_unified = config.parallel, True
-        params.n_threads = params.n_threads_batch = threads
-        params.type_k = params.type_v = GGML_TYPE[config.cache_type]
-        params.flash_attn_type = FLASH_ATTN[config.flash_attn]
-        params.no_perf = True
-        self.context = internals.LlamaContext(model=self.model, params=params, verbose=True)
+        self.context = new_context(self.model, config.parallel * config.ctx_per_slot, capacity, config.parallel,
+                                   threads, config.cache_type, config.flash_attn)
         self.batch = internals.LlamaBatch(n_tokens=capacity, embd=0, n_seq_max=1, verbose=True)
         self.vocab = self.model.n_vocab()
         self.eog = frozenset(t for t in range(self.vocab) if lib.llama_vocab_is_eog(self.model.vocab, t))
@@ -152,9 +144,8 @@ class LlamaLibraryEngine(InProcessScoring, Engine):
             seq.pos += 1
         code = self.lib.llama_decode(self.context.ctx, b)
         if code != 0:  # 1: no room in the KV cache (cannot happen within the slots' budget); < 0: an error
-            for seq in {id(s): s for s, _, _ in entries}.values():
-                self._running.pop(seq.seq_id, None)
-                self._release(seq)
+            for seq_id in {seq.seq_id for seq, _, _ in entries}:
+                self.cancel(seq_id)
             raise RuntimeError(f"llama_decode returned {code} for a batch of {len(entries)} tokens")
 
     def _sample(self, seq: _Seq, row: int, now: float) -> TokenEvent:

@@ -58,6 +58,30 @@ def binding() -> ModuleType:
     return internals
 
 
+def load_model(gguf_path: Path) -> Any:
+    """The GGUF file as a llama.cpp model (`_internals.LlamaModel`), ready for contexts."""
+    internals = binding()
+    internals.llama_cpp.llama_backend_init()
+    return internals.LlamaModel(path_model=str(gguf_path), params=internals.llama_cpp.llama_model_default_params(),
+                                verbose=True)
+
+
+def new_context(model: Any, n_ctx: int, n_batch: int, n_seqs: int, threads: int, cache_type: str,
+                flash_attn: str) -> Any:
+    """A context on `model` whose `n_seqs` sequences share one KV cache of `n_ctx` positions, decoding up
+    to `n_batch` tokens a call. llama.cpp reserves an output row per sequence and aborts the process
+    (GGML_ASSERT n_outputs_max) when there are more sequences than rows: callers keep n_seqs <= n_batch."""
+    internals = binding()
+    params = internals.llama_cpp.llama_context_default_params()
+    params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, n_batch
+    params.n_seq_max, params.kv_unified = n_seqs, True
+    params.n_threads = params.n_threads_batch = threads
+    params.type_k = params.type_v = GGML_TYPE[cache_type]
+    params.flash_attn_type = FLASH_ATTN[flash_attn]
+    params.no_perf = True
+    return internals.LlamaContext(model=model, params=params, verbose=True)
+
+
 class LlamaLogits:
     """A llama.cpp context that returns logits for every token of packed sequences."""
 
@@ -65,24 +89,13 @@ class LlamaLogits:
                  flash_attn: str = "auto", max_seqs: int = 64):
         """`model`: a GGUF file to load, or a loaded `LlamaModel` to share (the caller keeps it)."""
         internals = binding()
-        lib = internals.llama_cpp
-        lib.llama_backend_init()
         self.owns_model = isinstance(model, (str, Path))
-        self.model = internals.LlamaModel(path_model=str(model), params=lib.llama_model_default_params(),
-                                          verbose=True) if self.owns_model else model
-        ctx = lib.llama_context_default_params()
-        ctx.n_ctx, ctx.n_batch, ctx.n_ubatch = n_ctx, min(n_batch, n_ctx), min(n_batch, n_ctx)
-        # One cache shared by the packed sequences. llama.cpp reserves an output row per sequence and
-        # aborts the process (GGML_ASSERT n_outputs_max) when there are more sequences than n_batch rows.
-        max_seqs = min(max_seqs, ctx.n_batch)
-        ctx.n_seq_max, ctx.kv_unified = max_seqs, True
-        ctx.n_threads = ctx.n_threads_batch = threads
-        ctx.type_k = ctx.type_v = GGML_TYPE[cache_type]
-        ctx.flash_attn_type = FLASH_ATTN[flash_attn]
-        ctx.no_perf = True
-        self.context = internals.LlamaContext(model=self.model, params=ctx, verbose=True)
-        self.batch = internals.LlamaBatch(n_tokens=ctx.n_batch, embd=0, n_seq_max=1, verbose=True)
-        self.lib, self.n_ctx, self.n_batch, self.max_seqs = lib, n_ctx, ctx.n_batch, max_seqs
+        self.model = load_model(model) if self.owns_model else model
+        n_batch = min(n_batch, n_ctx)
+        max_seqs = min(max_seqs, n_batch)  # new_context: no more sequences than output rows
+        self.context = new_context(self.model, n_ctx, n_batch, max_seqs, threads, cache_type, flash_attn)
+        self.batch = internals.LlamaBatch(n_tokens=n_batch, embd=0, n_seq_max=1, verbose=True)
+        self.lib, self.n_ctx, self.n_batch, self.max_seqs = internals.llama_cpp, n_ctx, n_batch, max_seqs
         self.vocab = self.model.n_vocab()
 
     def __call__(self, seqs: list[list[int]]) -> list[np.ndarray]:
