@@ -20,6 +20,18 @@ InsecureOpt = Annotated[bool, typer.Option("--insecure-no-api-key",
                                                 "it can use it")]
 KeyEnvOpt = Annotated[str, typer.Option(help="env var holding the API key clients must send (unset: no key)")]
 TrackingOpt = Annotated[str | None, typer.Option(help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or ./mlflow.db)")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="go ahead though the version's run did not pass (needs --reason)")]
+ReasonOpt = Annotated[str | None, typer.Option(help="why --force: recorded on the version and in the champion history")]
+
+
+def _forced(force: bool, reason: str | None) -> str | None:
+    """The reason to override the gate, given only with both --force and a non-empty --reason."""
+    if force and not (reason or "").strip():
+        raise BadInput("--force: say why with --reason TEXT; the reason is recorded on the version and in the "
+                       "champion history.")
+    if reason and not force:
+        raise BadInput("--reason: only with --force (it records why a version that did not pass goes ahead).")
+    return reason.strip() if force and reason else None
 deploy_app = typer.Typer(no_args_is_help=True, help="Canary rollouts: walk one locally, or render Argo Rollouts manifests.")
 app.add_typer(deploy_app, name="deploy")
 
@@ -226,17 +238,33 @@ def _run_recipe(d: Path):
 @deploy_app.command("canary")
 def deploy_canary(run: Annotated[str, typer.Argument(metavar="RUN")], runs: RunsOpt = Path("runs"),
                   port: int = 8080, api_key_env: KeyEnvOpt = "KILN_API_KEY",
-                  keep_serving: Annotated[bool, typer.Option(help="keep the router and the winner up afterwards")] = False) -> None:
+                  keep_serving: Annotated[bool, typer.Option(help="keep the router and the winner up afterwards")] = False,
+                  force: ForceOpt = False, reason: ReasonOpt = None) -> None:
     """Walk a run's candidate through the recipe's canary steps against its baseline, on this machine.
 
-    Judged live by the recipe's gate policy; promotes (alias `champion` moves) or rolls back.
+    Judged live by the recipe's gate policy; promotes (alias `champion` moves) or rolls back. A run
+    that did not pass its gate is refused (exit 2) unless --force --reason TEXT.
     """
     from kiln.deploy.run import deploy_local, kiln_serve
     from kiln.pipeline.files import read_json
 
     d = run_dir(run, runs)
     recipe = _run_recipe(d)
-    state, registry = read_json(d / "state.json"), read_json(d / "registry.json")
+    state = read_json(d / "state.json")
+    if not (d / "registry.json").is_file():
+        raise BadInput(f"RUN: {d.name} has no registered version (status {state.get('status', '?')}); "
+                       "only a finished run's candidate can go out as a canary.")
+    registry = read_json(d / "registry.json")
+    reason = _forced(force, reason)
+    from kiln.pipeline.model_registry import FORCED, check_passed
+
+    client = _client(recipe.tracking.uri)
+    check_passed(client, registry["name"], str(registry["version"]), reason, "deploy")
+    if state.get("exit_code") != 0 and not reason:  # the version passed in another run, but not in this one
+        raise BadInput(f"RUN: {d.name} ended {state.get('verdict', state.get('status'))} (exit {state.get('exit_code')}); "
+                       "kiln deploys only a run that passed its gate. Pass --force --reason TEXT to override.")
+    if reason:
+        client.set_model_version_tag(registry["name"], str(registry["version"]), FORCED, reason)
     result = deploy_local(recipe.gate, recipe.deploy, kiln_serve(engine_dir(str(d), "baseline", runs)),
                           kiln_serve(engine_dir(str(d), "candidate", runs)), port=port, api_key=_key(api_key_env),
                           tracking_uri=recipe.tracking.uri, experiment=recipe.tracking.experiment,
@@ -249,12 +277,27 @@ def deploy_canary(run: Annotated[str, typer.Argument(metavar="RUN")], runs: Runs
 
 @deploy_app.command("render")
 def deploy_render(recipe: RecipeArg, out: Annotated[Path, typer.Option(help="YAML file to write")] = Path("rollout.yaml"),
-                  set_: SetOpt = []) -> None:  # noqa: B006
-    """Render Argo Rollouts manifests (Rollout, AnalysisTemplates from the gate policy, Services, autoscaler)."""
+                  set_: SetOpt = [],  # noqa: B006
+                  version: Annotated[str | None, typer.Option(help="the registered version the manifests roll out; "
+                                                                    "refused unless its run passed")] = None,
+                  tracking_uri: TrackingOpt = None, force: ForceOpt = False, reason: ReasonOpt = None) -> None:
+    """Render Argo Rollouts manifests (Rollout, AnalysisTemplates from the gate policy, Services, autoscaler).
+
+    With --version, the recipe's registered version is checked first: one whose run did not pass
+    is refused (exit 2) unless --force --reason TEXT, recorded on the version."""
     from kiln.deploy.run import render_manifests
+    from kiln.pipeline.model_registry import FORCED, check_passed, registered_name
     from kiln.pipeline.recipe import load_recipe
 
     r = load_recipe(recipe, set_)
+    reason = _forced(force, reason)
+    if version is not None:
+        client = _client(tracking_uri or r.tracking.uri)
+        check_passed(client, registered_name(r), version, reason, "render a rollout of")
+        if reason:
+            client.set_model_version_tag(registered_name(r), version, FORCED, reason)
+    elif force:
+        raise BadInput("--force: only with --version (the version whose gate it overrides).")
     render_manifests(r.name, r.gate, r.deploy, out, log=console.print)
 
 
@@ -265,21 +308,26 @@ def _client(tracking_uri: str | None):
 
 
 @app.command()
-def promote(name: str, version: str, tracking_uri: TrackingOpt = None) -> None:
-    """Move the `champion` alias to VERSION (remembering the one it replaces, for rollback)."""
+def promote(name: str, version: str, tracking_uri: TrackingOpt = None, force: ForceOpt = False,
+            reason: ReasonOpt = None) -> None:
+    """Move the `champion` alias to VERSION (remembering the one it replaces, for rollback).
+
+    A version whose run did not pass its gate is refused (exit 2) unless --force --reason TEXT."""
     from kiln.pipeline import model_registry
 
-    previous = model_registry.promote(_client(tracking_uri), name, version)
+    previous = model_registry.promote(_client(tracking_uri), name, version, _forced(force, reason))
     console.print(f"{name}: champion -> v{version}" + (f" (was v{previous})" if previous else ""))
 
 
 @app.command()
 def rollback(name: str, to: Annotated[str | None, typer.Option(help="version to restore")] = None,
-             tracking_uri: TrackingOpt = None) -> None:
-    """Move `champion` back to the version it replaced (or --to VERSION)."""
+             tracking_uri: TrackingOpt = None, force: ForceOpt = False, reason: ReasonOpt = None) -> None:
+    """Move `champion` back to the version it replaced (or --to VERSION), read from the champion history.
+
+    The target is held to the promotion's rule: its run passed, or it carries a recorded --force reason."""
     from kiln.pipeline import model_registry
 
-    current, target = model_registry.rollback(_client(tracking_uri), name, to)
+    current, target = model_registry.rollback(_client(tracking_uri), name, to, _forced(force, reason))
     console.print(f"{name}: champion -> v{target} (rolled back from v{current})")
 
 

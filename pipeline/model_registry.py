@@ -8,7 +8,9 @@ Registration is idempotent and crash-safe. A version is found again by its artif
 recipe hash, so re-running an unchanged recipe tags the existing version instead of adding one.
 A new version is created with `kiln.registration = incomplete` and no verdict; the verdict, the
 checks and `complete` are set only by `complete()`, the last step of publishing, and the
-`challenger` alias moves after that. A run killed in between leaves a version no reader takes
+`challenger` alias moves after that, and only to a version whose run passed (exit 0). `champion`
+moves only to a version whose run passed, unless the one who moves it says `--force` and why: the
+reason is kept on the version and in the champion history `kiln rollback` reads. A run killed in between leaves a version no reader takes
 for a finished one; the next run of the recipe completes it. One lock per registered model (on
 this machine's cache) keeps two runs from creating the same version twice.
 """
@@ -26,6 +28,9 @@ CHALLENGER, CHAMPION = "challenger", "champion"
 STATE = "kiln.registration"  # "incomplete" until complete() ran
 ARTIFACT_SHA, RECIPE_HASH = "kiln.artifact_sha256", "kiln.recipe_hash"
 PREVIOUS = "kiln.previous_champion"
+PASSED = "kiln.passed"  # "true" only when the version's run exited 0 (every check passed)
+HISTORY = "kiln.champion_history"  # on the registered model: every move of `champion`, newest last
+FORCED = "kiln.forced"  # on a version promoted though its run did not pass: the reason given
 SERVING = "kiln.serving"  # {optimize, engine} as judged: a search serves the champion this way
 
 
@@ -62,14 +67,41 @@ def complete(ctx: Any, version: Version, outcome: Any, extra_tags: dict[str, str
     alias. Under the registry lock: two runs setting one version's tags at once race in MLflow's
     sqlite store (UNIQUE constraint failed: model_version_tags)."""
     client = ctx.tracker.client
-    tags = {"kiln.verdict": outcome.verdict.value, "kiln.run_dir": str(ctx.run_dir.resolve()),
+    passed = int(outcome.exit_code) == 0
+    tags = {"kiln.verdict": outcome.verdict.value, PASSED: str(passed).lower(), "kiln.exit_code": str(int(outcome.exit_code)),
+            "kiln.run_dir": str(ctx.run_dir.resolve()),
             "kiln.last_run": ctx.parent_run, **{f"kiln.check.{r.name}": r.verdict.value for r in outcome.results},
             **(extra_tags or {})}
     with _locked(ctx, version.name):
         for key, value in tags.items():
             client.set_model_version_tag(version.name, version.version, key, value)
         client.set_model_version_tag(version.name, version.version, STATE, "complete")
-        client.set_registered_model_alias(version.name, CHALLENGER, version.version)
+        if passed:  # a version whose run did not pass is recorded, never offered as the challenger
+            client.set_registered_model_alias(version.name, CHALLENGER, version.version)
+
+
+def passed(mv: Any) -> bool:
+    """Whether a version's run passed: its `kiln.passed` tag (a version tagged before that tag
+    existed passed only with a Successful verdict)."""
+    if PASSED in mv.tags:
+        return mv.tags[PASSED] == "true"
+    return mv.tags.get("kiln.verdict") == "Successful"
+
+
+def check_passed(client: Any, name: str, version: str, reason: str | None, what: str) -> Any:
+    """The version, once its run passed; else BadInput naming the run and its verdict, unless a
+    reason to go ahead anyway is given (`--force --reason`)."""
+    mv = _version(client, name, version)
+    if mv.tags.get(STATE, "complete") != "complete":
+        raise BadInput(f"VERSION: {name} v{version} never finished registering (its run was interrupted); "
+                       f"run its recipe again to complete it, then {what}.")
+    if passed(mv) or reason:
+        return mv
+    verdict = mv.tags.get("kiln.verdict", "no verdict")
+    raise BadInput(f"VERSION: {name} v{version} did not pass its gate: its run {mv.tags.get('kiln.last_run', mv.run_id)} "
+                   f"ended {verdict} (exit {mv.tags.get('kiln.exit_code', '?')}), so kiln will not {what} it. "
+                   f"Fix the candidate and run the recipe again, or pass --force --reason TEXT to override; the reason "
+                   "is recorded on the version and in the champion history.")
 
 
 def _name(ctx: Any) -> str:
@@ -115,29 +147,59 @@ def _alias(client: Any, name: str, alias: str) -> Any | None:
         return None
 
 
-def promote(client: Any, name: str, version: str) -> str | None:
-    """Move `champion` to `version`, remembering the one it replaces; returns that one."""
+def promote(client: Any, name: str, version: str, reason: str | None = None) -> str | None:
+    """Move `champion` to `version`, remembering the one it replaces; returns that one. A version
+    whose run did not pass is refused unless `reason` says why it goes anyway (`--force`)."""
     mv = _version(client, name, version)
-    if mv.tags.get(STATE, "complete") != "complete":
-        raise BadInput(f"VERSION: {name} v{version} never finished registering (its run was interrupted); "
-                       "run its recipe again to complete it, then promote.")
+    reason = reason or mv.tags.get(FORCED)  # `kiln deploy canary --force` records it before the walk
+    check_passed(client, name, version, reason, "promote")
+    forced = not passed(mv)
     previous = _alias(client, name, CHAMPION)
     if previous and previous.version != version:
         client.set_model_version_tag(name, version, PREVIOUS, previous.version)
+    if forced:
+        client.set_model_version_tag(name, version, FORCED, reason)
     client.set_registered_model_alias(name, CHAMPION, version)
     client.set_model_version_tag(name, version, "kiln.deploy", "promoted")
+    _record(client, name, {"action": "promote", "version": version, "previous": previous.version if previous else None,
+                           "verdict": mv.tags.get("kiln.verdict"), **({"forced": reason} if forced else {})})
     return previous.version if previous else None
 
 
-def rollback(client: Any, name: str, to: str | None = None) -> tuple[str, str]:
-    """Move `champion` back to the version it replaced (or to `to`); returns (from, to)."""
+def history(client: Any, name: str) -> list[dict[str, Any]]:
+    """Every move of `champion` kiln made, oldest first."""
+    import json
+
+    raw = client.get_registered_model(name).tags.get(HISTORY)
+    return json.loads(raw) if raw else []
+
+
+def _record(client: Any, name: str, entry: dict[str, Any]) -> None:
+    """One more line of the champion history, on the registered model (the newest 30 moves: a tag
+    holds at most a few kilobytes)."""
+    import json
+    import time
+
+    entries = [*history(client, name), {**entry, "at": round(time.time())}][-30:]
+    client.set_registered_model_tag(name, HISTORY, json.dumps(entries))
+
+
+def rollback(client: Any, name: str, to: str | None = None, reason: str | None = None) -> tuple[str, str]:
+    """Move `champion` back to the version it replaced (or to `to`); returns (from, to). The target
+    is held to the same rule as a promotion: its run passed, or it went in with a recorded reason
+    (or `reason` gives one now)."""
     current = _alias(client, name, CHAMPION)
     if current is None:
         raise BadInput(f"NAME: registered model '{name}' has no champion to roll back; promote a version first.")
-    target = to or current.tags.get(PREVIOUS)
+    moves = [e for e in history(client, name) if e["action"] == "promote" and e["version"] == current.version]
+    target = to or (moves[-1]["previous"] if moves else None) or current.tags.get(PREVIOUS)
     if not target:
         raise BadInput(f"{name} v{current.version} has no recorded previous champion; pass --to VERSION.")
-    _version(client, name, target)
+    mv = _version(client, name, target)
+    check_passed(client, name, target, reason or mv.tags.get(FORCED), "roll back to")
+    if reason and not passed(mv):
+        client.set_model_version_tag(name, target, FORCED, reason)
     client.set_registered_model_alias(name, CHAMPION, target)
     client.set_model_version_tag(name, current.version, "kiln.deploy", "rolled_back")
+    _record(client, name, {"action": "rollback", "version": target, "previous": current.version})
     return current.version, target

@@ -22,8 +22,9 @@ def mlflow_registry(tmp_path):
     tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "kiln-test")
     client = tracker.client
     client.create_registered_model("smol")
-    for _ in range(2):
-        client.create_model_version("smol", source=(tmp_path / "engine").as_uri())
+    for _ in range(2):  # as kiln registers them: from runs that passed (only those may become champion)
+        mv = client.create_model_version("smol", source=(tmp_path / "engine").as_uri())
+        client.set_model_version_tag("smol", mv.version, "kiln.passed", "true")
     client.set_registered_model_alias("smol", "champion", "1")
     client.set_registered_model_alias("smol", "challenger", "2")
     return tracker

@@ -1,0 +1,119 @@
+"""Aliases follow verdicts, against a real `mlflow server` on 127.0.0.1: `challenger` goes only to a
+version whose run passed; `kiln promote`, `kiln rollback --to`, `kiln deploy canary` and `kiln deploy
+render --version` refuse a version whose run did not pass (exit 2, naming the run and its verdict)
+unless `--force --reason TEXT`, which is recorded on the version and in the champion history."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from kiln.pipeline import model_registry
+from kiln.pipeline.errors import ExitCode
+from kiln.pipeline.gate.base import Verdict
+from kiln.pipeline.gate.policy import GateOutcome
+from tests.pipeline.conftest import TINY_RECIPE, kiln
+from tests.tracking_servers import mlflow_server
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    """A real tracking server holding model 'm': v1 from a run that passed, v2 and v3 from runs that failed."""
+    work = tmp_path_factory.mktemp("aliases")
+    with mlflow_server(work) as uri:
+        client = MlflowClient(uri)
+        exp = client.create_experiment("aliases")
+        client.create_registered_model("m")
+        runs = {}
+        for v, (verdict, code) in enumerate((("Successful", 0), ("Failed", 1), ("Inconclusive", 3)), 1):
+            run = client.create_run(exp, run_name=f"run {v}")
+            runs[str(v)] = run.info.run_id
+            mv = client.create_model_version("m", source=f"{run.info.artifact_uri}/model", run_id=run.info.run_id)
+            for key, value in {"kiln.registration": "complete", "kiln.verdict": verdict, "kiln.passed": str(code == 0).lower(),
+                               "kiln.exit_code": str(code), "kiln.last_run": run.info.run_id}.items():
+                client.set_model_version_tag("m", mv.version, key, value)
+        yield SimpleNamespace(uri=uri, client=client, work=work, runs=runs)
+
+
+def _champion(client: MlflowClient) -> str:
+    return str(client.get_model_version_by_alias("m", "champion").version)
+
+
+def _kiln(registry, *args: str):
+    return kiln(*args, "--tracking-uri", registry.uri, cwd=registry.work)
+
+
+def test_promote_refuses_a_version_whose_run_did_not_pass_unless_forced_with_a_reason(registry):
+    client = registry.client
+    assert _kiln(registry, "promote", "m", "1").returncode == 0 and _champion(client) == "1"
+    refused = _kiln(registry, "promote", "m", "2")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "m v2 did not pass" in refused.stderr and "Failed" in refused.stderr and registry.runs["2"] in refused.stderr
+    assert "Traceback" not in refused.stderr and _champion(client) == "1"
+    no_reason = _kiln(registry, "promote", "m", "2", "--force")
+    assert no_reason.returncode == 2 and "--reason" in no_reason.stderr and _champion(client) == "1"
+    forced = _kiln(registry, "promote", "m", "2", "--force", "--reason", "hotfix: the Failed check is a known flake")
+    assert forced.returncode == 0, forced.stderr
+    assert _champion(client) == "2"
+    assert client.get_model_version("m", "2").tags["kiln.forced"] == "hotfix: the Failed check is a known flake"
+    last = model_registry.history(client, "m")[-1]
+    assert last["version"] == "2" and last["previous"] == "1" and last["forced"].startswith("hotfix")
+    # rollback reads the history: back to v1
+    back = _kiln(registry, "rollback", "m")
+    assert back.returncode == 0 and _champion(client) == "1", back.stderr
+    assert model_registry.history(client, "m")[-1] == {**model_registry.history(client, "m")[-1],
+                                                       "action": "rollback", "version": "1", "previous": "2"}
+
+
+def test_rollback_to_a_version_that_never_passed_is_refused(registry):
+    proc = _kiln(registry, "rollback", "m", "--to", "3")
+    assert proc.returncode == 2 and "m v3 did not pass" in proc.stderr and "Inconclusive" in proc.stderr, proc.stderr
+    assert _champion(registry.client) != "3"
+
+
+def test_challenger_goes_only_to_a_version_whose_run_passed(registry, tmp_path):
+    client = registry.client
+    ctx = SimpleNamespace(tracker=SimpleNamespace(client=client, uri=registry.uri), cache=tmp_path, run_dir=tmp_path,
+                          parent_run=registry.runs["3"], recipe=SimpleNamespace(tracking=SimpleNamespace(registered_model="m")))
+    inconclusive = GateOutcome(Verdict.INCONCLUSIVE, [], ExitCode.GATE_INCONCLUSIVE, "rule")
+    model_registry.complete(ctx, model_registry.Version("m", "3", reused=True), inconclusive)
+    with pytest.raises(Exception, match="alias"):
+        client.get_model_version_by_alias("m", "challenger")
+    assert client.get_model_version("m", "3").tags["kiln.passed"] == "false"
+    passed = GateOutcome(Verdict.INCONCLUSIVE, [], ExitCode.PASSED, "rule")  # on_inconclusive: pass
+    model_registry.complete(ctx, model_registry.Version("m", "1", reused=True), passed)
+    assert str(client.get_model_version_by_alias("m", "challenger").version) == "1"
+
+
+def _run_folder(registry, root: Path, version: str, verdict: str, code: int) -> Path:
+    d = root / f"run-v{version}"
+    d.mkdir(parents=True)
+    recipe = {**TINY_RECIPE, "model": {"path": "demo"}, "tracking": {"uri": registry.uri, "registered_model": "m"},
+              "gate": {"checks": [*TINY_RECIPE["gate"]["checks"], {"kind": "error_rate", "max": 0.01}]}}
+    (d / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    (d / "state.json").write_text(json.dumps({"status": "done", "verdict": verdict, "exit_code": code,
+                                              "mlflow_parent": registry.runs[version]}))
+    (d / "registry.json").write_text(json.dumps({"name": "m", "version": version, "alias": "challenger"}))
+    return d
+
+
+def test_deploy_canary_and_render_refuse_a_run_that_did_not_pass(registry, tmp_path):
+    failed = _run_folder(registry, tmp_path, "3", "Inconclusive", 3)
+    proc = kiln("deploy", "canary", str(failed), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "m v3 did not pass" in proc.stderr and registry.runs["3"] in proc.stderr and "Traceback" not in proc.stderr
+    recipe = failed / "recipe.yaml"
+    out = tmp_path / "rollout.yaml"
+    proc = kiln("deploy", "render", str(recipe), "--version", "3", "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 2 and "m v3 did not pass" in proc.stderr and not out.exists(), proc.stderr
+    proc = kiln("deploy", "render", str(recipe), "--version", "1", "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 0 and out.is_file(), proc.stderr
+    proc = kiln("deploy", "render", str(recipe), "--version", "3", "--force", "--reason", "load test only",
+                "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert registry.client.get_model_version("m", "3").tags["kiln.forced"] == "load test only"
