@@ -130,6 +130,9 @@ def comment_body(recipe: str, verdict: Mapping[str, Any], report_md: str, pr: Ma
     if v == "Inconclusive":
         head += ["> The data cannot decide at the policy's confidence level (not a regression, not a pass). "
                  "More samples usually settle it; the recipe's `gate.on_inconclusive` says whether it blocks.", ""]
+    # The report's warnings (a contention guard the recipe switched off: a pull request's recipe is its own)
+    if warnings := [line for line in report_md.split("\n## ", 1)[0].splitlines() if line.startswith("> ⚠️")]:
+        head += [*warnings, ""]
     if checks:
         head += [_table(checks), ""]
     reasons = [f"- **{_cell(c.get('name'))}** ({c.get('verdict')}): {_cell(c.get('reason'))}" for c in bad if c.get("reason")]

@@ -48,12 +48,20 @@ declare("decode_tok_s", True, "tok/s", "decode tokens per second per sequence at
 declare("ttft_ms", False, "ms", "time to first token (prefill) of the benchmark prompts", "performance")
 declare("tpot_ms", False, "ms", "time per output token after the first", "performance")
 # How busy the machine was during the decode benchmark (kiln.evaluate.contention): not gated on
-# its own; a speed check measured above its bound is Inconclusive.
+# its own; a speed check measured above its bound is Inconclusive. The pressure's name says which
+# signal measured it (PSI, or the run queue where PSI is missing).
 BENCH_PRESSURE = "bench_cpu_pressure"
+BENCH_RUN_QUEUE = "bench_run_queue_pressure"
+BENCH_STEAL = "bench_cpu_steal"
+PRESSURE_BY_SIGNAL = {"PSI": BENCH_PRESSURE, "run queue": BENCH_RUN_QUEUE}
 # Evidence.counts of the load stage: (headline stages the client could not send on time, repeats).
 CLIENT_LIMITED = "load_client_limited"
 declare(BENCH_PRESSURE, False, "fraction", "share of the decode benchmark's wall time a task waited for a CPU "
         "(Linux PSI): other jobs competing with the measurement", "machine")
+declare(BENCH_RUN_QUEUE, False, "fraction", "runnable tasks beyond the CPUs the decode benchmark may use, per CPU, "
+        "averaged over run-queue samples (where PSI is missing; reads as PSI does): other jobs competing", "machine")
+declare(BENCH_STEAL, False, "fraction", "share of CPU time the hypervisor gave other guests during the decode "
+        "benchmark (steal, /proc/stat)", "machine")
 # Footprint.
 declare("size_bytes", False, "bytes", "checkpoint size on disk", "size")
 declare("error_rate", False, "fraction", "failed requests / all requests", "error_rate")

@@ -76,6 +76,7 @@ class Sections:
     lineage: list[dict[str, str]] = field(default_factory=list)
     comparisons: list[Any] = field(default_factory=list)  # kiln.evaluate.stats.Comparison, one per paired metric
     serving: dict[str, float] = field(default_factory=dict)  # role -> bytes the engine serves from (engine_bytes)
+    warnings: list[str] = field(default_factory=list)  # shown under the verdict: a contention guard off or blind
 
 
 def tables(outcome: GateOutcome, evidence: dict[str, Evidence], sections: Sections) -> list[Table]:
@@ -116,7 +117,8 @@ def _search_tables(record: dict[str, Any]) -> list[Table]:
         rows.append([("🏆 " if c["name"] == record["winner"] else "") + c["name"], c["engine"], c["optimize"],
                      c["verdict"] or "—", _speedup(c["confirmed"] or c["screened"]) + (" (confirmed)" if c["confirmed"] else ""),
                      "—" if not ppl else f"{ppl['change']:+.2%} [{ppl['low']:+.2%}, {ppl['high']:+.2%}]",
-                     _fmt(c.get("decode_tok_s")), _cost(c.get("cost_per_1m")), _amount("size_bytes", c["serving_bytes"]),
+                     _fmt(c.get("decode_tok_s")) + (f" ({c['contention']})" if c.get("contention") else ""),
+                     _cost(c.get("cost_per_1m")), _amount("size_bytes", c["serving_bytes"]),
                      c["eliminated"] or ("winner" if c["name"] == record["winner"] else "passed every check")])
     summary = [["winner", record["winner"] or "none: no candidate passed every check"], ["why", record["why"]],
                ["statistics", record["statistics"]]]
@@ -139,12 +141,13 @@ def _per_million(price_per_hour: float | None, tok_s: float | None) -> float | N
 def search_record(arms: list[Any], winner: Any, policy: Any) -> dict[str, Any]:
     """search.json: what the report's search tables and the Pareto plot are drawn from."""
     from kiln.pipeline.evidence import evidence_from_run
+    from kiln.pipeline.gate.performance import contention
 
     objective = arms[0].ctx.recipe.search.objective
     price = arms[0].ctx.recipe.search.price_per_hour
     rows, base_tok_s = [], []
     for arm in arms:
-        ppl, tok_s = None, None
+        ppl, tok_s, busy = None, None, None
         evidence = evidence_from_run(arm.ctx.run_dir) if arm.engines else {}
         if (arm.ctx.run_dir / "stages" / "quality-candidate.json").exists():
             found = [c for c in comparisons(evidence, 0.95) if c.metric == "perplexity"]
@@ -152,11 +155,12 @@ def search_record(arms: list[Any], winner: Any, policy: Any) -> dict[str, Any]:
                 ppl = {"change": found[0].difference, "low": found[0].ci_low, "high": found[0].ci_high}
         if evidence and "decode_tok_s" in evidence["candidate"].metrics:  # the confirmation's, where there is one
             tok_s = evidence["candidate"].metrics["decode_tok_s"]
+            busy = contention(evidence["candidate"].metrics)
             base_tok_s += evidence["baseline"].repeats.get("decode_tok_s", [])
         rows.append({"name": arm.name, "engine": _serving(arm.ctx.recipe.engine, arm.ctx.recipe.optimize), "optimize": arm.ctx.recipe.optimize.method,
                      "verdict": arm.outcome.verdict.value if arm.outcome else None, "eliminated": arm.eliminated,
                      "reached": arm.reached, "screened": arm.screened, "confirmed": arm.confirmed,
-                     "perplexity": ppl, "decode_tok_s": tok_s, "cost_per_1m": _per_million(price, tok_s),
+                     "perplexity": ppl, "decode_tok_s": tok_s, "contention": busy, "cost_per_1m": _per_million(price, tok_s),
                      "serving_bytes": serving_bytes(arm)})
     base_rate = median(base_tok_s) if base_tok_s else None  # over every benchmark it ran in
     baseline = {"engine": _serving(arms[0].ctx.recipe.engine_for("baseline")), "decode_tok_s": base_rate,
@@ -242,7 +246,8 @@ def markdown(name: str, outcome: GateOutcome, evidence: dict[str, Evidence], lin
              sections: Sections | None = None) -> str:
     sections = sections or Sections()
     lines = [f"# kiln: {name} — {ICON[outcome.verdict]} {outcome.verdict.value}", "",
-             f"Rule: {outcome.rule}. Exit code {int(outcome.exit_code)}.", ""]
+             f"Rule: {outcome.rule}. Exit code {int(outcome.exit_code)}.", "",
+             *[line for w in sections.warnings for line in (f"> ⚠️ {w}.", "")]]
     for i, (title, header, rows) in enumerate(tables(outcome, evidence, sections)):
         lines += [f"## {title}", "", _md_table(header, rows), ""]
         if i == 0 and sections.plots:  # the plots follow the checks
@@ -280,6 +285,7 @@ td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left}}.v{{color:{color}}
 figure{{margin:1em 0}}figcaption{{color:#555;font-size:90%}}</style></head><body>
 <h1>{html.escape(md_title)}: <span class="v">{outcome.verdict.value}</span></h1>
 <p>Rule: {html.escape(outcome.rule)}. Exit code {int(outcome.exit_code)}.</p>
+{"".join(f"<p>⚠️ {html.escape(w)}.</p>" for w in sections.warnings)}
 {"".join(parts)}
 </body></html>"""
 
@@ -338,6 +344,7 @@ def publish(ctx: Any, outcome: GateOutcome, evidence: dict[str, Evidence], artif
             search: tuple[list[Any], Any, Any] | None = None) -> Path:
     """The report, its plots and the registry version. `search`: (arms, winner, policy) of a search run."""
     from kiln.pipeline import model_registry
+    from kiln.pipeline.gate.performance import guard_warnings
     from kiln.pipeline.report_plots import gather, pareto
 
     registered = model_registry.register(ctx, artifact)
@@ -360,6 +367,7 @@ def publish(ctx: Any, outcome: GateOutcome, evidence: dict[str, Evidence], artif
         atomic_write_json(ctx.run_dir / "search.json", sections.search)
         if plot := pareto(sections.search, ctx.run_dir / "plots" / "search_pareto.png"):
             sections.plots = {"quality change against speed-up, every candidate": plot, **sections.plots}
+    sections.warnings = guard_warnings(ctx.recipe.gate.checks, evidence["candidate"].metrics)
     atomic_write_json(ctx.run_dir / "comparisons.json", [c.to_dict() for c in sections.comparisons])
     md = markdown(ctx.recipe.name, outcome, evidence, links, sections)
     atomic_write_text(ctx.run_dir / "report.md", md)

@@ -14,7 +14,6 @@ from kiln.pipeline.evidence import evidence_from_run
 from kiln.pipeline.files import atomic_write_json, dir_size, hash_of, read_json, sha256_file
 from kiln.pipeline.gate.base import Evidence, Verdict
 from kiln.pipeline.gate.policy import GateOutcome, judge
-from kiln.pipeline.metrics import BENCH_PRESSURE
 from kiln.pipeline.model_source import ResolvedModel
 from kiln.pipeline.stages import RunContext, StageOutcome, peak_rss_bytes, run_stage, run_tags
 from kiln.pipeline.versions import library_versions
@@ -387,13 +386,12 @@ def benchmark(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], co
     def compute(out: Path) -> dict[str, Any]:
         from kiln.evaluate import contention
 
-        start = contention.read()
+        watch = contention.Watch()  # how busy the machine is meanwhile
         stopped: dict[str, Any] = {}
 
         def stop(samples: dict[str, dict[str, list[float]]]) -> bool:
-            pressure = contention.between(start, contention.read())["cpu_pressure"]
-            verdict = judge(futility, Evidence("candidate", metrics={BENCH_PRESSURE: pressure} if pressure is not None
-                                               else {}, repeats=samples["candidate"]),
+            verdict = judge(futility, Evidence("candidate", metrics=contention.as_metrics(watch.figures()),
+                                               repeats=samples["candidate"]),
                             Evidence("baseline", repeats=samples["baseline"]))
             failed = [r for r in verdict.results if r.verdict is Verdict.FAILED]
             if failed:
@@ -405,13 +403,14 @@ def benchmark(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], co
                                   markup=False)
             return bool(failed)
 
-        per_arm = interleaved({role: loaded[role] for role in engines}, prompts, b.max_new_tokens,
-                              b.batch_sizes, b.repeats, stop=stop if futility else None)
-        machine = contention.between(start, contention.read())  # how busy the machine was meanwhile
+        with watch:
+            per_arm = interleaved({role: loaded[role] for role in engines}, prompts, b.max_new_tokens,
+                                  b.batch_sizes, b.repeats, stop=stop if futility else None)
+            machine = watch.figures()
         atomic_write_json(out / "repeats.json", per_arm)
         per_role = {role: {"repeats": samples, "metrics": {
             **{k: statistics.median(v) for k, v in samples.items()},
-            **({BENCH_PRESSURE: machine["cpu_pressure"]} if machine["cpu_pressure"] is not None else {})}}
+            **contention.as_metrics(machine)}}
             for role, samples in per_arm.items()}
         metrics = {f"{role}.{k}": v for role, part in per_role.items() for k, v in part["metrics"].items()}
         return {"metrics": metrics, "per_role": per_role, "machine": machine, **({"stopped": stopped} if stopped else {})}
@@ -419,7 +418,7 @@ def benchmark(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], co
     run_stage(ctx, "benchmark", "pair",
               {"engines": {r: p.name for r, p in engines.items()}, "config": b.model_dump(mode="json"),
                "hardware": hardware_fingerprint(), "prompts": hash_of(prompts), "pairing": "per-prompt",
-               "records": "contention", "prefill": "uncached", **({"confirmation": 1} if confirmation else {}),
+               "records": "contention by signal, steal", "prefill": "uncached", **({"confirmation": 1} if confirmation else {}),
                **({"stops_when_failed": futility.model_dump(mode="json")} if futility else {})},
               compute)
 
