@@ -187,6 +187,10 @@ def build(jobs: int | None = None) -> Path:
 
 
 def main() -> None:
+    if sys.argv[1:] == ["--check"]:  # CI (ci/action.yml): is this machine's build there? Builds nothing.
+        done = complete(install_dir())
+        print(f"llama.cpp {VERSION}: {install_dir()} {'complete' if done else 'missing or incomplete'}")
+        raise SystemExit(0 if done else 1)
     path = build()
     print(f"llama.cpp {VERSION}: {path}")
 

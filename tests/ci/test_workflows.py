@@ -215,7 +215,8 @@ new AsyncFunction('github', 'context', 'core', 'require', fs.readFileSync(script
 """
 
 
-def run_comment_script(tmp_path: Path, body: str, comments: list[dict], read_only: bool = False) -> dict:
+def run_comment_script(tmp_path: Path, body: str, comments: list[dict], read_only: bool = False,
+                       env: dict[str, str] | None = None) -> dict:
     node = shutil.which("node")
     if not node:
         pytest.fail("node not found: the comment script test runs actions/github-script's JavaScript "
@@ -225,7 +226,8 @@ def run_comment_script(tmp_path: Path, body: str, comments: list[dict], read_onl
     (tmp_path / "harness.js").write_text(COMMENT_HARNESS)
     (tmp_path / "state.json").write_text(json.dumps({"comments": comments, "readOnly": read_only}))
     (tmp_path / "pr-comment.md").write_text(body)
-    env = {"PATH": os.environ["PATH"], "BODY_FILE": str(tmp_path / "pr-comment.md"), "REPORT_URL": "https://x/artifact/1"}
+    env = {"PATH": os.environ["PATH"], "BODY_FILE": str(tmp_path / "pr-comment.md"), "REPORT_URL": "https://x/artifact/1",
+           **(env or {})}
     proc = subprocess.run([node, str(tmp_path / "harness.js"), str(tmp_path / "script.js"), str(tmp_path / "state.json")],
                           env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
