@@ -22,7 +22,7 @@ import numpy as np
 from scipy import optimize, stats
 
 from kiln.pipeline.errors import BadInput
-from kiln.pipeline.verdict import Verdict
+from kiln.pipeline.verdict import Verdict, percent
 
 
 def jsonable(obj: Any) -> Any:
@@ -401,7 +401,7 @@ def non_inferiority(cmp: Comparison, margin: float, higher_is_better: bool) -> N
     sign = -1.0 if higher_is_better else 1.0
     drop = sign * cmp.difference + 0.0
     low, high = sorted((sign * cmp.ci_low + 0.0, sign * cmp.ci_high + 0.0))  # + 0.0: no -0.0
-    ci = f"{cmp.confidence:.0%} CI of the drop [{low:.4g}, {high:.4g}] ({cmp.method}, n={cmp.n})"
+    ci = f"{percent(cmp.confidence)} CI of the drop [{low:.4g}, {high:.4g}] ({cmp.method}, n={cmp.n})"
     if not all(map(math.isfinite, (drop, low, high))):
         return NonInferiority(Verdict.ERROR, drop, (low, high), high, margin, f"non-finite statistics: {ci}")
     if high <= margin:

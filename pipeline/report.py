@@ -24,6 +24,7 @@ from kiln.pipeline.files import atomic_write_json, atomic_write_text
 from kiln.pipeline.gate.base import CheckResult, Evidence, Verdict
 from kiln.pipeline.gate.policy import GateOutcome
 from kiln.pipeline.metrics import METRICS
+from kiln.pipeline.verdict import percent
 
 ICON = {Verdict.SUCCESSFUL: "✅", Verdict.FAILED: "❌", Verdict.INCONCLUSIVE: "⚠️", Verdict.ERROR: "💥"}
 
@@ -56,7 +57,7 @@ def comparison_rows(comparisons: list[Any]) -> list[list[str]]:
         return f"{v:+.2%}" if c.relative else f"{v:+.4g}"
 
     return [[c.metric, _fmt(c.baseline), _fmt(c.candidate), diff(c, c.difference),
-             f"[{diff(c, c.ci_low)}, {diff(c, c.ci_high)}] at {c.confidence:.0%}", f"{c.p_value:.3g}",
+             f"[{diff(c, c.ci_low)}, {diff(c, c.ci_high)}] at {percent(c.confidence)}", f"{c.p_value:.3g}",
              f"{c.method}, n={c.n}"] for c in comparisons]
 
 
@@ -101,7 +102,7 @@ def tables(outcome: GateOutcome, evidence: dict[str, Evidence], sections: Sectio
     return [t for t in out if t[2]]
 
 
-SEARCH_HEADER = ["candidate", "engine", "optimize", "verdict", "speed-up [95% CI]", "perplexity change [CI]",
+SEARCH_HEADER = ["candidate", "engine", "optimize", "verdict", "speed-up [CI]", "perplexity change [CI]",
                  "decode tok/s (b1)", "cost / 1M tokens (b1)", "serving size", "why"]
 
 
@@ -122,11 +123,15 @@ def _search_tables(record: dict[str, Any]) -> list[Table]:
                      c["eliminated"] or ("winner" if c["name"] == record["winner"] else "passed every check")])
     summary = [["winner", record["winner"] or "none: no candidate passed every check"], ["why", record["why"]],
                ["statistics", record["statistics"]]]
+    if duel := record.get("versus_champion"):
+        summary.insert(2, ["against the champion", f"{duel['verdict']}: {duel['reason']}"])
     if (base := record.get("baseline")) and base.get("decode_tok_s"):
         summary.append(["baseline", f"{base['engine']}: {_fmt(base['decode_tok_s'])} tok/s at batch 1"
                                     + (f", {_cost(base['cost_per_1m'])} per 1M output tokens at "
                                        f"{record['price_per_hour']:g} per machine-hour" if base.get("cost_per_1m") else "")])
-    return [("Search", ["what", "result"], summary), ("Candidates", SEARCH_HEADER, rows)]
+    at = f" at {percent(record['confidence'])}"  # the intervals are at the confidence the verdicts were taken at
+    header = [h.replace("[CI]", f"[CI{at}]") for h in SEARCH_HEADER]
+    return [("Search", ["what", "result"], summary), ("Candidates", header, rows)]
 
 
 def _cost(v: float | None) -> str:
@@ -150,7 +155,7 @@ def search_record(arms: list[Any], winner: Any, policy: Any) -> dict[str, Any]:
         ppl, tok_s, busy = None, None, None
         evidence = evidence_from_run(arm.ctx.run_dir) if arm.engines else {}
         if (arm.ctx.run_dir / "stages" / "quality-candidate.json").exists():
-            found = [c for c in comparisons(evidence, 0.95) if c.metric == "perplexity"]
+            found = [c for c in comparisons(evidence, policy.confidence) if c.metric == "perplexity"]
             if found:
                 ppl = {"change": found[0].difference, "low": found[0].ci_low, "high": found[0].ci_high}
         if evidence and "decode_tok_s" in evidence["candidate"].metrics:  # the confirmation's, where there is one
@@ -168,12 +173,15 @@ def search_record(arms: list[Any], winner: Any, policy: Any) -> dict[str, Any]:
     won = winner is not None and winner.eliminated is None
     best = winner.confirmed or winner.screened if won else None
     why = (f"the highest {objective} speed-up over the baseline among the candidates that passed every check: "
-           f"{_speedup(best)}" + (", measured again after it was picked" if winner.confirmed else "")) if won else \
-        "every candidate failed a check, was undecided, or ran out of the search budget (see why)"
-    statistics = (f"{len(arms)} candidate(s), each check at {policy.confidence:.2%} confidence "
+           f"{_speedup(best)}" + (", measured again on held-out prompts after it was picked" if winner.confirmed else "")
+           + (", and faster than the champion" if winner.versus_champion else "")) if won else \
+        "every candidate failed a check, was undecided, ran out of the search budget, or did not beat the champion (see why)"
+    statistics = (f"{len(arms)} candidate(s), each check and every interval at {policy.confidence:.2%} confidence "
                   f"(gate.confidence {arms[0].ctx.recipe.gate.confidence:.0%} shared by the candidates, Bonferroni), "
                   "so the chance of promoting any candidate truly past a margin stays at the single-candidate rate")
+    duel = winner.versus_champion.to_dict() if winner is not None and winner.versus_champion else None
     return {"objective": objective, "winner": winner.name if won else None, "why": why, "statistics": statistics,
+            "versus_champion": duel,
             "confidence": policy.confidence, "price_per_hour": price, "baseline": baseline, "candidates": rows}
 
 
@@ -246,6 +254,7 @@ def markdown(name: str, outcome: GateOutcome, evidence: dict[str, Evidence], lin
              sections: Sections | None = None) -> str:
     sections = sections or Sections()
     lines = [f"# kiln: {name} — {ICON[outcome.verdict]} {outcome.verdict.value}", "",
+             *([f"**{outcome.summary}.**", ""] if outcome.summary else []),
              f"Rule: {outcome.rule}. Exit code {int(outcome.exit_code)}.", "",
              *[line for w in sections.warnings for line in (f"> ⚠️ {w}.", "")]]
     for i, (title, header, rows) in enumerate(tables(outcome, evidence, sections)):
@@ -284,6 +293,7 @@ def html_page(md_title: str, outcome: GateOutcome, evidence: dict[str, Evidence]
 td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left}}.v{{color:{color}}}img{{max-width:100%}}
 figure{{margin:1em 0}}figcaption{{color:#555;font-size:90%}}</style></head><body>
 <h1>{html.escape(md_title)}: <span class="v">{outcome.verdict.value}</span></h1>
+<p><strong>{html.escape(outcome.summary)}</strong></p>
 <p>Rule: {html.escape(outcome.rule)}. Exit code {int(outcome.exit_code)}.</p>
 {"".join(f"<p>⚠️ {html.escape(w)}.</p>" for w in sections.warnings)}
 {"".join(parts)}
@@ -357,7 +367,7 @@ def publish(ctx: Any, outcome: GateOutcome, evidence: dict[str, Evidence], artif
     checks = {c.label: c for c in ctx.recipe.gate.checks}
     sections = Sections(plots=gather(ctx.run_dir, outcome.results, checks, load.path if load else None),
                         load=load.result if load else None, lineage=lineage(ctx, outcome, version),
-                        comparisons=comparisons(evidence, ctx.recipe.gate.confidence),
+                        comparisons=comparisons(evidence, (search[2] if search else ctx.recipe.gate).confidence),
                         serving={role: size for role in ("baseline", "candidate")
                                  if (built := ctx.outcomes.get(f"engine:{role}")) is not None and
                                  (size := engine_bytes(Path(built.result["engine_dir"]),

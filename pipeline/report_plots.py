@@ -73,7 +73,8 @@ def pareto(search: Mapping[str, Any], path: Path) -> Path | None:
         ax.annotate(c["name"], (speed["ratio"], 100 * ppl["change"]), textcoords="offset points", xytext=(6, 6), fontsize=8)
     ax.axvline(1.0, color="#888", linewidth=0.8)
     ax.axhline(0.0, color="#888", linewidth=0.8)
-    ax.set_xlabel(f"speed-up over the baseline ({search['objective']}), 95% interval")
+    at = f"{search['confidence']:.2%}".replace(".00%", "%")  # the confidence the verdicts were taken at
+    ax.set_xlabel(f"speed-up over the baseline ({search['objective']}), {at} interval")
     ax.set_ylabel("perplexity change, % (worse ↑)")
     ax.set_title("the search: every candidate against the baseline", fontsize=10)
     if unplotted:  # stopped before the benchmark: no speed to place them by

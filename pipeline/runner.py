@@ -19,7 +19,9 @@ import yaml
 
 from kiln.pipeline.errors import BadInput
 from kiln.pipeline.files import atomic_write_json, atomic_write_text, read_json
-from kiln.pipeline.gate.policy import GateOutcome
+from kiln.pipeline.gate.base import Verdict
+from kiln.pipeline.gate.policy import GateOutcome, judge
+from kiln.pipeline.outcomes import not_judged
 from kiln.pipeline.model_source import cache_root, resolve_model
 from kiln.pipeline.recipe import Recipe
 from kiln.pipeline.secrets import ScrubFilter
@@ -115,32 +117,55 @@ def run_pipeline(recipe: Recipe, recipe_path: Path, runs_root: Path, console: An
 def _search(ctx: RunContext, model: Any) -> GateOutcome:
     """Every candidate judged, the winner (or, with none, the one that got furthest) laid out in
     the run folder as a single-candidate run is, so `kiln show`, `kiln serve RUN` and the report
-    read it the same way; each candidate keeps its own folder under candidates/."""
+    read it the same way; each candidate keeps its own folder under candidates/. How the run ends
+    is a row of kiln.pipeline.outcomes."""
     import shutil
 
     from kiln.pipeline import report, search, stage_impl
+    from kiln.pipeline.outcomes import Ending
 
     winner, arms, policy = search.run_search(ctx, model)
     top = search.shown(arms, winner)
+    stopped = [a.name for a in arms if a.budget]
+    if top.artifact is None:  # no candidate could even be built: nothing to judge, register or publish
+        atomic_write_json(ctx.run_dir / "search.json", report.search_record(arms, winner, policy))
+        reasons = "\n".join(f"  {a.name}: {a.eliminated}" for a in arms)
+        if stopped:
+            raise search.NotJudged(f"not judged: the search budget ran out before any candidate was built:\n{reasons}")
+        raise search.NothingBuilt("no candidate could be built:\n" + reasons)
     for record in sorted((top.ctx.run_dir / "stages").glob("*.json")):
         shutil.copyfile(record, ctx.run_dir / "stages" / record.name)
     ctx.outcomes.update(top.ctx.outcomes)
-    if top.artifact is None:  # no candidate could even be built: nothing to judge, register or publish
-        atomic_write_json(ctx.run_dir / "search.json", report.search_record(arms, winner, policy))
-        raise search.NothingBuilt("no candidate could be built:\n" + "\n".join(f"  {a.name}: {a.eliminated}" for a in arms))
     winner_ctx = replace(ctx, recipe=top.ctx.recipe)
-    # Without a winner, the report is about the candidate that got furthest, judged on the checks
-    # its phases decided: a check it never reached is not an error of the gate.
-    decided = policy if top is winner else (search.up_to(policy, top.reached or "build") or policy)
-    if top is not winner:
-        note = f"; no candidate passed every check, shown: {top.name}, which got furthest ({top.eliminated})"
-    elif winner.eliminated:  # the confirmation undid the screening
-        note = f"; {winner.name} won the screening, then {winner.eliminated}"
+    if top is winner:
+        # The winner is judged on every check, on its confirmation; against a champion, one more.
+        kept = winner.versus_champion is not None and winner.versus_champion.verdict is Verdict.FAILED  # Error: exit 4
+        extra = [winner.versus_champion] if winner.versus_champion else []
+        subject = winner.name if not winner.eliminated or kept else f"{winner.name} (won the screening, then {winner.eliminated})"
+        outcome, evidence = stage_impl.gate(
+            winner_ctx, policy, results=judge(policy, *_arms(winner_ctx)).results + extra,
+            ending=Ending.CHAMPION_KEPT if kept else Ending.JUDGED, subject=subject,
+            detail=winner.eliminated or "")
     else:
-        note = ""
-    outcome, evidence = stage_impl.gate(winner_ctx, decided, note)
+        # No winner: the candidate that got furthest, on the checks its phases decided; every other
+        # check of the policy is there too, not judged, so nothing that never ran can pass.
+        decided = search.up_to(policy, top.reached or "build")
+        judged = judge(decided, *_arms(winner_ctx)).results if decided else []
+        rest = [not_judged(c, top.eliminated or "") for c in policy.checks if decided is None or c not in decided.checks]
+        detail = (f"the search budget ({ctx.recipe.search.budget_s:g} s) ran out before every check of "
+                  + ", ".join(stopped) + " ran") if stopped else ""
+        outcome, evidence = stage_impl.gate(winner_ctx, policy, results=judged + rest,
+                                            ending=Ending.BUDGET if stopped else Ending.NO_WINNER,
+                                            subject=top.name, detail=detail)
     report.publish(winner_ctx, outcome, evidence, top.artifact, search=(arms, winner, policy))
     return outcome
+
+
+def _arms(ctx: RunContext) -> tuple[Any, Any]:
+    from kiln.pipeline.evidence import evidence_from_run
+
+    evidence = evidence_from_run(ctx.run_dir)
+    return evidence["candidate"], evidence["baseline"]
 
 
 def _finish(ctx: RunContext, status: str, outcome: GateOutcome | None) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 
 from kiln.optimize.base import QUANTIZERS, ModelArtifact
 from kiln.pipeline.errors import BadInput, ExitCode, KilnError
-from kiln.pipeline.gate.base import Evidence, Verdict
+from kiln.pipeline.gate.base import CheckResult, Evidence, Verdict
 from kiln.pipeline.gate.policy import GateOutcome, GateSection, judge
 from kiln.pipeline.metrics import LOAD_PREFIX, METRICS
 from kiln.pipeline.stages import RunContext, run_stage, run_tags
@@ -35,6 +35,12 @@ class NothingBuilt(KilnError):
     the gate fails (exit 1), with each candidate's reason."""
 
     exit_code = ExitCode.GATE_FAILED
+
+
+class NotJudged(KilnError):
+    """The search budget ran out before any candidate could be built: nothing was judged (exit 3)."""
+
+    exit_code = ExitCode.GATE_INCONCLUSIVE
 
 
 def family_confidence(confidence: float, candidates: int) -> float:
@@ -94,10 +100,12 @@ class Arm:
     engines: dict[str, Path] = field(default_factory=dict)
     outcome: GateOutcome | None = None
     eliminated: str | None = None  # why it stopped, in the report's words
+    budget: bool = False  # the search budget stopped it before it was judged
     reached: str = ""  # the last phase it ran
     screened: dict[str, float] | None = None  # objective speed-up before the confirmation
     confirmed: dict[str, float] | None = None
     champion: Champion | None = None  # served from the registry's champion version
+    versus_champion: CheckResult | None = None  # the winner against the champion, paired (`_duel`)
 
 
 @dataclass(frozen=True)
@@ -138,9 +146,10 @@ def objective_phase(objective: str) -> str:
     return "rest" if objective.startswith(LOAD_PREFIX) else "speed"
 
 
-def speedup(evidence: dict[str, Evidence], objective: str) -> dict[str, float] | None:
+def speedup(evidence: dict[str, Evidence], objective: str, confidence: float) -> dict[str, float] | None:
     """The candidate's speed-up over the baseline on `objective`: the geometric mean of the paired
-    per-repeat ratios with its t-interval at 95% (ttft_ms inverted, so higher is always better)."""
+    per-repeat ratios with its t-interval at `confidence`, the one the verdict is taken at
+    (ttft_ms inverted, so higher is always better)."""
     from kiln.pipeline.gate.performance import t_interval
 
     cand = np.asarray(evidence["candidate"].repeats.get(objective, []), dtype=float)
@@ -151,8 +160,8 @@ def speedup(evidence: dict[str, Evidence], objective: str) -> dict[str, float] |
     if (cand[:n] <= 0).any() or (base[:n] <= 0).any():  # e.g. no request met the SLO in a repeat: no ratio
         return None
     log_ratio = np.log(cand[:n] / base[:n]) * (1 if METRICS[objective].higher_is_better else -1)
-    mean, lo, hi = (math.exp(v) for v in t_interval(log_ratio, 0.95))
-    return {"ratio": mean, "low": lo, "high": hi, "pairs": n}
+    mean, lo, hi = (math.exp(v) for v in t_interval(log_ratio, confidence))
+    return {"ratio": mean, "low": lo, "high": hi, "pairs": n, "confidence": confidence}
 
 
 def run_search(ctx: RunContext, model: Any) -> tuple[Arm | None, list[Arm], GateSection]:
@@ -179,25 +188,31 @@ def run_search(ctx: RunContext, model: Any) -> tuple[Arm | None, list[Arm], Gate
             for arm in (a for a in arms if a.eliminated is None):
                 if recipe.search.budget_s is not None and time.monotonic() - started > recipe.search.budget_s:
                     arm.eliminated = f"the search budget ({recipe.search.budget_s:g} s) ran out before its {phase} stages"
+                    arm.budget = True
                     continue
                 _run_phase(arm, phase, model, shared)
                 arm.reached = phase
                 evidence = evidence_from_run(arm.ctx.run_dir) if arm.eliminated is None else None
                 if phase == objective_phase(recipe.search.objective) and evidence:  # for every candidate that ran it
-                    arm.screened = speedup(evidence, recipe.search.objective)
+                    arm.screened = speedup(evidence, recipe.search.objective, policy.confidence)
                 if evidence and (partial := up_to(policy, phase)) is not None:
                     arm.outcome = judge(partial, evidence["candidate"], evidence["baseline"])
-                    if arm.outcome.verdict is not Verdict.SUCCESSFUL:
+                    # Inconclusive stops a candidate unless the policy accepts it, as in a single run.
+                    # The champion is never stopped: it is the bar the winner must beat.
+                    if arm.outcome.exit_code is not ExitCode.PASSED and arm.champion is None:
                         failed = [r.name for r in arm.outcome.results if r.verdict is not Verdict.SUCCESSFUL]
                         arm.eliminated = f"{arm.outcome.verdict.value} after its {phase} stages: {', '.join(failed)}"
                         bench = arm.ctx.outcomes.get("benchmark:pair")
                         if phase == "speed" and bench and (cut := bench.result.get("stopped")):
                             arm.eliminated += f" (benchmark stopped after round {cut['after_round']} of {cut['of']})"
                 ctx.console.print(f"  {arm.name}: {arm.eliminated or 'passes every check so far'}", markup=False)
-        passing = [a for a in arms if a.eliminated is None and a.screened is not None]
+        passing = [a for a in arms if a.eliminated is None and a.screened is not None and a.champion is None]
         winner = max(passing, key=lambda a: a.screened["ratio"]) if passing else None
         if winner is not None and len(arms) > 1:
             _confirm(winner, shared, policy)
+        held = next((a for a in arms if a.champion), None)
+        if winner is not None and winner.eliminated is None and held is not None:
+            _duel(winner, held, shared, policy)
     finally:
         shared.close()
     for arm in arms:
@@ -297,15 +312,82 @@ def _confirm(winner: Arm, shared: Any, policy: GateSection) -> None:
     with _engines(winner, shared) as loaded:
         (stage_impl.load_stage if load else stage_impl.benchmark)(winner.ctx, loaded, winner.engines, confirmation=True)
     evidence = evidence_from_run(winner.ctx.run_dir)
-    winner.confirmed = speedup(evidence, winner.ctx.recipe.search.objective)
+    winner.confirmed = speedup(evidence, winner.ctx.recipe.search.objective, policy.confidence)
     winner.outcome = judge(policy, evidence["candidate"], evidence["baseline"])
-    if winner.outcome.verdict is not Verdict.SUCCESSFUL:
+    if winner.outcome.exit_code is not ExitCode.PASSED:
         failed = [r.name for r in winner.outcome.results if r.verdict is not Verdict.SUCCESSFUL]
         winner.eliminated = f"{winner.outcome.verdict.value} on its confirmation benchmark: {', '.join(failed)}"
 
 
+def _duel(winner: Arm, held: Arm, shared: Any, policy: GateSection) -> None:
+    """The champion is the bar: the winner's objective against the champion's as it is served,
+    paired and interleaved in a fresh stage of this run, at the family's confidence, and every
+    quality check against the champion's records by that check's margin. Unless the winner is
+    shown faster and no worse, the champion stays (`winner.eliminated` says why)."""
+    from kiln.pipeline import stage_impl
+    from kiln.pipeline.evidence import evidence_from_run
+
+    champ = held.champion
+    objective = winner.ctx.recipe.search.objective
+    name = f"beats champion v{champ.version}"
+    result = CheckResult(name=name, kind="champion", metric=objective, verdict=Verdict.ERROR, observed=None,
+                         baseline=1.0, threshold="> 1, paired")
+    if not held.engines:
+        result.reason = f"the champion could not be served, so nothing shows the winner beats it: {held.eliminated}"
+    else:
+        folder = winner.ctx.run_dir / "versus-champion"
+        (folder / "stages").mkdir(parents=True, exist_ok=True)
+        engines = {"baseline": held.engines["candidate"], "candidate": winner.engines["candidate"]}
+        no_stops = policy.model_copy(update={"checks": []})  # the speed bounds are against the checkpoint, not here
+        duel = replace(winner.ctx, run_dir=folder, outcomes={}, gate=no_stops)
+        load = objective_phase(objective) == "rest"
+        duel.console.print(f"[bold]champion[/bold]: {winner.name} against {champ.name} v{champ.version}, "
+                           f"{'load stage' if load else 'decode benchmark'} interleaved")
+        loaded = stage_impl.LazyEngines(engines, _load)
+        try:
+            (stage_impl.load_stage if load else stage_impl.benchmark)(duel, loaded, engines, confirmation=True)
+        finally:
+            for role in list(loaded):
+                loaded.pop(role).close()
+        result = _versus(evidence_from_run(folder), winner, held, policy, result)
+    winner.versus_champion = result
+    if result.verdict is not Verdict.SUCCESSFUL:
+        winner.eliminated = f"the champion v{champ.version} stays: {result.reason}"
+
+
+def _versus(paired: dict[str, Evidence], winner: Arm, held: Arm, policy: GateSection,
+            result: CheckResult) -> CheckResult:
+    """The verdict of the winner against the champion from the paired stage and both arms' quality records."""
+    from kiln.pipeline.evidence import evidence_from_run
+
+    objective = winner.ctx.recipe.search.objective
+    fig = speedup(paired, objective, policy.confidence)
+    if fig is None:
+        result.reason = "fewer than two paired measurements against the champion"
+        return result
+    result.observed, result.ci = fig["ratio"], (fig["low"], fig["high"])
+    quality = [c for c in policy.checks if c.kind == "quality"]
+    worse: list[str] = []
+    if quality:
+        mine, theirs = evidence_from_run(winner.ctx.run_dir), evidence_from_run(held.ctx.run_dir)
+        judged = judge(policy.model_copy(update={"checks": quality}), mine["candidate"], theirs["candidate"])
+        worse = [f"{r.name} ({r.verdict.value}: {r.reason})" for r in judged.results if r.verdict is not Verdict.SUCCESSFUL]
+    at = f"{fig['ratio']:.3g}x [{fig['low']:.3g}, {fig['high']:.3g}] at {policy.confidence:.2%}"
+    if fig["low"] <= 1:
+        result.verdict = Verdict.FAILED
+        result.reason = f"{objective} against the champion {at}: not shown faster"
+    elif worse:
+        result.verdict = Verdict.FAILED
+        result.reason = f"{objective} {at}, but not shown no worse than the champion on " + "; ".join(worse)
+    else:
+        result.verdict = Verdict.SUCCESSFUL
+        result.reason = f"{objective} against the champion {at}; quality no worse than the champion's by each margin"
+    return result
+
+
 def _close_arm(ctx: RunContext, arm: Arm, winner: Arm | None) -> None:
-    status = "winner" if arm is winner and arm.eliminated is None else ("eliminated" if arm.eliminated else "passed")
+    status = "winner" if arm is winner and arm.eliminated is None else (
+        "champion" if arm.champion else "eliminated" if arm.eliminated else "passed")
     tags = {"kiln.search": status, **({"kiln.eliminated": arm.eliminated[:4000]} if arm.eliminated else {}),
             **({"kiln.verdict": arm.outcome.verdict.value} if arm.outcome else {})}
     metrics = {f"{k}.{part}": v for k, fig in (("screening_speedup", arm.screened), ("confirmed_speedup", arm.confirmed))

@@ -14,6 +14,7 @@ from kiln.pipeline.evidence import evidence_from_run
 from kiln.pipeline.files import atomic_write_json, dir_size, hash_of, read_json, sha256_file
 from kiln.pipeline.gate.base import Evidence, Verdict
 from kiln.pipeline.gate.policy import GateOutcome, judge
+from kiln.pipeline.metrics import LOAD_PREFIX
 from kiln.pipeline.model_source import ResolvedModel
 from kiln.pipeline.stages import RunContext, StageOutcome, peak_rss_bytes, run_stage, run_tags
 from kiln.pipeline.versions import library_versions
@@ -380,7 +381,10 @@ def benchmark(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], co
     from kiln.evaluate.decode_bench import interleaved
 
     b = ctx.recipe.evaluate.benchmark
-    prompts = _cached_prompts(ctx, engines["baseline"], b.prompts, b.num_prompts)
+    # A confirmation is held out: the next num_prompts prompts of the set, which the screening never ran.
+    prompts = _cached_prompts(ctx, engines["baseline"], b.prompts, b.num_prompts * (2 if confirmation else 1),
+                              CONFIRMATION_PROMPTS if confirmation else "evaluate.benchmark.num_prompts")
+    prompts = prompts[-b.num_prompts:]
     futility = futility_policy(ctx, b.repeats) if set(engines) == {"baseline", "candidate"} else None
 
     def compute(out: Path) -> dict[str, Any]:
@@ -418,9 +422,23 @@ def benchmark(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], co
     run_stage(ctx, "benchmark", "pair",
               {"engines": {r: p.name for r, p in engines.items()}, "config": b.model_dump(mode="json"),
                "hardware": hardware_fingerprint(), "prompts": hash_of(prompts), "pairing": "per-prompt",
-               "records": "contention by signal, steal", "prefill": "uncached", **({"confirmation": 1} if confirmation else {}),
+               "records": "contention by signal, steal", "prefill": "uncached", **_confirmation(ctx, confirmation, b.num_prompts),
                **({"stops_when_failed": futility.model_dump(mode="json")} if futility else {})},
               compute)
+
+
+CONFIRMATION_PROMPTS = ("evaluate.benchmark.num_prompts (a search confirms its winner on the next num_prompts "
+                        "prompts, which its screening did not run: the set needs twice num_prompts)")
+
+
+def _confirmation(ctx: RunContext, confirmation: bool, held_out: int = 0) -> dict[str, Any]:
+    """What makes a confirmation's stage key its own: this run (it is measured afresh by every run,
+    never reused from a cache or a tracking server) and, for the decode benchmark, its prompts
+    (the set's prompts num_prompts to 2 x num_prompts - 1)."""
+    if not confirmation:
+        return {}
+    split = {"prompts_held_out": [held_out, 2 * held_out]} if held_out else {}
+    return {"confirmation": {"run": ctx.parent_run, **split}}
 
 
 def futility_policy(ctx: RunContext, rounds: int) -> Any:
@@ -449,7 +467,7 @@ def load_stage(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], c
     cfg = ctx.recipe.evaluate.load
     run_stage(ctx, "load", "pair",
               {"engines": {r: p.name for r, p in engines.items()}, "config": cfg.model_dump(mode="json"),
-               "hardware": hardware_fingerprint(), **({"confirmation": 1} if confirmation else {})},
+               "hardware": hardware_fingerprint(), **_confirmation(ctx, confirmation)},
               lambda out: measure({role: loaded[role] for role in engines}, engines, cfg, out))
 
 
@@ -501,16 +519,24 @@ def check_inputs(ctx: RunContext) -> None:
     ev = ctx.recipe.evaluate
     _text_path(ev.quality.perplexity.text)
     read_prompts(ev.benchmark.prompts, ev.benchmark.num_prompts)
+    if len(ctx.recipe.candidates or []) > 1 and not (ctx.recipe.search.objective or "").startswith(LOAD_PREFIX):
+        read_prompts(ev.benchmark.prompts, 2 * ev.benchmark.num_prompts, CONFIRMATION_PROMPTS)
     if ev.quality.served:
         read_prompts(ev.benchmark.prompts, ev.quality.served.num_prompts, "evaluate.quality.served.num_prompts")
 
 
-def gate(ctx: RunContext, policy: Any = None, note: str = "") -> tuple[GateOutcome, dict[str, Evidence]]:
-    """The recipe's gate (a search passes its family-corrected policy) on the run's evidence;
-    `note` (how the search ended) joins the rule."""
+def gate(ctx: RunContext, policy: Any = None, results: list[Any] | None = None, ending: Any = None,
+         subject: str = "the candidate", detail: str = "") -> tuple[GateOutcome, dict[str, Evidence]]:
+    """The run's outcome: the recipe's gate (a search passes its family-corrected policy) on the
+    run's evidence, or the `results` a search assembled for its subject, ended as `ending` says
+    (kiln.pipeline.outcomes, the one table of endings)."""
+    from kiln.pipeline.outcomes import Ending, conclude
+
     evidence = evidence_from_run(ctx.run_dir)
-    outcome = judge(policy or ctx.recipe.gate, evidence["candidate"], evidence["baseline"])
-    outcome.rule += note
+    policy = policy or ctx.recipe.gate
+    if results is None:
+        results = judge(policy, evidence["candidate"], evidence["baseline"]).results
+    outcome = conclude(results, policy.on_inconclusive, ending or Ending.JUDGED, subject, detail)
     run_id = ctx.tracker.start("gate", {"kiln.stage": "gate", "kiln.role": "candidate", **run_tags(ctx),
                                         "kiln.verdict": outcome.verdict.value}, parent=ctx.parent_run)
     atomic_write_json(ctx.run_dir / "verdict.json", outcome.to_dict())

@@ -11,3 +11,8 @@ class Verdict(enum.StrEnum):
     FAILED = "Failed"
     INCONCLUSIVE = "Inconclusive"
     ERROR = "Error"
+
+
+def percent(confidence: float) -> str:
+    """95% or 98.33%: a confidence as a verdict was taken at it, never rounded to a level it was not."""
+    return f"{confidence:.2%}".replace(".00%", "%")

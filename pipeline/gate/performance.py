@@ -21,6 +21,7 @@ from pydantic import Field, model_validator
 
 from kiln.pipeline.gate.base import CHECKS, Check, CheckConfig, CheckResult, Evidence, Verdict
 from kiln.pipeline.metrics import BENCH_STEAL, CLIENT_LIMITED, LOAD_PREFIX, PRESSURE_BY_SIGNAL, metric
+from kiln.pipeline.verdict import percent
 
 
 class PerformanceCheckConfig(CheckConfig):
@@ -101,7 +102,7 @@ class PerformanceCheck(Check):
         return self.result(verdict, observed=mean, baseline=base_value if not relative else 1.0,
                            threshold=self._threshold(), ci=(lo, hi), method=method,
                            reason=f"{'ratio' if relative else 'value'} {mean:.3g} "
-                                  f"[{lo:.3g}, {hi:.3g}] at {self.confidence:.0%}"
+                                  f"[{lo:.3g}, {hi:.3g}] at {percent(self.confidence)}"
                                   + (f"; {contention(candidate.metrics)}{_guard_off(c)}" if bench else ""))
 
     def _threshold(self) -> str:

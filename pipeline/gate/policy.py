@@ -37,10 +37,11 @@ class GateOutcome:
     results: list[CheckResult]
     exit_code: ExitCode
     rule: str
+    summary: str = ""  # how the run ended, in one line (kiln.pipeline.outcomes)
 
     def to_dict(self) -> dict[str, Any]:
         return {"verdict": self.verdict.value, "exit_code": int(self.exit_code), "rule": self.rule,
-                "checks": [r.to_dict() for r in self.results]}
+                "summary": self.summary, "checks": [r.to_dict() for r in self.results]}
 
 
 def combine(results: list[CheckResult], on_inconclusive: str) -> tuple[Verdict, ExitCode]:
