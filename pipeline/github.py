@@ -127,6 +127,8 @@ def comment_body(recipe: str, verdict: Mapping[str, Any], report_md: str, pr: Ma
     if pr.get("number"):
         facts.append(f"PR #{pr['number']}" + (f" at `{str(pr['head_sha'])[:12]}`" if pr.get("head_sha") else ""))
     head += [" · ".join(facts + links), ""]
+    if verdict.get("summary"):  # how the run ended, the row of the outcomes table (kiln.pipeline.outcomes)
+        head += [f"**{_cell(verdict['summary'])}.**", ""]
     if v == "Inconclusive":
         head += ["> The data cannot decide at the policy's confidence level (not a regression, not a pass). "
                  "More samples usually settle it; the recipe's `gate.on_inconclusive` says whether it blocks.", ""]

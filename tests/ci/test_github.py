@@ -290,3 +290,15 @@ def test_no_verdict_command(tmp_path: Path, actions: dict[str, str]) -> None:
 def test_add_masks_hides_url_credentials() -> None:
     env = {"MLFLOW_TRACKING_URI": f"https://alice:{PASSWORD}@mlflow.acme.test", "OTHER": "https://h/x"}
     assert github.add_masks(env) == [f"::add-mask::{PASSWORD}", f"::add-mask::alice:{PASSWORD}"]
+
+
+def test_the_comment_says_how_the_run_ended(tmp_path: Path, actions: dict[str, str]) -> None:
+    """The outcome table's line (kiln.pipeline.outcomes) under the title: a search whose budget ran out
+    must read as not judged, not only as Inconclusive."""
+    run_dir = make_run(tmp_path, actions, "Inconclusive", 3, CHECKS_FAIL)
+    record = json.loads((run_dir / "verdict.json").read_text())
+    record["summary"] = "not judged: the search budget (3 s) ran out before every check of fp32-copy ran"
+    (run_dir / "verdict.json").write_text(json.dumps(record))
+    github.publish(run_dir, actions)
+    _, _, comment = written(actions, run_dir)
+    assert "**not judged: the search budget (3 s) ran out before every check of fp32-copy ran.**" in comment
