@@ -8,6 +8,14 @@ start together as one asynchronous `generate_batch`; its per-token callback stre
 ends (or cancels) each sequence on its own. Newcomers wait until the running cohort finishes
 (no join mid-batch): under steady load this is static batching, documented in docs/engines.md.
 Scoring and full distributions come from `forward_batch` (logits at every position).
+
+Prompts of mixed lengths: CTranslate2 prefills the first (shortest - 1) tokens of every prompt in
+one forward pass, then feeds the rest of each longer prompt one token per step as a forced
+prefix. It leaves that prefix out of the callback and of max_length, except when the shortest
+prompt has one token (nothing to prefill: ctranslate2 4.8.5 keeps `return_prefix` on then), where
+every longer prompt's remaining tokens came back as "generated" (issue 39). The callback counts
+a sequence's tokens from the step its own prefix ends, in every cohort, and max_length allows for
+the longest prefix, so a cohort decodes as its prompts would alone whatever the library reports.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ class CTranslate2Config(EngineConfig):
 class CTranslate2Backend(EngineBackend):
     libraries: ClassVar[tuple[str, ...]] = ("ctranslate2", "torch", "transformers")
     takes_quantized: ClassVar[bool] = False  # converts and compresses an unquantized checkpoint itself
+    revision: ClassVar[int] = 1  # 1: a cohort with a one-token prompt no longer streams the others' prompts
 
     def build(self, checkpoint: Path, out_dir: Path) -> dict[str, Any]:
         from ctranslate2 import __version__
@@ -105,6 +114,7 @@ class _Seq:
     produced: int = 0
     done: bool = False
     cancelled: bool = False
+    forced: int = 0  # decoding steps that feed the rest of this prompt (its forced prefix), not generate
 
 
 @dataclass
@@ -161,7 +171,11 @@ class CTranslate2Engine(Engine):
         seqs = [s for s in self._pending if key(s.req) == first][: self.config.max_batch_size]
         self._pending = [s for s in self._pending if s not in seqs]
         r0 = seqs[0].req
-        longest = max(s.req.max_new_tokens for s in seqs)
+        shortest = min(len(s.req.prompt_ids) for s in seqs)
+        for s in seqs:
+            s.forced = len(s.req.prompt_ids) - shortest
+        # With a one-token prompt in the cohort, max_length counts the forced prefixes too.
+        longest = max(s.req.max_new_tokens for s in seqs) + max(s.forced for s in seqs)
         sampling = {"sampling_topk": 1} if r0.temperature <= 0 else {
             "sampling_topk": 0, "sampling_temperature": r0.temperature, "sampling_topp": r0.top_p}
         if r0.temperature > 0:
@@ -183,6 +197,8 @@ class CTranslate2Engine(Engine):
         s = cohort.seqs[step.batch_id]
         if s.done or s.cancelled:
             return True
+        if step.step < s.forced:  # a token of the prompt's forced prefix, reported as if generated
+            return False
         s.produced += 1
         finish = None
         if step.token_id in s.req.stop_ids or (step.token_id in self.eos_ids and not s.req.ignore_eos):

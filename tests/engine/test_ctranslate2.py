@@ -63,14 +63,14 @@ def test_streamed_logprobs_match_scores(ct2_fp32):
 
 
 def test_prompts_of_mixed_lengths_in_one_cohort_decode_as_alone(ct2_fp32, torch_engine):
-    """Issue 18 reported CTranslate2 pre-filling only the shortest prompt of a batch (with
-    include_prompt_in_result=False) and streaming the rest of each longer prompt as "generated".
-    Not reproduced with ctranslate2 4.8.5 here: on the demo model six prompts of 3-19 tokens gave
-    the same 10 greedy tokens batched and one at a time. This keeps it so, the way the server
-    batches (one cohort, lengths 2 to 40), and against the torch reference."""
+    """Issue 18 reported CTranslate2 streaming the rest of each longer prompt of a batch as
+    "generated"; issue 39 found when: a one-token prompt in the cohort (nothing to prefill, so
+    ctranslate2 4.8.5 reports every longer prompt's forced prefix through the callback and counts
+    it in max_length). This keeps a cohort of lengths 1 to 40 as each prompt decodes alone, the way
+    the server batches, and as the torch reference decodes it."""
     rng = np.random.default_rng(0)
     vocab = ct2_fp32.vocab_size
-    ps = [[1, *map(int, rng.integers(3, vocab, n - 1))] for n in (2, 7, 13, 25, 40, 4)]
+    ps = [[1, *map(int, rng.integers(3, vocab, n - 1))] for n in (1, 7, 13, 25, 40, 4, 2)]
     batched = parity.greedy(ct2_fp32, ps, 8)
     assert batched == [parity.greedy(ct2_fp32, [p], 8)[0] for p in ps]
     assert batched == parity.greedy(torch_engine, ps, 8)
