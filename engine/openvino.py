@@ -169,10 +169,17 @@ class OpenVINOEngine(Engine):
                 self._live.pop(seq_id)
                 raise BadInput(f"Request {seq_id} ({len(request.prompt_ids)} prompt tokens) does not fit the "
                                f"KV cache; raise kv_cache_gib (now {self.config.kv_cache_gib}).")
+            new: list[TokenEvent] = []
             if handle.can_read():
                 for out in handle.read().values():
-                    events += self._events(seq_id, request, produced, out, now)
-            if status != og.GenerationStatus.RUNNING and not handle.can_read():
+                    new += self._events(seq_id, request, produced, out, now)
+            events += new
+            if new and new[-1].finish_reason is not None:
+                self._live.pop(seq_id)
+                if status == og.GenerationStatus.RUNNING:
+                    # Ended by kiln: a stop id with ignore_eos, which OpenVINO GenAI's ignore_eos ignores too.
+                    handle.cancel()
+            elif status != og.GenerationStatus.RUNNING and not handle.can_read():
                 self._live.pop(seq_id)
         return events
 
@@ -187,6 +194,8 @@ class OpenVINOEngine(Engine):
             elif produced[0] >= request.max_new_tokens or k == len(ids) - 1 and out.finish_reason.name == "LENGTH":
                 finish = "length"
             events.append(TokenEvent(seq_id, int(token), now, float(lps[k]) if k < len(lps) else None, finish))
+            if finish:
+                break
         return events
 
     # ----- scoring --------------------------------------------------------------------------
