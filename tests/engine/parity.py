@@ -10,6 +10,7 @@ Tolerances (stated once, used by every backend test):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,23 @@ def greedy(engine: Engine, prompt_ids: list[list[int]], n: int = 16) -> list[lis
         for e in engine.step():
             out[e.seq_id].append(e.token_id)
     return [out[i] for i in ids]
+
+
+def run(engine: Engine, requests: Sequence[GenerationRequest], joins: Sequence[int]) -> list[list[int]]:
+    """Each request's tokens, request i added after `joins[i]` steps (0: before the first), so later
+    ones join the sequences already decoding; an idle engine takes the next waiting request at once."""
+    waiting = sorted(range(len(requests)), key=lambda i: joins[i])
+    owner: dict[int, int] = {}
+    out: list[list[int]] = [[] for _ in requests]
+    steps = 0
+    while waiting or engine.has_work():
+        while waiting and (joins[waiting[0]] <= steps or not engine.has_work()):
+            i = waiting.pop(0)
+            owner[engine.add(requests[i])] = i
+        for e in engine.step():
+            out[owner[e.seq_id]].append(e.token_id)
+        steps += 1
+    return out
 
 
 def identical_fraction(a: list[list[int]], b: list[list[int]]) -> float:
