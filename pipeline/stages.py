@@ -9,9 +9,10 @@ run of the pipeline's parent run.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
-import resource
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from typing import Any
 from rich.markup import escape
 
 from kiln.pipeline.files import atomic_dir, atomic_write_json, file_lock, hash_of, read_json
+from kiln.pipeline.rss import StageMemory, peak_rss_bytes  # noqa: F401 - peak_rss_bytes: stage_impl and bench import it from here
 from kiln.pipeline.tracking import STAGE_KEY, Tracker, flatten
 from kiln.pipeline.versions import environment
 
@@ -30,6 +32,38 @@ log = logging.getLogger("kiln")
 STAGE_FORMAT = 1
 RESULT = "result.json"
 MANIFEST = "manifest.json"
+
+
+def stage_lock(cache: Path, stage: str, key: str) -> Path:
+    """Taken (exclusive) while a process computes or checks the stage: one at a time per key."""
+    return cache / "locks" / stage / f"{key}.lock"
+
+
+def stage_use(cache: Path, stage: str, key: str) -> Path:
+    """Held shared by every running kiln run that used the stage (`StageHolds`); its mtime is
+    when the stage was last used. `kiln cache prune` leaves a stage alone while it is held."""
+    return cache / "locks" / stage / f"{key}.use"
+
+
+class StageHolds:
+    """The stages one run has used, each held with a shared lock on its `.use` file until the
+    run's last context is gone (or its process ends): `kiln cache prune` cannot remove an
+    optimize stage's model under the engine stage that builds from it, or an engine under the
+    benchmark that measures it."""
+
+    def __init__(self) -> None:
+        self.fds: dict[Path, int] = {}
+
+    def hold(self, path: Path) -> None:
+        if path not in self.fds:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            self.fds[path] = fd
+        os.utime(path)  # last used: now
+
+    def __del__(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
 
 
 @dataclass
@@ -47,6 +81,7 @@ class RunContext:
     outcomes: dict[str, StageOutcome] = field(default_factory=dict)
     arm: str = ""  # a search's candidate: names it in every stage's label
     gate: Any = None  # the policy the verdict is judged at (a search's family policy); None: recipe.gate
+    holds: StageHolds = field(default_factory=StageHolds)  # shared by a search's per-arm copies
 
 
 @dataclass
@@ -64,29 +99,6 @@ def run_tags(ctx: RunContext) -> dict[str, str]:
     """Tags on every MLflow run of one pipeline run: what ties it to its recipe, and what
     `Tracker.mark_stale` finds a killed run's leftovers by (with the host and pid every run has)."""
     return {"kiln.recipe": ctx.recipe.name, "kiln.recipe_hash": ctx.recipe.digest()}
-
-
-def reset_peak_rss() -> None:
-    """Start a new peak for `peak_rss_bytes`: Linux resets a process's VmHWM when "5" is written
-    to its clear_refs. Stages run one after another in one process, so each stage's manifest
-    holds its own peak, not the largest of every stage before it."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:  # not Linux, or a kernel without it: the peak then covers the process so far
-        pass
-
-
-def peak_rss_bytes(pid: int | str = "self") -> int:
-    """Peak resident memory of a process (this one by default) since its last `reset_peak_rss` or
-    its start: VmHWM, not getrusage's ru_maxrss, which Linux carries across fork and exec (a child
-    of a 2 GB parent reports 2 GB)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        if pid != "self":
-            raise
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # no /proc: KiB on Linux
-    return next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:"))
 
 
 def run_stage(ctx: RunContext, stage: str, role: str, inputs: dict[str, Any],
@@ -111,15 +123,17 @@ def run_stage(ctx: RunContext, stage: str, role: str, inputs: dict[str, Any],
     try:
         # One process at a time per stage key: a second run on the same cache waits, then reuses
         # what the first computed, instead of computing it again and replacing files under a reader.
-        with file_lock(ctx.cache / "locks" / stage / f"{key}.lock", on_wait=waiting):
+        with file_lock(stage_lock(ctx.cache, stage, key), on_wait=waiting):
             reused, source_run = _reuse(ctx, stage, key, path, portable)
             if reused:
                 where = f" from the tracking server (run {source_run})" if source_run else ""
                 ctx.console.print(f"[dim]✓ {escape(label)}: unchanged inputs, reusing {key[:12]}{where}[/dim]")
             else:
                 _compute(ctx, label, key, inputs, compute, path)
-        result = read_json(path / RESULT)
-        ctx.tracker.log(run_id, metrics={**result.get("metrics", {}), "wall_s": read_json(path / MANIFEST).get("wall_s", 0.0)},
+            ctx.holds.hold(stage_use(ctx.cache, stage, key))  # before the lock goes: no prune in between
+        result, manifest = read_json(path / RESULT), read_json(path / MANIFEST)
+        ctx.tracker.log(run_id, metrics={**_memory_of_older_stage(stage, manifest), **result.get("metrics", {}),
+                                         "wall_s": manifest.get("wall_s", 0.0)},
                         params=flatten(inputs),
                         tags={"kiln.reused": str(reused).lower(), **({"kiln.reused_from": source_run} if source_run else {})})
         if portable:  # all of it: another machine reuses the stage from these files alone
@@ -140,6 +154,11 @@ def run_stage(ctx: RunContext, stage: str, role: str, inputs: dict[str, Any],
     return outcome
 
 
+def _memory_of_older_stage(stage: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    """A stage cached before its result held its peak memory: kiln's own peak from its manifest."""
+    return {f"{stage}_peak_rss_bytes": manifest["peak_rss_bytes"]} if "peak_rss_bytes" in manifest else {}
+
+
 def _reuse(ctx: RunContext, stage: str, key: str, path: Path, portable: bool) -> tuple[bool, str | None]:
     """Whether a finished copy of the stage exists (here, or for a portable stage on the tracking
     server, fetched into the cache now), and the MLflow run it came from if fetched."""
@@ -156,17 +175,21 @@ def _reuse(ctx: RunContext, stage: str, key: str, path: Path, portable: bool) ->
 
 def _compute(ctx: RunContext, label: str, key: str, inputs: dict[str, Any],
              compute: Callable[[Path], dict[str, Any]], path: Path) -> None:
+    """Compute the stage into `path` (<cache>/stages/<stage>/<key>). Its result's metrics gain the
+    stage's peak resident memory, kiln's own and its child processes' (`<stage>_peak_rss_bytes`,
+    `<stage>_children_peak_rss_bytes`: kiln.pipeline.rss says what is counted); the manifest holds
+    them with each child's."""
     ctx.console.print(f"[bold]▶ {escape(label)}[/bold]")
     start = time.perf_counter()
-    reset_peak_rss()
     with atomic_dir(path) as tmp:
-        result = compute(tmp)
+        with StageMemory() as memory:
+            result = compute(tmp)
         wall = time.perf_counter() - start
+        result["metrics"] = {**result.get("metrics", {}), **memory.metrics(path.parent.name)}
         atomic_write_json(tmp / RESULT, result)
         atomic_write_json(tmp / MANIFEST, {
-            "stage": label, "key": key, "inputs": inputs, "wall_s": wall,
-            "peak_rss_bytes": peak_rss_bytes(), "environment": environment(),
-            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "stage": label, "key": key, "inputs": inputs, "wall_s": wall, **memory.figures(),
+            "environment": environment(), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         })
     metrics = result.get("metrics", {})
     shown = ", ".join(f"{k}={v:.4g}" for k, v in list(metrics.items())[:6] if isinstance(v, int | float))
