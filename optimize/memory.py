@@ -30,6 +30,7 @@ class Component:
     name: str
     bytes: float
     formula: str  # how the number was computed, shown in the table
+    per_token: float = 0.0  # the KV cache: bytes per token of context (every sequence of the batch)
 
 
 @dataclass(frozen=True)
@@ -71,13 +72,29 @@ class MemoryPlan:
 
     def check(self) -> None:
         """Raise DoesNotFit, with every component, when a step needs more than is available."""
-        over = [s for s in self.steps if s.total > self.available_bytes]
-        if over:
-            worst = max(over, key=lambda s: s.total)
+        if not self.fits():
+            worst = self.worst()
+            tokens = self.fitting_context()
+            fix = (f"A serving context of at most {tokens} tokens fits (the KV cache is what grows). "
+                   if tokens else "")
             raise DoesNotFit(
                 f"memory: the {worst.step} step needs {human(worst.total)} but {human(self.available_bytes)} "
-                f"is available on {self.device}. Lower optimize.calibration.samples / seq_len, the serving "
+                f"is available on {self.device}. {fix}Lower optimize.calibration.samples / seq_len, the serving "
                 "context or batch, or pick a smaller model or lower precision.", problems=self.lines())
+
+    def worst(self) -> StepPlan:
+        """The step that holds the most."""
+        return max(self.steps, key=lambda s: s.total)
+
+    def fitting_context(self) -> int | None:
+        """The longest serving context (tokens) that fits with everything else as planned; None
+        when the plan has no KV cache, or something other than the KV cache already does not fit."""
+        serve = self.steps[-1]
+        kv = next((c for c in serve.components if c.per_token), None)
+        if kv is None or any(s.total > self.available_bytes for s in self.steps[:-1]):
+            return None
+        tokens = int((self.available_bytes - (serve.total - kv.bytes)) // kv.per_token)
+        return tokens if tokens > 0 else None
 
     def table(self) -> Any:
         """A rich Table of every component, step totals and what is available."""
@@ -173,9 +190,59 @@ def plan_memory(model_config: dict[str, Any], method_config: Any = None, *, cont
         per_token = shapes.kv_bytes_per_token(DTYPE_BYTES[kv])
         serve.append(Component(f"KV cache ({kv}, {context} tokens × {batch})", per_token * context * batch,
                                f"2 × {shapes.layers} layers × {shapes.kv_heads} KV heads × {shapes.head_dim} "
-                               f"head dim × {DTYPE_BYTES[kv]:g} B = {human(per_token)}/token"))
+                               f"head dim × {DTYPE_BYTES[kv]:g} B = {human(per_token)}/token",
+                               per_token=per_token * batch))
     steps.append(StepPlan("serve", tuple(serve)))
     device = device or mem.device
     if available_bytes is None:
         available_bytes = available_memory(device)
     return MemoryPlan(device=device, available_bytes=int(available_bytes), steps=tuple(steps))
+
+
+def parse_bytes(text: str) -> int:
+    """'24G', '512M', '1.5T', '24GiB', '1000' (bytes) -> bytes; K, M, G, T are powers of 1024."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"{text!r}: give a size such as 24G, 512M or 1.5T (powers of 1024)")
+    return int(float(m[1]) * 1024 ** " KMGT".index(m[2].upper() or " "))
+
+
+def arms_table(plans: dict[str, tuple[str, MemoryPlan]]) -> Any:
+    """One line per arm (name -> (what it is, its plan)): each step's total, what is available
+    where the arm works, and whether it fits."""
+    from rich.table import Table
+
+    named = {s.step for _, p in plans.values() for s in p.steps}
+    steps = [k for k in ("quantize", "serve") if k in named] + sorted(named - {"quantize", "serve"})
+    t = Table("arm", "optimize → engine", *steps, "available", "fits", title="memory plan per arm")
+    for name, (what, plan) in plans.items():
+        totals = {s.step: s.total for s in plan.steps}
+        cells = [f"[{'red' if totals[k] > plan.available_bytes else 'green'}]{human(totals[k])}[/]"
+                 if k in totals else "—" for k in steps]
+        t.add_row(name, what, *cells, f"{human(plan.available_bytes)} ({plan.device})",
+                  "[green]yes[/green]" if plan.fits() else "[red]no[/red]")
+    return t
+
+
+def check_arms(plans: dict[str, tuple[str, MemoryPlan]], fields: dict[str, str]) -> None:
+    """Raise DoesNotFit naming every arm that does not fit, the step and numbers, and for each the
+    recipe change that fits it. `fields`: arm -> where the recipe sets it (candidates.2, baseline)."""
+    over = {name: plan for name, (_, plan) in plans.items() if not plan.fits()}
+    if not over:
+        return
+    fixes, problems = [], []
+    for name, plan in over.items():
+        worst, tokens = plan.worst(), plan.fitting_context()
+        if tokens:
+            fix = f"fits with a serving context of at most {tokens} tokens (--context {tokens})"
+        elif name == "baseline":
+            fix = "the checkpoint itself does not fit: a machine with more memory, or a smaller model"
+        else:
+            fix = f"remove it from `candidates` ({fields.get(name, name)}), or pick a method that holds less"
+        fixes.append(f"{name}: the {worst.step} step needs {human(worst.total)} but {human(plan.available_bytes)} "
+                     f"is available on {plan.device}; {fix}")
+        problems += [f"{name}: {line}" for line in plan.lines()]
+    raise DoesNotFit(f"memory: {len(over)} of {len(plans)} arms do not fit. " + "; ".join(fixes) + ".",
+                     problems=problems)

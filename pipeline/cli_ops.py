@@ -355,17 +355,39 @@ def compare(run_a: Annotated[str, typer.Argument(metavar="RUN_A")], run_b: Annot
 def plan_memory_cmd(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
                     context: Annotated[int, typer.Option(help="serving context in tokens")] = 4096,
                     batch: Annotated[int, typer.Option(help="concurrent sequences")] = 1,
-                    kv_dtype: Annotated[str | None, typer.Option(help="KV cache dtype (default: the serving dtype)")] = None) -> None:
-    """How much memory quantizing and serving the recipe's model needs, against what is free."""
-    from kiln.optimize.memory import plan_memory
+                    kv_dtype: Annotated[str | None, typer.Option(help="KV cache dtype (default: the serving dtype)")] = None,
+                    available: Annotated[str | None, typer.Option(
+                        help="plan against this much memory (24G, 512M: powers of 1024) instead of what is free "
+                             "here now: the machine the run is for")] = None) -> None:
+    """How much memory quantizing and serving each arm needs (the baseline and every candidate, one
+    line each), against what is free. Exit 2 with the numbers and the change that fits if one does not."""
+    from kiln.optimize.memory import arms_table, check_arms, parse_bytes, plan_memory
     from kiln.pipeline.model_source import cache_root, resolve_model
     from kiln.pipeline.recipe import load_recipe
 
-    r = load_recipe(recipe, set_).single("kiln plan-memory")
+    r = load_recipe(recipe, set_)
+    try:
+        free = parse_bytes(available) if available is not None else None
+    except ValueError as e:
+        raise BadInput(f"--available: {e}") from None
     model = resolve_model(r.model.path, cache_root())
-    plan = plan_memory(model.config, r.optimize, context=context, batch=batch, kv_dtype=kv_dtype)
-    console.print(plan.table())
-    plan.check()
+
+    def plan(method: object) -> object:
+        return plan_memory(model.config, method, context=context, batch=batch, kv_dtype=kv_dtype, available_bytes=free)
+
+    arms = r.arms()
+    base_engine = (arms[0][1] if arms else r).engine_for("baseline").backend
+    plans = {"baseline": (f"none → {base_engine}", plan(None))}
+    plans |= {name: (f"{arm.optimize.method} → {arm.engine.backend}", plan(arm.optimize)) for name, arm in arms}
+    fields = ({c.name: f"candidates.{i}" for i, c in enumerate(r.candidates)} if r.candidates is not None
+              else {"candidate": "optimize"})
+    if r.candidates is None:
+        console.print(plans["candidate"][1].table())
+    console.print(arms_table(plans))
+    for c in r.candidates or []:
+        if c.champion:
+            console.print(f"{c.name}: the registry's champion, served as it was judged (not planned here)")
+    check_arms(plans, fields)
 
 
 @app.command("plan-capacity")

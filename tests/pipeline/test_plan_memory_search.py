@@ -1,0 +1,84 @@
+"""`kiln plan-memory` on a search recipe: a line per arm (the baseline and each candidate), and the
+refusal, with the numbers and the change that fits, when one does not fit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from tests.pipeline.conftest import kiln
+
+# Llama-3.1-8B's published shape in bf16: 8,030,261,248 parameters, 128 KiB of KV cache per token.
+LLAMA_31_8B = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
+                   intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                   vocab_size=128256, tie_word_embeddings=False, dtype="bfloat16")
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def search(tmp_path_factory) -> Path:
+    """A search over three candidates of an 8B checkpoint known by its config alone (the plan reads
+    nothing else; the weights file is a placeholder)."""
+    import torch
+    from safetensors.torch import save_file
+
+    work = tmp_path_factory.mktemp("plan-search")
+    ck = work / "llama-8b"
+    ck.mkdir()
+    (ck / "config.json").write_text(json.dumps(LLAMA_31_8B))
+    (ck / "tokenizer.json").write_text("{}")
+    save_file({"x": torch.zeros(2)}, str(ck / "model.safetensors"))
+    recipe = {"name": "plan8b", "model": {"path": str(ck)},
+              "candidates": [
+                  {"name": "q8", "optimize": {"method": "gguf", "type": "q8_0"}, "engine": {"backend": "llama_cpp"}},
+                  {"name": "int8", "optimize": {"method": "int8_weight_only"}, "engine": {"backend": "torch"}},
+                  {"name": "ov", "optimize": {"method": "none"}, "engine": {"backend": "openvino", "weights": "int8"}}],
+              "gate": {"checks": [{"kind": "quality", "metric": "perplexity", "margin": 0.05, "relative": True}]}}
+    (work / "search.yaml").write_text(yaml.safe_dump(recipe))
+    return work
+
+
+def _plan(work: Path, *args: str):
+    return kiln("plan-memory", "search.yaml", *args, cwd=work, env={"COLUMNS": "200"})
+
+
+def _rows(stdout: str) -> dict[str, str]:
+    return {line.split("│")[1].strip(): line for line in stdout.splitlines() if line.count("│") > 3}
+
+
+def test_a_line_per_arm_and_exit_0_when_all_fit(search):
+    proc = _plan(search, "--available", "64G")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = _rows(proc.stdout)
+    assert set(rows) == {"baseline", "q8", "int8", "ov"}
+    assert "none → torch" in rows["baseline"] and "gguf → llama_cpp" in rows["q8"]
+    assert all(row.rstrip(" │").endswith("yes") for row in rows.values())
+
+
+def test_a_candidate_that_does_not_fit_is_refused_with_numbers_and_the_change(search):
+    proc = _plan(search, "--available", "24G")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    rows = _rows(proc.stdout)
+    assert rows["baseline"].rstrip(" │").endswith("yes") and rows["ov"].rstrip(" │").endswith("yes")
+    assert rows["q8"].rstrip(" │").endswith("no") and rows["int8"].rstrip(" │").endswith("no")
+    err = " ".join(proc.stderr.split())
+    assert "2 of 4 arms do not fit" in err
+    assert "q8: the quantize step needs 60.29 GiB but 24.00 GiB is available on cpu" in err
+    assert "remove it from `candidates` (candidates.0)" in err and "(candidates.1)" in err
+    assert "ov:" not in err and "baseline:" not in err
+
+
+def test_an_arm_that_fits_with_a_shorter_context_is_told_which(search):
+    proc = _plan(search, "--available", "24G", "--context", "100000")
+    assert proc.returncode == 2
+    tokens = (24 * GIB - 8_030_261_248 * 2) // 131_072  # what is left after the bf16 weights, per KV token
+    err = " ".join(proc.stderr.split())
+    assert "baseline: the serve step needs" in err
+    assert f"fits with a serving context of at most {tokens} tokens (--context {tokens})" in err
+
+
+def test_a_size_that_is_not_one_is_bad_input(search):
+    proc = _plan(search, "--available", "lots")
+    assert proc.returncode == 2 and "--available: 'lots': give a size such as 24G" in proc.stderr
