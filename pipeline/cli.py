@@ -183,3 +183,4 @@ def main() -> None:
 
 
 from kiln.pipeline import cli_ops  # noqa: E402,F401 - registers the serving, deploy and planning commands
+from kiln.pipeline import cache_cmd  # noqa: E402,F401 - registers `kiln cache`
