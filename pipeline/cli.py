@@ -136,14 +136,18 @@ def show(run_name: Annotated[str, typer.Argument(metavar="RUN")], runs: RunsOpt 
 @app.command()
 def ui(port: int = 5000, host: Annotated[str, typer.Option(help="bind address (loopback by default)")] = "127.0.0.1",
        tracking_uri: Annotated[str | None, typer.Option(help="default: $MLFLOW_TRACKING_URI or ./mlflow.db")] = None) -> None:
-    """Start the MLflow UI on the same store."""
-    from kiln.pipeline.tracking import default_uri, redact_uri
+    """Start the MLflow UI on the same store; print each kiln experiment's runs table."""
+    from kiln.pipeline.tracking import EXPERIMENT_KIND, default_uri, experiment_url, open_client, redact_uri
 
     uri = tracking_uri or default_uri()
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--host", host,
            "--port", str(port), "--workers", "1"]
-    console.print(f"MLflow UI on http://{host}:{port} (store {redact_uri(uri)}); Ctrl-C to stop")
+    console.print(f"MLflow UI on http://{host}:{port} (store {redact_uri(uri)}); Ctrl-C to stop", soft_wrap=True)
+    kiln_made = " and ".join(f"tags.`{key}` = '{value}'" for key, value in EXPERIMENT_KIND.items())
+    for exp in open_client(uri).search_experiments(filter_string=kiln_made):
+        console.print(f"  {exp.name}: {experiment_url(f'http://{host}:{port}', exp.experiment_id)}", soft_wrap=True, markup=False)
+    sys.stdout.flush()  # exec replaces the process: what is still buffered would be lost
     os.execvpe(cmd[0], cmd, env)
 
 

@@ -26,7 +26,7 @@ from kiln.pipeline.model_source import cache_root, resolve_model
 from kiln.pipeline.recipe import Recipe
 from kiln.pipeline.secrets import ScrubFilter
 from kiln.pipeline.stages import RunContext
-from kiln.pipeline.tracking import Tracker, flatten, redact_uri
+from kiln.pipeline.tracking import Tracker, flatten, redact_uri, source_tags
 from kiln.pipeline.versions import environment, git_commit
 
 
@@ -75,7 +75,7 @@ def start_run(recipe: Recipe, recipe_path: Path, runs_root: Path, console: Any, 
     (run_dir / "stages").mkdir()
     tags = {"kiln.kind": "pipeline", "kiln.recipe": recipe.name, "kiln.recipe_hash": recipe.digest(),
             "kiln.run_dir": str(run_dir.resolve()),
-            "mlflow.source.git.commit": git_commit() or "unknown"}
+            **source_tags(recipe_path, git_commit())}
     parent = tracker.start(run_dir.name, tags)
     resolved = recipe.model_dump(mode="json")
     atomic_write_text(run_dir / "recipe.yaml", yaml.safe_dump(resolved, sort_keys=False))
@@ -173,7 +173,10 @@ def _finish(ctx: RunContext, status: str, outcome: GateOutcome | None) -> None:
     state.update(status="done" if outcome else status.lower(), finished_at=time.time())
     if outcome:
         state.update(verdict=outcome.verdict.value, exit_code=int(outcome.exit_code))
-        ctx.tracker.log(ctx.parent_run, tags={"kiln.verdict": outcome.verdict.value})
+        from kiln.pipeline.report import ICON
+
+        ctx.tracker.show_verdict(ctx.parent_run, f"{ICON[outcome.verdict]} {outcome.verdict.value} · {ctx.run_dir.name}",
+                                 outcome.verdict.value, passed=int(outcome.exit_code) == 0)
     atomic_write_json(ctx.run_dir / "state.json", state)
     ctx.tracker.end(ctx.parent_run, status)
 

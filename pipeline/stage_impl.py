@@ -525,6 +525,20 @@ def check_inputs(ctx: RunContext) -> None:
         read_prompts(ev.benchmark.prompts, ev.quality.served.num_prompts, "evaluate.quality.served.num_prompts")
 
 
+def log_evaluation_data(ctx: RunContext) -> None:
+    """The texts the verdict was measured on, as the parent run's inputs (MLflow's Dataset column)."""
+    ev = ctx.recipe.evaluate
+    text = _text_path(ev.quality.perplexity.text)
+    ctx.tracker.log_data(ctx.parent_run, "perplexity", text, "text", [t for t in text.read_text().splitlines() if t.strip()])
+    if ev.benchmark.prompts == "demo":
+        from kiln.pipeline.demo import prepare_demo_data
+
+        prompts = Path(prepare_demo_data().prompts)
+    else:
+        prompts = Path(ev.benchmark.prompts)
+    ctx.tracker.log_data(ctx.parent_run, "benchmark", prompts, "prompt", read_prompts(str(prompts), ev.benchmark.num_prompts))
+
+
 def gate(ctx: RunContext, policy: Any = None, results: list[Any] | None = None, ending: Any = None,
          subject: str = "the candidate", detail: str = "") -> tuple[GateOutcome, dict[str, Evidence]]:
     """The run's outcome: the recipe's gate (a search passes its family-corrected policy) on the
@@ -544,4 +558,5 @@ def gate(ctx: RunContext, policy: Any = None, results: list[Any] | None = None, 
                     metrics={f"{r.name}.observed": r.observed for r in outcome.results if r.observed is not None})
     ctx.tracker.log_artifacts(run_id, ctx.run_dir / "verdict.json")
     ctx.tracker.end(run_id)
+    log_evaluation_data(ctx)
     return outcome, evidence

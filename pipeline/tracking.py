@@ -9,6 +9,10 @@ Opening a store probes it first (an unreachable server is exit 2 in seconds, not
 of retries), creates a new sqlite store under a lock (two runs at once would both migrate it), and
 remembers any credential in the URI so that nothing kiln writes or prints shows it
 (`kiln.pipeline.secrets`).
+
+What the MLflow UI shows without configuring is kiln's to fill: the parent run's name and a
+`kiln.passed` metric carry the verdict, its Dataset column the evaluation data, its Source column
+the recipe and the commit.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import shutil
 import socket
 import tempfile
 import urllib.parse
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +32,12 @@ from kiln.pipeline import secrets
 from kiln.pipeline.errors import BadInput
 
 STAGE_KEY = "kiln.stage_key"
+VERDICT = "kiln.verdict"
+PASSED = "kiln.passed"  # 1 when the run's verdict is a pass (exit 0), else 0: a column the runs table sorts by
+# MLflow 3's experiment kind. Its 3.17 UI takes the kind from a per-browser switch (GenAI / Model
+# training, GenAI until the user flips it) instead, which a link selects with UI_VIEW.
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+UI_VIEW = "workflowType=machine_learning"
 PROBE_TIMEOUT_S = 5.0
 DB_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}
 
@@ -42,6 +53,17 @@ def redact_uri(uri: str) -> str:
     if sep and "@" in rest.split("/", 1)[0]:
         return f"{scheme}://***@{rest.split('@', 1)[1]}"
     return uri
+
+
+def experiment_url(base: str, experiment_id: str) -> str:
+    """The experiment's runs table in the MLflow UI (not its GenAI overview)."""
+    return f"{redact_uri(base).rstrip('/')}/#/experiments/{experiment_id}/runs?{UI_VIEW}"
+
+
+def source_tags(recipe_path: Path, commit: str | None) -> dict[str, str]:
+    """The recipe and the commit, in the tags MLflow's Source column reads."""
+    return {"mlflow.source.name": str(recipe_path), "mlflow.source.type": "LOCAL",
+            "mlflow.source.git.commit": commit or "unknown"}
 
 
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -164,12 +186,16 @@ class Tracker:
         self.client = open_client(self.uri)
         try:
             exp = self.client.get_experiment_by_name(experiment)
-            self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+            self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment, tags=EXPERIMENT_KIND)
         except MlflowException:  # created by a concurrent run between our get and create
             exp = self.client.get_experiment_by_name(experiment)
             if exp is None:
                 raise
             self.experiment_id = exp.experiment_id
+        for key, value in EXPERIMENT_KIND.items():
+            if exp is not None and exp.tags.get(key) != value:  # an experiment an older kiln made
+                with contextlib.suppress(MlflowException):  # another run setting it at the same moment
+                    self.client.set_experiment_tag(self.experiment_id, key, value)
 
     def start(self, name: str, tags: Mapping[str, str], parent: str | None = None) -> str:
         tags = {**process_tags(), **tags}  # every run says who owns it, for mark_stale
@@ -195,6 +221,27 @@ class Tracker:
             self.client.log_artifacts(run_id, str(path), artifact_path)
         else:
             self.client.log_artifact(run_id, str(path), artifact_path)
+
+    def show_verdict(self, run_id: str, name: str, verdict: str, passed: bool) -> None:
+        """The verdict where the MLflow UI's runs table shows it unasked: in the run's `name` (the
+        first column) and as the sortable metric PASSED."""
+        self.client.update_run(run_id, name=name)
+        self.log(run_id, metrics={PASSED: float(passed)}, tags={VERDICT: verdict})
+
+    def log_data(self, run_id: str, context: str, source: Path, column: str, rows: list[str]) -> None:
+        """`rows` read from the local file `source` as one of the run's inputs (MLflow's Dataset
+        column), marked with what the run used them for."""
+        import mlflow.data
+        import pandas as pd
+        from mlflow.entities import DatasetInput, InputTag
+
+        # MLflow warns that it registered the local-file source twice ("" and file:) and, in its
+        # digest, about a pandas 4 signature: nothing a kiln user can act on
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            data = mlflow.data.from_pandas(pd.DataFrame({column: rows}), source=str(source), name=Path(source).name)
+        # what mlflow.log_input logs, for a run given by id rather than the process's active run
+        self.client.log_inputs(run_id, [DatasetInput(data._to_mlflow_entity(), [InputTag("mlflow.data.context", context)])])
 
     def end(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status)

@@ -1,10 +1,13 @@
-"""The MLflow UI as a user sees it, over the store a real `kiln run` produced.
+"""The MLflow UI as a user sees it, started by `kiln ui` over a store that real `kiln run`s made:
+one Successful run and one Failed run of the tiny recipe, from a recipe committed to git.
 
-Drives Debian's chromium with Playwright (never a downloaded browser). Screenshots land in
+Drives Debian's chromium with Playwright (never a downloaded browser), each test in a fresh
+browser context (no remembered UI settings, as a first visit has). Screenshots land in
 test-artifacts/browser/ for people to look at.
 """
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -14,12 +17,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.pipeline.conftest import kiln, write_recipe
+
 pytestmark = pytest.mark.browser
 
 CHROMIUM = "/usr/bin/chromium"
 SHOTS = Path(__file__).parents[2] / "test-artifacts" / "browser"
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
          "--disable-component-update", "--disable-sync"]
+GATES = {"Successful": [{"kind": "size", "max_ratio": 1.0}],  # int8 weights are smaller: passes
+         "Failed": [{"kind": "size", "max_ratio": 0.01}]}  # nothing is 100x smaller: fails
 
 
 def _free_port() -> int:
@@ -29,13 +36,31 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def mlflow_ui(tiny_run):
+def store(tmp_path_factory, tiny_model_dir):
+    """A working folder under git holding two recipes that differ in their gate, each run once."""
+    work = tmp_path_factory.mktemp("ui-store")
+    git = ["git", "-c", "user.name=kiln", "-c", "user.email=kiln@localhost"]
+    subprocess.run(git + ["init", "-q"], cwd=work, check=True)
+    for verdict, checks in GATES.items():
+        write_recipe(work / f"{verdict.lower()}.yaml", tiny_model_dir, gate__checks=checks)
+    subprocess.run(git + ["add", "."], cwd=work, check=True)
+    subprocess.run(git + ["commit", "-qm", "recipes"], cwd=work, check=True)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=work, capture_output=True, text=True).stdout.strip()
+    for verdict in GATES:
+        proc = kiln("run", f"{verdict.lower()}.yaml", cwd=work)
+        assert proc.returncode == (0 if verdict == "Successful" else 1), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {"work": work, "commit": commit}
+
+
+@pytest.fixture(scope="module")
+def mlflow_ui(store):
+    """`kiln ui` on the store: the server's address and the experiment link it printed."""
     port = _free_port()
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
-                             f"sqlite:///{tiny_run['work'] / 'mlflow.db'}", "--host", "127.0.0.1", "--port", str(port),
-                             "--workers", "1"], cwd=tiny_run["work"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = store["work"] / "ui.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kiln.pipeline", "ui", "--port", str(port), "--tracking-uri",
+                                 f"sqlite:///{store['work'] / 'mlflow.db'}"], cwd=store["work"],
+                                env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 180
     while time.time() < deadline:
@@ -43,38 +68,49 @@ def mlflow_ui(tiny_run):
             urllib.request.urlopen(f"{url}/health", timeout=2)
             break
         except OSError:
-            assert proc.poll() is None, "mlflow server exited"
+            assert proc.poll() is None, "kiln ui exited:\n" + log.read_text()[-3000:]
             time.sleep(1)
     else:
         proc.kill()
-        pytest.fail("mlflow server not ready in 180 s")
-    yield url
+        pytest.fail("kiln ui not ready in 180 s")
+    link = re.search(r"^\s*kiln-test: (\S+)$", log.read_text(), re.M)
+    yield {"url": url, "experiment": link and link.group(1), "log": log}
     proc.terminate()
     proc.wait(30)
 
 
 @pytest.fixture(scope="module")
-def page():
+def browser():
     assert Path(CHROMIUM).exists(), "Debian's chromium is missing: apt-get install chromium (make test does it)"
     from playwright.sync_api import sync_playwright
 
     SHOTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
-        pg = browser.new_page(viewport={"width": 1400, "height": 900})
-        yield pg
-        browser.close()
+        b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
+        yield b
+        b.close()
 
 
-def _ids(tiny_run):
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1600, "height": 900})  # no localStorage: a first visit
+    yield context.new_page()
+    context.close()
+
+
+def _client(store):
     from mlflow.tracking import MlflowClient
 
-    uri = f"sqlite:///{tiny_run['work'] / 'mlflow.db'}"
-    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    uri = f"sqlite:///{store['work'] / 'mlflow.db'}"
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def _parents(store) -> dict:
+    """The pipeline runs by verdict, and the experiment's id."""
+    client = _client(store)
     exp = client.get_experiment_by_name("kiln-test")
-    parent = client.search_runs([exp.experiment_id], "tags.`kiln.kind` = 'pipeline'")[0]
-    children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
-    return exp.experiment_id, parent, children
+    runs = client.search_runs([exp.experiment_id], "tags.`kiln.kind` = 'pipeline'")
+    return {"experiment_id": exp.experiment_id, **{r.data.tags["kiln.verdict"]: r for r in runs}}
 
 
 def _see(page, text: str, shot: str) -> None:
@@ -82,36 +118,81 @@ def _see(page, text: str, shot: str) -> None:
     page.screenshot(path=str(SHOTS / f"{shot}.png"), full_page=True)
 
 
-def test_runs_list_shows_the_pipeline_run_and_its_stage_children(mlflow_ui, page, tiny_run):
-    exp_id, parent, _ = _ids(tiny_run)
-    page.goto(f"{mlflow_ui}/#/experiments/{exp_id}/runs")
-    _see(page, parent.info.run_name, "1-runs-list")
-    page.locator("[role=row] button").nth(1).click()  # the parent row's expander
+def _row(page, run) -> str:
+    """The text of the run's row in the runs table, as rendered: the grid draws its pinned name
+    column and the other columns as two rows with one index."""
+    named = page.locator("[role=row]").filter(has=page.get_by_text(run.info.run_name, exact=True)).first
+    named.wait_for(timeout=60_000)
+    index = named.get_attribute("aria-rowindex")
+    return "\n".join(page.locator(f'[role=row][aria-rowindex="{index}"]').all_inner_texts())
+
+
+def test_kiln_ui_links_the_experiment_to_its_runs_table(mlflow_ui, page, store):
+    assert mlflow_ui["experiment"], "kiln ui printed no link to the kiln-test experiment:\n" + mlflow_ui["log"].read_text()
+    parents = _parents(store)
+    page.goto(mlflow_ui["experiment"])
+    for verdict in GATES:
+        page.get_by_text(parents[verdict].info.run_name, exact=True).first.wait_for(timeout=60_000)
+    page.screenshot(path=str(SHOTS / "0-experiment-opens-on-runs.png"), full_page=True)
+    assert page.get_by_role("heading", name="Runs").count() == 1  # the runs table, not the GenAI overview
+    assert _client(store).get_experiment(parents["experiment_id"]).tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+def test_runs_table_shows_verdict_dataset_and_source_of_each_run(mlflow_ui, page, store):
+    parents = _parents(store)
+    page.goto(mlflow_ui["experiment"])
+    rows = {verdict: _row(page, parents[verdict]) for verdict in GATES}
+    page.screenshot(path=str(SHOTS / "1-runs-table-verdicts.png"), full_page=True)
+    for verdict, text in rows.items():
+        run = parents[verdict]
+        assert run.info.run_name.split(" · ")[0].endswith(verdict), run.info.run_name  # the first column says it
+        assert run.data.metrics["kiln.passed"] == (1.0 if verdict == "Successful" else 0.0)  # and a column to sort by
+        names = {d.dataset.name for d in run.inputs.dataset_inputs}
+        assert names == {"eval.txt", "prompts.jsonl"}, names
+        for name in names:  # Dataset column
+            assert name in text, (name, text)
+        assert f"{verdict.lower()}.yaml" in text, text  # Source column: the recipe
+        assert run.data.tags["mlflow.source.git.commit"] == store["commit"]
+    # told apart at a glance: each row, as drawn, names its own verdict and not the other's
+    assert "Successful ·" in rows["Successful"] and "Failed" not in rows["Successful"]
+    assert "Failed ·" in rows["Failed"] and "Successful" not in rows["Failed"]
+
+
+def test_parent_run_shows_verdict_commit_and_report(mlflow_ui, page, store):
+    parents = _parents(store)
+    exp_id, parent = parents["experiment_id"], parents["Failed"]
+    page.goto(f"{mlflow_ui['url']}/#/experiments/{exp_id}/runs/{parent.info.run_id}")
+    _see(page, "kiln.verdict", "2-parent-run")
+    assert "Failed" in page.content() and store["commit"][:7] in page.content()
+    page.goto(f"{mlflow_ui['url']}/#/experiments/{exp_id}/runs/{parent.info.run_id}/artifacts")
+    _see(page, "report.html", "3-parent-artifacts")
+
+
+def test_runs_list_shows_the_pipeline_run_and_its_stage_children(mlflow_ui, page, store):
+    parent = _parents(store)["Successful"]
+    page.goto(mlflow_ui["experiment"])
+    row = page.locator("[role=row]").filter(has=page.get_by_text(parent.info.run_name, exact=True)).first
+    row.wait_for(timeout=60_000)
+    row.locator("button").first.click()  # the parent row's expander
     for child in ("optimize[candidate]", "quality[candidate]", "benchmark[pair]", "gate"):
         page.get_by_text(child, exact=True).first.wait_for(timeout=30_000)
     page.screenshot(path=str(SHOTS / "1b-runs-list-children.png"), full_page=True)
 
 
-def test_parent_run_shows_verdict_tag_and_report(mlflow_ui, page, tiny_run):
-    exp_id, parent, _ = _ids(tiny_run)
-    page.goto(f"{mlflow_ui}/#/experiments/{exp_id}/runs/{parent.info.run_id}")
-    _see(page, "kiln.verdict", "2-parent-run")
-    assert parent.data.tags["kiln.verdict"] in page.content()
-    page.goto(f"{mlflow_ui}/#/experiments/{exp_id}/runs/{parent.info.run_id}/artifacts")
-    _see(page, "report.html", "3-parent-artifacts")
-
-
-def test_stage_child_runs_link_to_parent(mlflow_ui, page, tiny_run):
-    exp_id, parent, children = _ids(tiny_run)
+def test_stage_child_runs_link_to_parent(mlflow_ui, page, store):
+    parents = _parents(store)
+    parent = parents["Successful"]
+    client = _client(store)
+    children = client.search_runs([parents["experiment_id"]], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     assert len(children) >= 8
     quality = next(c for c in children if c.info.run_name == "quality[candidate]")
-    page.goto(f"{mlflow_ui}/#/experiments/{exp_id}/runs/{quality.info.run_id}")
+    page.goto(f"{mlflow_ui['url']}/#/experiments/{parents['experiment_id']}/runs/{quality.info.run_id}")
     _see(page, "perplexity", "4-quality-child")
     assert parent.info.run_name in page.content()  # the parent-run link
 
 
-def test_registry_version_with_challenger_alias(mlflow_ui, page, tiny_run):
-    page.goto(f"{mlflow_ui}/#/models/tiny")
+def test_registry_version_with_challenger_alias(mlflow_ui, page):
+    page.goto(f"{mlflow_ui['url']}/#/models/tiny")
     _see(page, "challenger", "5-registry")
-    page.goto(f"{mlflow_ui}/#/models/tiny/versions/1")
+    page.goto(f"{mlflow_ui['url']}/#/models/tiny/versions/1")
     _see(page, "kiln.verdict", "6-model-version")
