@@ -68,7 +68,7 @@ class CacheIndex:
     root: Path
     entries: dict[Path, Entry]
     other: dict[str, int]  # top-level folder -> bytes (never pruned)
-    inodes: dict[tuple[int, int], tuple[int, int, int]]  # (dev, ino) -> (bytes, links in the cache, all links)
+    inodes: dict[tuple[int, int], tuple[int, int, int]]  # (dev, ino) -> (bytes, links seen here, all its links)
     files: dict[Path, list[tuple[int, int]]]  # entry path -> its files' inodes
 
     @property
@@ -106,7 +106,10 @@ def index(root: Path, registered_runs: list[Path] = ()) -> CacheIndex:
         here = Path(dirpath)
         owner = _owner(root, here)
         for name in filenames:
-            st = os.lstat(here / name)
+            try:
+                st = os.lstat(here / name)
+            except FileNotFoundError:  # a run replaced it meanwhile
+                continue
             ino = (st.st_dev, st.st_ino)
             size, seen, links = inodes.get(ino, (st.st_blocks * 512, 0, st.st_nlink))
             inodes[ino] = (size, seen + 1, links)
@@ -240,7 +243,10 @@ def _try_lock(path: Path) -> Iterator[bool]:
 
 def _ages(entries: dict[Path, Entry]) -> None:
     for e in entries.values():
-        times = [p.stat().st_mtime for p in (e.path, *(e.locks[1:])) if p.exists()]
+        times = []
+        for p in (e.path, *e.locks[1:]):
+            with contextlib.suppress(FileNotFoundError):
+                times.append(p.stat().st_mtime)
         e.last_used = max(times, default=0.0)
     # An entry is as old as its youngest dependant: an optimize stage used only through its engine stays.
     changed = True
@@ -281,7 +287,8 @@ def prune(ix: CacheIndex, doomed: list[Entry]) -> tuple[list[Entry], list[Entry]
         deleted = [e for e in doomed if e.path not in keep]
         trash.mkdir(parents=True, exist_ok=True)
         for e in deleted:
-            os.rename(e.path, trash / f"{e.kind}-{e.path.name}-{os.getpid()}")
+            with contextlib.suppress(FileNotFoundError):  # another prune took it first
+                os.rename(e.path, trash / f"{e.kind}-{e.path.name}-{os.getpid()}")
     empty_trash(ix.root)
     return deleted, [e for e in doomed if e.path in keep]
 
