@@ -2,7 +2,10 @@
 
 The built engine decodes the prompts all at once (it batches them, as the server will); the
 reference `torch` backend, in float32 on the same checkpoint, decodes them one at a time. Then
-both score the prompt plus the reference continuation, position by position.
+both score the prompt plus the reference continuation, position by position. The prompts always
+include a one-token prompt and the shortest the tokenizer makes (`with_shortest`): CTranslate2
+streamed every other prompt of a batch as "generated" when one prompt had a single token (issue 39),
+and prompts of two tokens or more never show it.
 
 An unquantized build (`FULL_PRECISION`: torch float32, ctranslate2 float32, openvino fp32 with
 f32 activations and KV cache) must write exactly the reference's greedy tokens, at the engine's
@@ -25,6 +28,9 @@ from kiln.pipeline.errors import BadInput, ExitCode, KilnError
 
 PROMPTS = 3
 NEW_TOKENS = 8
+# Texts whose encodings are the shortest prompts a tokenizer makes: one letter is one token in most
+# vocabularies; "" is only the BOS in one that adds it (and nothing in one that does not).
+SHORTEST_TEXTS = ("a", "")
 # float32 kernels differ in summation order: per-token log-probs agree to ~1e-4 on the demo model
 # (tests/engine/parity.py allows 1e-3); a greedy flip inside that gap is a tie, not a defect.
 TIE_TOLERANCE = 1e-3
@@ -48,6 +54,31 @@ def unquantized(manifest: dict[str, Any], checkpoint_quantized: bool) -> bool:
     return not checkpoint_quantized and rule is not None and rule(manifest["config"])
 
 
+def with_shortest(prompts: Sequence[list[int]], tokenizer: Any) -> list[list[int]]:
+    """`prompts` and, after them, a one-token prompt (their first token) and the shortest prompts
+    `tokenizer` makes from text (`SHORTEST_TEXTS`), each once. A tokenizer that cannot encode text
+    (a fake engine's stand-in) adds nothing beyond the one-token prompt."""
+    made = [list(tokenizer(t)["input_ids"]) for t in SHORTEST_TEXTS] if callable(tokenizer) else []
+    made = [m for m in made if m]
+    fewest = min(map(len, made), default=0)
+    out = [list(p) for p in prompts]
+    for extra in [[prompts[0][0]], *(m for m in made if len(m) == fewest)]:
+        if extra not in out:
+            out.append(extra)
+    return out
+
+
+def divergence(reference: Engine, prompt: list[int], want: list[int], got: list[int]) -> tuple[int, float | None]:
+    """Where an engine's greedy tokens `got` first differ from the reference's `want` for `prompt`:
+    (tokens matched before it, the reference's log-prob gap there between its token and the
+    engine's). The gap is None where no token differs: equal, or one of them stopped sooner."""
+    matched = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    if matched == min(len(got), len(want)):
+        return matched, None
+    lp = np.asarray(reference.next_token_logprobs([list(prompt) + want[:matched]])[0][-1])
+    return matched, float(lp[want[matched]] - lp[got[matched]])
+
+
 def batched_greedy(engine: Engine, prompts: Sequence[list[int]], n: int) -> list[list[int]]:
     """Every prompt submitted before the first step, so the engine decodes them together."""
     ids = [engine.add(GenerationRequest(list(p), n, ignore_eos=True)) for p in prompts]
@@ -60,19 +91,17 @@ def batched_greedy(engine: Engine, prompts: Sequence[list[int]], n: int) -> list
 
 def smoke(engine: Engine, reference: Engine, prompts: Sequence[list[int]], n: int = NEW_TOKENS) -> dict[str, Any]:
     """Per-prompt figures: tokens matched before the first divergence, the reference's log-prob gap
-    there, and per-token |delta log-prob| of the reference continuation; plus the totals."""
+    there, and per-token |delta log-prob| of the reference continuation; plus the totals. The
+    prompts are `with_shortest(prompts)`."""
+    prompts = with_shortest(prompts, reference.tokenizer)
     got = batched_greedy(engine, prompts, n)
     want = [batched_greedy(reference, [p], n)[0] for p in prompts]  # one at a time: no batching to blame
     deltas = _logprob_deltas(engine, reference, [(list(p), w) for p, w in zip(prompts, want, strict=True)])
     rows = []
     for p, g, w, d in zip(prompts, got, want, deltas or [None] * len(prompts), strict=True):
-        matched = next((k for k, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), n))
-        gap = None
-        if matched < len(g):
-            lp = np.asarray(reference.next_token_logprobs([list(p) + w[:matched]])[0][-1])
-            gap = float(lp[w[matched]] - lp[g[matched]])
-        # A divergence beyond a near-tie, or an engine that stopped early (no token to call a tie).
-        defect = gap > TIE_TOLERANCE if gap is not None else matched < n
+        matched, gap = divergence(reference, p, w, g)
+        # A divergence beyond a near-tie, or as many tokens but fewer or more (no token to call a tie).
+        defect = gap > TIE_TOLERANCE if gap is not None else g != w
         rows.append({"prompt_tokens": len(p), "matched_tokens": matched, "tie_gap": gap, "defect": defect,
                      "max_abs_logprob": None if d is None else float(d.max()), "reference": w, "engine": g})
     all_d = np.concatenate(deltas) if deltas else None

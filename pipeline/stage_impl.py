@@ -122,7 +122,8 @@ def engine(ctx: RunContext, role: str, art: ModelArtifact) -> Path:
     # backend's revision (engine/cache.py's key holds it too) so a changed adapter is built and measured again.
     revision = BACKENDS.get(cfg.backend).revision
     outcome = run_stage(ctx, "engine", role, {"backend": cfg.model_dump(mode="json"), "artifact": art.manifest["sha256"],
-                                              "parity": {"prompts": parity.PROMPTS, "tokens": parity.NEW_TOKENS},
+                                              "parity": {"prompts": parity.PROMPTS, "tokens": parity.NEW_TOKENS,
+                                                         "shortest": parity.SHORTEST_TEXTS},
                                               **({"revision": revision} if revision else {})},
                         compute, artifacts=("parity.json",), portable=False)
     return Path(outcome.result["engine_dir"])
@@ -356,6 +357,7 @@ def _served(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], cfg:
     """The candidate's own `kiln serve` (a second copy of its engine, loaded by the server) under
     concurrent mixed-length requests, against the baseline one request at a time."""
     from kiln.engine.loader import load_engine, read_manifest
+    from kiln.evaluate.parity import SHORTEST_TEXTS
     from kiln.evaluate.quality.served import served_text
 
     prompts = _cached_prompts(ctx, engines["baseline"], ctx.recipe.evaluate.benchmark.prompts, cfg.num_prompts,
@@ -369,7 +371,8 @@ def _served(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], cfg:
 
     run_stage(ctx, "served", "candidate",
               {"baseline": engines["baseline"].name, "candidate": engines["candidate"].name,
-               "config": cfg.model_dump(mode="json"), "prompts": hash_of(prompts)}, compute)
+               "config": cfg.model_dump(mode="json"), "prompts": hash_of(prompts), "shortest": SHORTEST_TEXTS},
+              compute)
 
 
 def benchmark(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], confirmation: bool = False) -> None:

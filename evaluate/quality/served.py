@@ -6,7 +6,9 @@ different lengths share a batch (issue #18: CTranslate2's cohorts) passes all of
 candidate's engine runs behind the real HTTP server on a loopback port, and prompts of mixed
 lengths are streamed to it `concurrency` at a time (a finished request is replaced at once, so
 newcomers join a running batch). The reference is the baseline engine, one request at a time:
-nothing batched, so nothing a batching bug can touch.
+nothing batched, so nothing a batching bug can touch. A one-token prompt and the shortest prompts
+the tokenizer makes join the recipe's prompts (kiln.evaluate.parity.with_shortest): one user's
+one-token prompt made CTranslate2 stream every other prompt of its batch as "generated" (issue 39).
 
 Per prompt: how many leading greedy tokens match the reference (`served_prefix`, as a fraction
 of `max_new_tokens`) and whether all of them do (`served_match`). The gate bounds either with an
@@ -21,6 +23,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from kiln.engine.base import Engine, GenerationRequest
+from kiln.evaluate.parity import with_shortest
 from kiln.evaluate.quality.base import QualityResult
 from kiln.pipeline.metrics import declare
 
@@ -87,6 +90,7 @@ def mixed_order(prompts: Sequence[list[int]]) -> list[int]:
 def served_text(reference: Engine, load: Callable[[], Engine], tokenizer: Path | str,
                 prompts: Sequence[list[int]], config: ServedConfig) -> QualityResult:
     n = config.max_new_tokens
+    prompts = with_shortest(prompts, reference.tokenizer)
     order = mixed_order(prompts)
     want = one_at_a_time(reference, prompts, n)
     got_in_order = under_load(load, tokenizer, [prompts[i] for i in order], n, config.concurrency)

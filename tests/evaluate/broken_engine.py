@@ -1,7 +1,8 @@
-"""A test-only engine that decodes wrongly only when batched: what CTranslate2's cohorts did (issue #18).
+"""Test-only engines that decode wrongly only when batched, as CTranslate2's cohorts did.
 
-Exact when it holds one request; while two or more share it, every token it reports is off by one.
-The served-text check and the build parity smoke check must both catch it.
+`BatchBrokenEngine` (issue #18): exact when it holds one request; while two or more share it, every
+token it reports is off by one. `ShortPromptBrokenEngine` (issue 39): wrong only beside a one-token
+prompt. The served-text check and the build parity smoke check must catch both.
 """
 
 from __future__ import annotations
@@ -21,3 +22,17 @@ class BatchBrokenEngine(TorchEngine):
         if not crowded:
             return events
         return [dataclasses.replace(e, token_id=(e.token_id + 1) % self.vocab_size) for e in events]
+
+
+class ShortPromptBrokenEngine(TorchEngine):
+    """Exact, batched or alone, until a one-token prompt shares it with longer ones: then every
+    other sequence's tokens are off by one (CTranslate2 4.8.5 streamed their prompts' tails, issue 39)."""
+
+    def step(self):
+        seqs = self._batch + self._pending
+        short = {s.id for s in seqs if len(s.req.prompt_ids) == 1}
+        events = super().step()
+        if not short or len(short) == len(seqs):
+            return events
+        return [e if e.seq_id in short else dataclasses.replace(e, token_id=(e.token_id + 1) % self.vocab_size)
+                for e in events]

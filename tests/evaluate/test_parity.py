@@ -11,9 +11,10 @@ from kiln.evaluate.parity import (
     check_build,
     reference_engine,
     unquantized,
+    with_shortest,
 )
 from kiln.pipeline.errors import BadInput, ExitCode
-from tests.evaluate.broken_engine import BatchBrokenEngine
+from tests.evaluate.broken_engine import BatchBrokenEngine, ShortPromptBrokenEngine
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,9 @@ def test_an_exact_build_passes_with_its_figures(reference, tiny_model_dir, promp
     engine.close()
     assert figures["defects"] == 0 and figures["exact_required"]
     assert figures["max_abs_logprob"] < 1e-3, figures
-    assert [r["prompt_tokens"] for r in figures["per_prompt"]] == [len(p) for p in prompts]
+    checked = with_shortest(prompts, reference.tokenizer)
+    assert [r["prompt_tokens"] for r in figures["per_prompt"]] == [len(p) for p in checked]
+    assert min(len(p) for p in checked) == 1 and min(len(p) for p in prompts) > 1
 
 
 def test_an_unquantized_build_wrong_when_batched_is_refused(reference, tiny_model_dir, prompts):
@@ -47,8 +50,31 @@ def test_an_unquantized_build_wrong_when_batched_is_refused(reference, tiny_mode
     # A quantized build is not refused: the same figures are recorded for the gate to judge.
     figures = check_build(engine, reference, prompts, exact=False, label="broken int8")
     engine.close()
-    assert figures["defects"] == len(prompts) and figures["identical"] == 0
+    assert figures["defects"] == figures["prompts"] and figures["identical"] == 0
     assert all(r["engine"] != r["reference"] for r in figures["per_prompt"])
+
+
+def test_a_build_wrong_beside_a_one_token_prompt_is_refused(reference, tiny_model_dir, prompts):
+    """Issue 39: CTranslate2 decoded every prompt of two tokens or more exactly, and streamed their
+    prompts' tails as "generated" when a one-token prompt shared the batch. The check adds one."""
+    engine = ShortPromptBrokenEngine(tiny_model_dir, TorchEngineConfig(threads=1))
+    with pytest.raises(ParityRefused, match="generated token 0"):
+        check_build(engine, reference, prompts, exact=True, label="ctranslate2 float32")
+    engine.close()
+
+
+def test_the_shortest_prompts_join_once(reference):
+    tok = reference.tokenizer
+    assert tok("a")["input_ids"] == [81] and tok("")["input_ids"] == []  # the demo tokenizer adds no BOS
+    assert with_shortest([[5, 6], [81, 7]], tok) == [[5, 6], [81, 7], [5], [81]]
+    assert with_shortest([[81], [5, 6]], tok) == [[81], [5, 6]]
+
+    class WithBos:
+        def __call__(self, text):
+            return {"input_ids": [1] + [81] * len(text)}
+
+    assert with_shortest([[1, 5, 6]], WithBos()) == [[1, 5, 6], [1]]  # the BOS alone is one token
+    assert with_shortest([[5, 6]], None) == [[5, 6], [5]]  # no tokenizer: the one-token prompt only
 
 
 @pytest.mark.parametrize(("backend", "config", "quantized", "exact"), [

@@ -2,7 +2,8 @@
 mixed prompt lengths, against the baseline one request at a time, judged by the gate's policy.
 
 A correct engine passes; an engine that writes wrong tokens only while more than one request is
-in flight (what CTranslate2's cohorts did, issue #18) fails, though it is exact one at a time."""
+in flight (what CTranslate2's cohorts did, issue #18), or only beside a one-token prompt (issue 39),
+fails, though it is exact one at a time."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from kiln.evaluate.quality.served import (
 )
 from kiln.pipeline.gate.base import Evidence, Verdict
 from kiln.pipeline.gate.policy import GateSection, judge
-from tests.evaluate.broken_engine import BatchBrokenEngine
+from tests.evaluate.broken_engine import BatchBrokenEngine, ShortPromptBrokenEngine
 
 CONFIG = ServedConfig(num_prompts=8, max_new_tokens=8, concurrency=4)
 POLICY = GateSection.model_validate({"checks": [
@@ -53,7 +54,8 @@ def test_mixed_order_alternates_short_and_long():
 def test_a_correct_server_passes(reference, tiny_model_dir, prompts):
     result = served_text(reference, lambda: TorchEngine(tiny_model_dir, TorchEngineConfig(threads=1)),
                          tiny_model_dir, prompts, CONFIG)
-    assert len({r["prompt_tokens"] for r in result.records}) == len(prompts)  # mixed lengths
+    assert len({r["prompt_tokens"] for r in result.records}) == len(prompts) + 1  # mixed lengths, and one token
+    assert result.records[-1]["prompt_tokens"] == 1
     assert result.metrics["served_prefix"] >= 0.9, result.records
     outcome = _gate(result)
     assert outcome.verdict is Verdict.SUCCESSFUL, outcome.to_dict()
@@ -78,3 +80,14 @@ def test_an_engine_wrong_only_when_batched_fails_the_gate(reference, tiny_model_
     outcome = _gate(result)
     assert outcome.verdict is Verdict.FAILED, outcome.to_dict()
     assert all(r.verdict is Verdict.FAILED for r in outcome.results)
+
+
+def test_an_engine_wrong_beside_a_one_token_prompt_fails(reference, tiny_model_dir, prompts):
+    """The recipe's prompts have two words or more: the one-token prompt the check adds is what
+    puts the engine's defect in front of the gate."""
+    result = served_text(reference, lambda: ShortPromptBrokenEngine(tiny_model_dir, TorchEngineConfig(threads=1)),
+                         tiny_model_dir, prompts, CONFIG)
+    wrong = [r for r in result.records if not r["served_match"]]
+    assert wrong and all(r["prompt_tokens"] > 1 for r in wrong), result.records
+    outcome = _gate(result)  # two of ten prompts wrong: below the policy's 0.8 bound, not proven below it
+    assert outcome.verdict is not Verdict.SUCCESSFUL and outcome.exit_code != 0, outcome.to_dict()
