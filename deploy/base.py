@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from kiln.deploy.observations import is_failure
+from kiln.deploy.observations import Comparison, is_failure
 from kiln.pipeline.gate.base import Evidence
 
 
@@ -66,7 +66,7 @@ class ArmData:
 class Observations:
     stable: ArmData = field(default_factory=ArmData)
     canary: ArmData = field(default_factory=ArmData)
-    matches: list[int] = field(default_factory=list)  # mirrored comparisons: 1 = identical greedy answers
+    mirrored: list[Comparison] = field(default_factory=list)  # mirrored greedy prompts, scored
     cursor: tuple[int, int] = (0, 0)  # pass back to observe() for the next window
 
     def arm(self, name: str) -> ArmData:
@@ -75,7 +75,7 @@ class Observations:
     def extend(self, other: Observations) -> None:
         self.stable.extend(other.stable)
         self.canary.extend(other.canary)
-        self.matches += other.matches
+        self.mirrored += other.mirrored
         self.cursor = other.cursor
 
     def evidence(self) -> tuple[Evidence, Evidence]:
@@ -88,8 +88,9 @@ class Observations:
                 metrics.update(tpot_ms=s["tpot_ms_mean"], decode_tok_s=1000 / s["tpot_ms_mean"])
             if "error_rate" in s:
                 metrics["error_rate"] = s["error_rate"]
-            if role == "candidate" and self.matches:
-                metrics["greedy_match"] = float(np.mean(self.matches))
+            if role == "candidate" and self.mirrored:
+                metrics["served_prefix"] = float(np.mean([c.prefix for c in self.mirrored]))
+                metrics["served_match"] = float(np.mean([c.match for c in self.mirrored]))
             out.append(Evidence(role, metrics=metrics, counts={"error_rate": (int(s["errors"]), int(s["requests"]))}))
         return out[0], out[1]
 
@@ -130,5 +131,5 @@ def observations_from(payload: dict[str, Any]) -> Observations:
     obs = Observations(cursor=(int(payload["next"]), int(payload["next_mirror"])))
     for item in payload["observations"]:
         obs.arm(item["arm"]).add(item)
-    obs.matches = [int(c["match"]) for c in payload["comparisons"]]
+    obs.mirrored = [Comparison(**c) for c in payload["comparisons"]]
     return obs

@@ -16,8 +16,11 @@ How each check kind maps (the threshold semantics stay those of the offline chec
 - error_rate, max: canary failures (0/1 per request, binary=True) against a reference of zeros,
   margin = max: "canary error rate at most max". Conservative: the reference's smoothed variance
   adds to the canary's.
-- agreement on greedy_match with a min: mirrored greedy requests (router mirror_fraction > 0);
-  disagreement (0/1) against zeros, margin 1 - min.
+- agreement on served_prefix, served_match (or greedy_match, read as served_match) with a min:
+  mirrored greedy prompts (router mirror_fraction > 0), each scored as the offline served-text check
+  scores a pair (kiln.evaluate.quality.served.served_scores); the shortfall 1 - score per prompt
+  against zeros, margin 1 - min: "the canary's agreement with stable is at least min", the offline
+  check's statistic and threshold.
 - quality, size, other metrics: skipped with the reason (judged offline; no live signal).
 """
 
@@ -38,6 +41,8 @@ LIVE_SIGNALS: dict[str, Callable[[ArmData], list[float]]] = {
     "tpot_ms": lambda a: a.tpot_ms,
     "decode_tok_s": lambda a: [1000 / t for t in a.tpot_ms if t > 0],
 }
+# Agreement metrics with a live signal -> the Comparison field that scores them.
+MIRRORED = {"served_prefix": "prefix", "served_match": "match", "greedy_match": "match"}
 METHOD = "always-valid normal-mixture confidence sequence (Robbins; mSPRT)"
 
 
@@ -105,20 +110,25 @@ def _plan(cfg: CheckConfig, alpha: float, min_per_arm: int, scale: float,
         return LiveCheck(cfg, test, lambda o: ([0.0] * o.canary.requests, [float(e) for e in o.canary.errors]),
                          float, f"≤ {bound:g}"), ""
     if kind == "agreement":
-        if cfg.metric != "greedy_match" or getattr(cfg, "min", None) is None:
-            return None, "only greedy_match with a min has a live signal (mirrored greedy requests)"
-        if not mirroring:
-            return None, "needs mirrored requests: set deploy.router.mirror_fraction > 0"
-        bound = cfg.min  # type: ignore[attr-defined]
-        test = SequentialTest(alpha, margin=1 - bound, binary=True, effect_scale=max(1 - bound, 0.01),
-                              min_per_arm=min_per_arm)
-        return LiveCheck(cfg, test, lambda o: ([0.0] * len(o.matches), [1.0 - m for m in o.matches]),
-                         lambda d: 1 - d, f"≥ {bound:g}"), ""
+        return _agreement(cfg, alpha, min_per_arm, mirroring)
     if kind == "quality":
         return None, "judged offline on the evaluation set (live requests have no reference answers)"
     if kind == "size":
         return None, "a checkpoint's size does not change in production"
     return None, f"no live mapping for check kind '{kind}'"
+
+
+def _agreement(cfg: CheckConfig, alpha: float, min_per_arm: int, mirroring: bool) -> tuple[LiveCheck | None, str]:
+    score = MIRRORED.get(cfg.metric)
+    if score is None or getattr(cfg, "min", None) is None:
+        return None, (f"only {', '.join(MIRRORED)} with a min have a live signal (mirrored greedy prompts)")
+    if not mirroring:
+        return None, "needs mirrored requests: set deploy.router.mirror_fraction > 0"
+    bound = cfg.min  # type: ignore[attr-defined]
+    test = SequentialTest(alpha, margin=1 - bound, bounded=True, effect_scale=max(1 - bound, 0.01),
+                          min_per_arm=min_per_arm)
+    return LiveCheck(cfg, test, lambda o: ([0.0] * len(o.mirrored), [1.0 - getattr(c, score) for c in o.mirrored]),
+                     lambda d: 1 - d, f"≥ {bound:g}"), ""
 
 
 def _performance(cfg: CheckConfig, alpha: float, min_per_arm: int, scale: float) -> tuple[LiveCheck | None, str]:

@@ -5,7 +5,7 @@ Prometheus histograms are fine for dashboards but lose the individual requests a
 needs, so the router also keeps the last `window` requests (TTFT, TPOT, error) in memory, each
 with a sequence number; the controller reads them incrementally (`GET /admin/observations?since=N`)
 and never sees a request twice. Mirrored comparisons (the same greedy request answered by both
-arms) go to a second window.
+arms, scored as the offline served-text check scores a pair) go to a second window.
 """
 
 from __future__ import annotations
@@ -41,13 +41,14 @@ class Observation:
 
 @dataclass(slots=True)
 class Comparison:
-    """A mirrored request: the primary arm's answer against the other arm's, greedy decoding."""
+    """A mirrored greedy prompt: the canary's answer scored against stable's as the offline
+    served-text check scores a pair (kiln.evaluate.quality.served.served_scores, on the text)."""
 
     seq: int
     t: float
-    primary: str
-    match: int  # 1 when the two texts are identical
-    agreement: float  # matching whitespace tokens / the longer answer's count
+    primary: str  # the arm whose answer the client got
+    prefix: float  # served_prefix: leading characters shared, as a fraction of the longer answer
+    match: float  # served_match: 1.0 when the two answers are identical
 
 
 class Window:
@@ -67,14 +68,6 @@ class Window:
                 break
             out.append(item)
         return [asdict(x) for x in reversed(out[-limit:] if len(out) > limit else out)]
-
-
-def token_agreement(a: str, b: str) -> tuple[int, float]:
-    """(exact match, share of positions whose whitespace token is the same)."""
-    ta, tb = a.split(), b.split()
-    longest = max(len(ta), len(tb))
-    same = sum(x == y for x, y in zip(ta, tb, strict=False))
-    return int(a == b), (same / longest if longest else 1.0)
 
 
 class ArmMetrics:

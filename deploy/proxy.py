@@ -20,9 +20,10 @@ import aiohttp
 from aiohttp import web
 
 from kiln.deploy.config import RouterConfig
-from kiln.deploy.observations import Comparison, Observation, is_failure, token_agreement
+from kiln.deploy.observations import Comparison, Observation, is_failure
 from kiln.deploy.sse import SSERelay, continuation, max_new_tokens
 from kiln.engine.admission import STATS, Admission
+from kiln.evaluate.quality.served import served_scores
 
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 STARTED = web.RequestKey("kiln.started", web.StreamResponse)  # the client's stream, once its 200 is sent
@@ -245,9 +246,10 @@ class Proxy:
                 other_text = _answer_text(await up.json())
         except UPSTREAM_ERRORS:
             return
-        match, agreement = token_agreement(text, other_text)
-        self.comparisons.items.append(Comparison(self.comparisons.next_seq(), time.time(), primary, match, agreement))
-        self.metrics.mirror.labels(str(match)).inc()
+        stable, canary = (text, other_text) if primary == "stable" else (other_text, text)
+        prefix, match = served_scores(stable, canary)
+        self.comparisons.items.append(Comparison(self.comparisons.next_seq(), time.time(), primary, prefix, match))
+        self.metrics.mirror.labels(str(int(match))).inc()
 
 
 def _answer_text(parsed: dict[str, Any]) -> str:

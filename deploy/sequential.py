@@ -22,7 +22,10 @@ otherwise; tests/deploy/test_sequential.py measures it on lognormal TTFTs.
 relative=True compares the means of log values: the geometric-mean ratio canary/stable, which for
 lognormal latency is the ratio of medians. It is not the ratio of arithmetic means: a regression in
 the tail alone moves it less. binary=True is for 0/1 outcomes and uses a smoothed Bernoulli
-variance, so a run of zero errors in both arms is not read as certainty.
+variance, so a run of zero errors in both arms is not read as certainty. bounded=True is for
+values in [-1, 1] (paired agreement differences): the plug-in variance is at least that of one
+unit difference in n + 2 observations, the same smoothing, so a run of identical answers is not
+read as certainty either.
 """
 
 from __future__ import annotations
@@ -68,19 +71,19 @@ class SequentialTest:
 
     def __init__(self, alpha: float = 0.05, margin: float = 0.0, higher_is_better: bool = False,
                  relative: bool = False, effect_scale: float | None = None, binary: bool = False,
-                 min_per_arm: int = 20):
+                 min_per_arm: int = 20, bounded: bool = False):
         scale = margin if effect_scale is None else effect_scale
         problems = [msg for bad, msg in [
             (not 0 < alpha < 1, f"alpha must be in (0, 1), got {alpha}"),
             (not 0 <= margin < (1 if relative else math.inf), f"margin must be >= 0 (< 1 when relative), got {margin}"),
             (not scale > 0, "effect_scale must be > 0; set it when margin is 0 (e.g. 0.2 for a 20% regression)"),
-            (relative and binary, "relative and binary cannot both be set: 0/1 outcomes have no log"),
+            (relative and (binary or bounded), "relative and binary (or bounded) cannot both be set: their values have no log"),
             (min_per_arm < 2, f"min_per_arm must be >= 2, got {min_per_arm}"),
         ] if bad]
         if problems:
             raise BadInput("SequentialTest: invalid settings.", problems)
         self.alpha, self.higher_is_better, self.relative = alpha, higher_is_better, relative
-        self.binary, self.min_per_arm = binary, min_per_arm
+        self.binary, self.bounded, self.min_per_arm = binary, bounded, min_per_arm
         # Work on the log scale when relative: a fraction f becomes log(1 + f) (or -log(1 - f) for
         # a drop in something higher-is-better).
         self._margin = (-math.log1p(-margin) if higher_is_better else math.log1p(margin)) if relative else margin
@@ -97,6 +100,8 @@ class SequentialTest:
             raise BadInput(f"{name}: relative=True needs values > 0 (it compares logs).")
         if self.binary and not np.isin(x, (0, 1)).all():
             raise BadInput(f"{name}: binary=True needs 0/1 values per request.")
+        if self.bounded and (np.abs(x) > 1).any():
+            raise BadInput(f"{name}: bounded=True needs values in [-1, 1].")
         return np.log(x) if self.relative else x
 
     def update(self, stable_values: Any, canary_values: Any) -> None:
@@ -131,7 +136,8 @@ class SequentialTest:
             p = (mean * n + 1) / (n + 2)  # Laplace smoothing: never a zero variance
             return p * (1 - p)
         # Variance over the whole arm (not within batches): drift between batches only widens it.
-        return max(m2 / (n - 1), 1e-12)
+        floor = (n + 1) / (n + 2) ** 2 if self.bounded else 1e-12  # p(1 - p), p = 1 / (n + 2)
+        return max(m2 / (n - 1), floor)
 
     def decide(self) -> SequentialDecision:
         n_s, n_c = self._arms["stable"][0], self._arms["canary"][0]

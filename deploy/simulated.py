@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kiln.deploy.base import ArmData, DeployTarget, Observations
+from kiln.deploy.observations import Comparison
 
 
 @dataclass
@@ -23,7 +24,7 @@ class ArmModel:
     tpot_ms: float = 20.0
     sigma: float = 0.3  # log-sd of both latencies
     error_rate: float = 0.0
-    greedy_match: float = 1.0  # chance a mirrored greedy answer is identical to the other arm's
+    served_prefix: float = 1.0  # mean agreement of a mirrored greedy answer with stable's (served_prefix)
 
     def draw(self, n: int, rng: np.random.Generator) -> ArmData:
         errors = (rng.random(n) < self.error_rate).astype(int)
@@ -31,6 +32,13 @@ class ArmModel:
         return ArmData(ttft_ms=list(self.ttft_ms * np.exp(rng.normal(0, self.sigma, ok))),
                        tpot_ms=list(self.tpot_ms * np.exp(rng.normal(0, self.sigma, ok))),
                        errors=list(errors))
+
+    def agree(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """served_prefix of n mirrored answers: identical (1.0) with probability 2m - 1, else a
+        prefix uniform in [0, 1) (or in [0, 2m) when the mean m is under 0.5)."""
+        m = self.served_prefix
+        exact = rng.random(n) < max(2 * m - 1, 0.0)
+        return np.where(exact, 1.0, rng.random(n) * min(1.0, 2 * m))
 
 
 class SimulatedTarget(DeployTarget):
@@ -65,7 +73,8 @@ class SimulatedTarget(DeployTarget):
         obs = Observations(self.models["stable"].draw(n - n_canary, self.rng),
                            self.models["canary"].draw(n_canary, self.rng))
         mirrored = int(self.rng.binomial(n, self.mirror_fraction)) if 0 < self.weight < 100 else 0
-        obs.matches = list((self.rng.random(mirrored) < self.models["canary"].greedy_match).astype(int))
+        prefix = self.models["canary"].agree(mirrored, self.rng)
+        obs.mirrored = [Comparison(0, self.now, "stable", float(p), float(p == 1.0)) for p in prefix]
         self.seq += n
         obs.cursor = (self.seq, 0)
         return obs

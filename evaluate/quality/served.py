@@ -87,6 +87,23 @@ def mixed_order(prompts: Sequence[list[int]]) -> list[int]:
     return [order[k // 2] if k % 2 == 0 else order[-1 - k // 2] for k in range(len(order))]
 
 
+def shared_prefix(want: Sequence, got: Sequence) -> int:
+    """How many leading items (token ids, or characters of a text) `got` shares with `want`."""
+    return next((k for k, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+
+
+def served_scores(want: Sequence, got: Sequence, n: int | None = None) -> tuple[float, float]:
+    """One answer scored against the reference's as this check scores it: (served_prefix,
+    served_match). served_prefix: the shared leading items as a fraction of `n` (the tokens asked
+    for; None: the longer answer's length); served_match: 1.0 when all `n` are shared. The live
+    canary check (kiln.deploy) scores mirrored answers with this too."""
+    n = max(len(want), len(got)) if n is None else n
+    if n == 0:
+        return 1.0, 1.0
+    matched = shared_prefix(want, got)
+    return matched / n, float(matched == n and len(got) == n)
+
+
 def served_text(reference: Engine, load: Callable[[], Engine], tokenizer: Path | str,
                 prompts: Sequence[list[int]], config: ServedConfig) -> QualityResult:
     n = config.max_new_tokens
@@ -100,9 +117,9 @@ def served_text(reference: Engine, load: Callable[[], Engine], tokenizer: Path |
     decode = getattr(reference.tokenizer, "decode", None)
     records = []
     for i, (p, w, g) in enumerate(zip(prompts, want, got, strict=True)):
-        matched = next((k for k, (a, b) in enumerate(zip(w, g)) if a != b), min(len(w), len(g)))
-        records.append({"doc_id": i, "prompt_tokens": len(p), "matched_tokens": matched,
-                        "served_prefix": matched / n, "served_match": float(matched == n and len(g) == n),
+        prefix, match = served_scores(w, g, n)
+        records.append({"doc_id": i, "prompt_tokens": len(p), "matched_tokens": shared_prefix(w, g),
+                        "served_prefix": prefix, "served_match": match,
                         "baseline": w, "candidate": g,
                         **({"baseline_text": decode(w), "candidate_text": decode(g)} if decode else {})})
     metrics = {"served_match": sum(r["served_match"] for r in records) / len(records),

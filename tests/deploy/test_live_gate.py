@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from kiln.deploy.base import ArmData, Observations
 from kiln.deploy.live_gate import LiveGate
+from kiln.deploy.observations import Comparison
 from kiln.deploy.simulated import ArmModel
 from kiln.evaluate.stats import Verdict
 from kiln.pipeline.errors import BadInput
@@ -18,12 +21,12 @@ def policy(*checks: dict) -> GateSection:
 
 
 def feed(gate: LiveGate, stable: ArmModel, canary: ArmModel, looks: int = 10, per_look: int = 40, seed: int = 0,
-         matches: float | None = None) -> None:
+         mirrored: int = 0) -> None:
+    """`mirrored` prompts per look, scored by canary.served_prefix."""
     rng = np.random.default_rng(seed)
     for _ in range(looks):
         obs = Observations(stable.draw(per_look, rng), canary.draw(per_look, rng))
-        if matches is not None:
-            obs.matches = list((rng.random(per_look) < matches).astype(int))
+        obs.mirrored = [Comparison(0, 0.0, "stable", float(p), float(p == 1)) for p in canary.agree(mirrored, rng)]
         gate.update(obs)
 
 
@@ -93,10 +96,29 @@ def test_checks_without_a_live_signal_are_listed_as_skipped():
 def test_agreement_from_mirrored_requests():
     check = {"kind": "agreement", "metric": "greedy_match", "min": 0.9}
     same, drifted = LiveGate(policy(check), mirroring=True), LiveGate(policy(check), mirroring=True)
-    feed(same, ArmModel(), ArmModel(), matches=1.0)
-    feed(drifted, ArmModel(), ArmModel(), matches=0.5)
+    feed(same, ArmModel(), ArmModel(), mirrored=40)
+    feed(drifted, ArmModel(), ArmModel(served_prefix=0.75), mirrored=40)  # half the answers identical
     assert verdicts(same)["agreement:greedy_match"] == Verdict.SUCCESSFUL
     assert verdicts(drifted)["agreement:greedy_match"] == Verdict.FAILED
+
+
+def test_the_recipes_served_prefix_check_is_judged_live_with_its_own_threshold():
+    """The demo recipe's offline check (served_prefix >= 0.3) judges mirrored prompts: a correct int8
+    build (offline 0.77-0.88) passes, the engine that corrupts batched tokens (0.031) fails."""
+    from kiln.pipeline.recipe import load_recipe
+
+    gate = load_recipe(Path(__file__).parents[2] / "recipes" / "demo.yaml").gate
+    served = [c for c in gate.checks if c.metric == "served_prefix"]
+    assert [(c.kind, c.min) for c in served] == [("agreement", 0.3)]
+    results = {}
+    for name, agreement in (("identical", 1.0), ("int8", 0.8), ("broken", 0.031)):
+        live = LiveGate(GateSection(checks=served), mirroring=True)
+        feed(live, ArmModel(), ArmModel(served_prefix=agreement), looks=5, mirrored=10)
+        results[name] = live.judge().results[0]
+    assert {k: r.verdict for k, r in results.items()} == {
+        "identical": Verdict.SUCCESSFUL, "int8": Verdict.SUCCESSFUL, "broken": Verdict.FAILED}
+    assert results["broken"].threshold == "≥ 0.3" and results["broken"].observed < 0.1
+    assert abs(results["int8"].observed - 0.8) < 0.1
 
 
 def test_a_policy_with_nothing_live_is_bad_input():

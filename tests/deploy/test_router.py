@@ -15,7 +15,6 @@ import pytest
 
 from kiln.deploy.config import RouterConfig
 from kiln.deploy.loadgen import SteadyLoad
-from kiln.deploy.observations import token_agreement
 from kiln.deploy.router_process import RouterProcess
 from kiln.engine.fake import FakeServer
 from tests.deploy.fakes import fake
@@ -162,13 +161,7 @@ def test_mirrored_greedy_requests_are_compared(pair):
         time.sleep(0.5)
         comparisons = r.observations()["comparisons"]
         assert len(comparisons) == 20  # sampled (temperature 0.7) requests are never mirrored
-        assert all(x["match"] == 1 and x["agreement"] == 1.0 for x in comparisons)  # identical fakes
-
-
-def test_token_agreement():
-    assert token_agreement("a b c", "a b c") == (1, 1.0)
-    assert token_agreement("a b c d", "a x c") == (0, 0.5)
-    assert token_agreement("", "") == (1, 1.0)
+        assert all(x["match"] == 1 and x["prefix"] == 1.0 for x in comparisons)  # identical fakes
 
 
 def test_stable_failures_reach_the_client_as_errors_not_hangs():
@@ -179,3 +172,13 @@ def test_stable_failures_reach_the_client_as_errors_not_hangs():
         status, raw = post_all(r.url, [body()])[0]
         assert status == 502 and b"stable backend failed" in raw
         assert all(o["arm"] == "stable" and not o["retried"] for o in r.observations()["observations"])
+
+
+def test_a_mirrored_pair_is_scored_as_the_offline_served_check_scores_it():
+    from kiln.evaluate.quality.served import served_scores
+
+    assert served_scores([5, 6, 7, 8], [5, 6, 0, 8], 4) == (0.5, 0.0)  # offline: token ids, of max_new_tokens
+    assert served_scores("a cat sat", "a cat sat") == (1.0, 1.0)  # live: the answers' text
+    assert served_scores("a cat sat", "a cow sat") == (3 / 9, 0.0)
+    assert served_scores("a cat", "a cat sat") == (5 / 9, 0.0)  # one answer stopped early
+    assert served_scores("", "") == (1.0, 1.0)
