@@ -118,13 +118,17 @@ def _see(page, text: str, shot: str) -> None:
     page.screenshot(path=str(SHOTS / f"{shot}.png"), full_page=True)
 
 
+def _row_index(page, run) -> int:
+    """Where the run's row is in the runs table, top first."""
+    named = page.locator("[role=row]").filter(has=page.get_by_text(run.info.run_name, exact=True)).first
+    named.wait_for(timeout=60_000)
+    return int(named.get_attribute("aria-rowindex"))
+
+
 def _row(page, run) -> str:
     """The text of the run's row in the runs table, as rendered: the grid draws its pinned name
     column and the other columns as two rows with one index."""
-    named = page.locator("[role=row]").filter(has=page.get_by_text(run.info.run_name, exact=True)).first
-    named.wait_for(timeout=60_000)
-    index = named.get_attribute("aria-rowindex")
-    return "\n".join(page.locator(f'[role=row][aria-rowindex="{index}"]').all_inner_texts())
+    return "\n".join(page.locator(f'[role=row][aria-rowindex="{_row_index(page, run)}"]').all_inner_texts())
 
 
 def test_kiln_ui_links_the_experiment_to_its_runs_table(mlflow_ui, page, store):
@@ -156,6 +160,14 @@ def test_runs_table_shows_verdict_dataset_and_source_of_each_run(mlflow_ui, page
     # told apart at a glance: each row, as drawn, names its own verdict and not the other's
     assert "Successful ·" in rows["Successful"] and "Failed" not in rows["Successful"]
     assert "Failed ·" in rows["Failed"] and "Successful" not in rows["Failed"]
+
+
+def test_runs_table_sorts_by_the_verdict(mlflow_ui, page, store):
+    parents = _parents(store)
+    page.goto(mlflow_ui["experiment"] + "&orderByKey=metrics.%60kiln.passed%60&orderByAsc=false")
+    rows = {verdict: _row_index(page, parents[verdict]) for verdict in GATES}
+    page.screenshot(path=str(SHOTS / "1c-runs-sorted-by-verdict.png"), full_page=True)
+    assert rows["Successful"] < rows["Failed"]  # passed first, though the Failed run is the newer
 
 
 def test_parent_run_shows_verdict_commit_and_report(mlflow_ui, page, store):
