@@ -24,7 +24,8 @@ def test_every_engine_build_records_its_parity_figures(tiny_run):
     assert not cand["parity"]["exact_required"]  # int8 weights: figures recorded, never refused here
     assert 0 <= cand["parity"]["max_abs_logprob"] < 10
     per_prompt = json.loads((cand_dir / "parity.json").read_text())["per_prompt"]
-    assert len(per_prompt) == 3 and all(len(r["reference"]) == 8 for r in per_prompt)
+    assert len(per_prompt) == 5 and all(len(r["reference"]) == 8 for r in per_prompt)
+    assert [r["prompt_tokens"] for r in per_prompt][3:] == [1, 1]  # a one-token prompt and "a" (issue 39)
 
 
 def test_served_text_check_gates_a_run(tmp_path, tiny_model_dir):
@@ -42,7 +43,7 @@ def test_served_text_check_gates_a_run(tmp_path, tiny_model_dir):
     served, path = _result(run_dir, "served-candidate")
     assert served["metrics"]["served_match"] == 1.0
     records = [json.loads(line) for line in (path / "served.jsonl").read_text().splitlines()]
-    assert len(records) == 6 and len({r["prompt_tokens"] for r in records}) > 1
+    assert len(records) == 6 + 2 and len({r["prompt_tokens"] for r in records}) > 1  # + a one-token prompt and "a"
     assert all(r["baseline"] == r["candidate"] and len(r["candidate"]) == 6 for r in records)
     assert "baseline_text" in records[0] and "candidate_text" in records[0]
 
