@@ -85,6 +85,9 @@ class ArmMetrics:
         self.in_flight = Gauge(names.ROUTER_IN_FLIGHT, "requests in flight", arm, registry=r)
         self.weight = Gauge(names.ROUTER_WEIGHT, "canary traffic weight", registry=r)
         self.mirror = Counter(names.ROUTER_MIRROR, "mirrored comparisons", ["match"], registry=r)
+        self.mirror_dropped = Counter(names.ROUTER_MIRROR_DROPPED, "mirrors not compared", [names.REASON], registry=r)
+        for reason in (names.MIRROR_LOAD, names.MIRROR_FAILED):
+            self.mirror_dropped.labels(reason)
 
     def record(self, obs: Observation) -> None:
         outcome = (names.SUCCESS if obs.error is None else names.SERVER_ERROR if is_failure(obs.status, obs.error)

@@ -22,12 +22,16 @@ from aiohttp import web
 from kiln.deploy.config import RouterConfig
 from kiln.deploy.observations import Comparison, Observation, is_failure
 from kiln.deploy.sse import SSERelay, continuation, max_new_tokens
+from kiln.engine import metric_names as names
 from kiln.engine.admission import STATS, Admission
 from kiln.evaluate.quality.served import served_scores
 
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 STARTED = web.RequestKey("kiln.started", web.StreamResponse)  # the client's stream, once its 200 is sent
 MAX_MIRRORS_IN_FLIGHT = 64
+# Request fields a mirror does not carry: the client's identity (OpenAI's `user`, `metadata`,
+# `safety_identifier`, `prompt_cache_key`) and the streaming options (a mirror reads one JSON body).
+MIRROR_DROPS = ("user", "metadata", "safety_identifier", "prompt_cache_key", "stream", "stream_options")
 
 
 def error_response(status: int, message: str, kind: str = "router_error") -> web.Response:
@@ -60,6 +64,7 @@ class Proxy:
     upstream_api_key: str | None
     backends: dict[str, Backend]
     admission: Admission
+    _mirrors: set[asyncio.Task]
 
 
     def _headers(self, request: web.Request) -> dict[str, str]:
@@ -106,9 +111,8 @@ class Proxy:
                 await work
             return await self._cut(request, stats)
         resp, answer = work.result()
-        if mirror and answer is not None:
-            text = answer.text() if isinstance(answer, SSERelay) else answer
-            self._spawn(self._mirror(payload, stats["arm"], text, self._headers(request)))
+        if mirror and answer is not None and not stats.get("retried"):  # a retried answer is two arms' text
+            self._start_mirror(payload, stats["arm"], answer.text() if isinstance(answer, SSERelay) else answer)
         return resp
 
     async def _cut(self, request: web.Request, stats: dict[str, Any]) -> web.StreamResponse:
@@ -226,25 +230,53 @@ class Proxy:
                 stats["tpot_ms"] = (relay.last - relay.first) / (relay.tokens - 1) * 1000
 
     # --- mirroring ------------------------------------------------------------------------
+    # A mirror is the router's own request, after the client has its answer: it never changes what
+    # the client receives, carries none of the client's identity, and is the first thing dropped
+    # under load (router.py cancels mirrors in flight when a client would wait for a slot).
     def _mirror_wanted(self, payload: dict[str, Any]) -> bool:
         """Only greedy requests are comparable: sampled answers differ even between identical models."""
-        return (self.cfg.mirror_fraction > 0 and "canary" in self.backends and len(self._tasks) < MAX_MIRRORS_IN_FLIGHT
-                and payload.get("temperature") == 0 and payload.get("n", 1) == 1
-                and random.random() < self.cfg.mirror_fraction)
+        if not (self.cfg.mirror_fraction > 0 and "canary" in self.backends and payload.get("temperature") == 0
+                and payload.get("n", 1) == 1 and random.random() < self.cfg.mirror_fraction):
+            return False
+        a = self.admission
+        if a.draining or a.waiting or a.running + len(self._mirrors) > a.slots or len(self._mirrors) >= MAX_MIRRORS_IN_FLIGHT:
+            self.metrics.mirror_dropped.labels(names.MIRROR_LOAD).inc()
+            return False
+        return True
 
-    async def _mirror(self, payload: dict[str, Any], primary: str, text: str, headers: dict[str, str]) -> None:
+    def _start_mirror(self, payload: dict[str, Any], primary: str, text: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._mirror(payload, primary, text))
+        self._mirrors.add(task)
+        task.add_done_callback(self._mirrors.discard)
+
+    def drop_mirrors(self) -> None:
+        """Cancel every mirror in flight (a client is about to wait for a slot)."""
+        for task in list(self._mirrors):
+            task.cancel()
+            self.metrics.mirror_dropped.labels(names.MIRROR_LOAD).inc()
+
+    def _mirror_headers(self) -> dict[str, str]:
+        """The router's own upstream key, if it has one; never the client's Authorization."""
+        headers = {"Content-Type": "application/json"}
+        if self.upstream_api_key:
+            headers["Authorization"] = f"Bearer {self.upstream_api_key}"
+        return headers
+
+    async def _mirror(self, payload: dict[str, Any], primary: str, text: str) -> None:
         other = "canary" if primary == "stable" else "stable"
-        body = {k: v for k, v in payload.items() if k not in ("stream", "stream_options")}
+        body = {k: v for k, v in payload.items() if k not in MIRROR_DROPS}
         backend = self.backends.get(other)
         if backend is None:
             return
         try:
             path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-            async with backend.post(path, body, headers) as up:
+            async with backend.post(path, body, self._mirror_headers()) as up:
                 if up.status != 200:
+                    self.metrics.mirror_dropped.labels(names.MIRROR_FAILED).inc()
                     return
                 other_text = _answer_text(await up.json())
-        except UPSTREAM_ERRORS:
+        except (*UPSTREAM_ERRORS, ValueError):
+            self.metrics.mirror_dropped.labels(names.MIRROR_FAILED).inc()
             return
         stable, canary = (text, other_text) if primary == "stable" else (other_text, text)
         prefix, match = served_scores(stable, canary)

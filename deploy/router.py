@@ -7,7 +7,9 @@
   stable; one that dies mid-stream is continued on stable (sse.py): the client sees one stream.
 - Records every attempt per arm: Prometheus series (/metrics) and a window of per-request
   observations the canary controller reads (GET /admin/observations?since=N).
-- Optionally mirrors a fraction of greedy requests to the other arm and compares the answers.
+- Optionally mirrors a fraction of greedy requests to the other arm and scores the answers as the
+  offline served-text check does. Mirrors carry no client identity, start only with free slots,
+  and are cancelled first when a client would wait (proxy.py).
 - Admission control, rate limits, request logs and drain on SIGTERM come from engine/admission.py
   (shared with `kiln serve`).
 
@@ -46,6 +48,7 @@ class Router(Proxy):
         self.metrics = ArmMetrics()
         self.admission = Admission(config.admission)
         self._tasks: set[asyncio.Task] = set()
+        self._mirrors: set[asyncio.Task] = set()
         self._retiring: list[Backend] = []
         Gauge(names.ROUTER_WAITING, "requests waiting for a slot", registry=self.metrics.registry).set_function(
             lambda: self.admission.waiting)
@@ -56,7 +59,8 @@ class Router(Proxy):
 
     # --- the application -------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth, self.admission.middleware], client_max_size=64 * 2**20)
+        app = web.Application(middlewares=[self._auth, self._shed_mirrors, self.admission.middleware],
+                              client_max_size=64 * 2**20)
         app.router.add_post("/v1/completions", self.generate)
         app.router.add_post("/v1/chat/completions", self.generate)
         app.router.add_get("/v1/models", self.models)
@@ -74,7 +78,7 @@ class Router(Proxy):
         self.set_backends(self.cfg.stable_url, self.cfg.canary_url)
 
     async def _stop(self, app: web.Application) -> None:
-        for task in list(self._tasks):
+        for task in [*self._tasks, *self._mirrors]:
             task.cancel()
         for backend in [*self.backends.values(), *self._retiring]:
             await backend.session.close()
@@ -84,6 +88,14 @@ class Router(Proxy):
         if self.api_key and request.path.startswith(("/v1/", "/admin/")):
             if not key_matches(request.headers.get("Authorization", ""), [self.api_key.encode()]):
                 return error_response(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", "authentication_error")
+        return await handler(request)
+
+    @web.middleware
+    async def _shed_mirrors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Mirrors are dropped first under load: a client that would wait for a slot cancels them."""
+        a = self.admission
+        if self._mirrors and request.path in a.paths and (a.waiting or a.running >= a.slots):
+            self.drop_mirrors()
         return await handler(request)
 
     # --- control (also callable from Python in the router's loop) ----------------------------

@@ -58,3 +58,6 @@ ROUTER_IN_FLIGHT = "kiln:router_num_requests_running"
 ROUTER_WAITING = "kiln:router_num_requests_waiting"
 ROUTER_WEIGHT = "kiln:router_canary_weight_percent"
 ROUTER_MIRROR = "kiln:router_mirror_comparisons"  # label match
+ROUTER_MIRROR_DROPPED = "kiln:router_mirror_dropped"  # label REASON: MIRROR_LOAD (shed for clients) | MIRROR_FAILED
+REASON = "reason"
+MIRROR_LOAD, MIRROR_FAILED = "load", "failed"
