@@ -40,8 +40,10 @@ class Version:
     version: str
     reused: bool
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "version": self.version, "alias": CHALLENGER, "reused": self.reused}
+    def to_dict(self, passed: bool) -> dict[str, Any]:
+        """As the run records it: the alias it gets (`challenger` only when its run passed, else none)."""
+        return {"name": self.name, "version": self.version, "alias": CHALLENGER if passed else None,
+                "reused": self.reused}
 
 
 def register(ctx: Any, artifact: Any) -> Version:

@@ -7,7 +7,7 @@ the knee and roofline tables, memory and cost, every metric, and the lineage fro
 registry version with each step's content key and MLflow run. Markdown for terminals, pull
 requests and the GitHub job summary (plots named by their path under the run dir); a
 self-contained HTML page of the same content (plots embedded); both logged to the parent MLflow
-run. The candidate becomes a registered model version with alias `challenger`, tagged with the
+run. The candidate becomes a registered model version (alias `challenger` when the run passed), tagged with the
 verdict, each check and the lineage (`kiln.pipeline.model_registry`).
 """
 
@@ -315,7 +315,8 @@ def lineage(ctx: Any, outcome: GateOutcome, version: dict[str, Any]) -> list[dic
     steps.append({"step": "verdict", "key": outcome.verdict.value, "detail": outcome.rule,
                   "mlflow_run": gate_runs[0].info.run_id if gate_runs else ""})
     steps.append({"step": "registry version", "key": f"{version['name']} v{version['version']}",
-                  "mlflow_run": ctx.parent_run, "detail": f"alias {version['alias']}"})
+                  "mlflow_run": ctx.parent_run,
+                  "detail": f"alias {version['alias']}" if version["alias"] else "no alias (the run did not pass)"})
     return steps
 
 
@@ -358,8 +359,9 @@ def publish(ctx: Any, outcome: GateOutcome, evidence: dict[str, Evidence], artif
     from kiln.pipeline.report_plots import gather, pareto
 
     registered = model_registry.register(ctx, artifact)
-    version = registered.to_dict()
-    links = {"registered model": f"{version['name']} v{version['version']} (alias {version['alias']})"
+    version = registered.to_dict(passed=int(outcome.exit_code) == 0)
+    alias = f"alias {version['alias']}" if version["alias"] else "no alias: the run did not pass"
+    links = {"registered model": f"{version['name']} v{version['version']} ({alias})"
                                  + (", the same artifact and recipe as before" if registered.reused else "")}
     if url := ctx.tracker.run_url(ctx.parent_run):
         links["MLflow run"] = url

@@ -49,7 +49,7 @@ def test_a_run_killed_while_publishing_leaves_nothing_that_looks_finished(point,
     assert again.returncode in (0, 1, 3), again.stderr[-3000:]
     [version] = client.search_model_versions("name = 'tiny'")
     assert version.tags["kiln.registration"] == "complete" and version.tags["kiln.verdict"]
-    assert str(client.get_model_version_by_alias("tiny", "challenger").version) == str(version.version)
+    assert ("challenger" in version.aliases) is (again.returncode == 0)  # only a version whose run passed
     exp = client.get_experiment_by_name("kiln-test")
     runs = client.search_runs([exp.experiment_id], max_results=1000)
     assert "RUNNING" not in {r.info.status for r in runs}

@@ -62,8 +62,12 @@ def test_mlflow_holds_parent_children_and_registry(tiny_run):
     assert quality.data.metrics["perplexity"] > 1
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"report.md", "report.html", "verdict.json", "recipe.yaml"} <= artifacts
-    mv = client.get_model_version_by_alias("tiny", "challenger")
+    registered = json.loads((tiny_run["run_dir"] / "registry.json").read_text())
+    mv = client.get_model_version("tiny", str(registered["version"]))
     assert mv.tags["kiln.verdict"] == parent.data.tags["kiln.verdict"]
+    passed = tiny_run["proc"].returncode == 0
+    assert mv.tags["kiln.passed"] == str(passed).lower() and registered["alias"] == ("challenger" if passed else None)
+    assert ("challenger" in mv.aliases) is passed  # the alias goes only to a version whose run passed
     assert mv.run_id == parent.info.run_id
 
 
