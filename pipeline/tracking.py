@@ -234,6 +234,7 @@ class Tracker:
         import mlflow.data
         import pandas as pd
         from mlflow.entities import DatasetInput, InputTag
+        from mlflow.exceptions import MlflowException
 
         # MLflow warns that it registered the local-file source twice ("" and file:) and, in its
         # digest, about a pandas 4 signature: nothing a kiln user can act on
@@ -241,7 +242,11 @@ class Tracker:
             warnings.simplefilter("ignore")
             data = mlflow.data.from_pandas(pd.DataFrame({column: rows}), source=str(source), name=Path(source).name)
         # what mlflow.log_input logs, for a run given by id rather than the process's active run
-        self.client.log_inputs(run_id, [DatasetInput(data._to_mlflow_entity(), [InputTag("mlflow.data.context", context)])])
+        inputs = [DatasetInput(data._to_mlflow_entity(), [InputTag("mlflow.data.context", context)])]
+        try:
+            self.client.log_inputs(run_id, inputs)
+        except MlflowException:  # another run stored the same data at the same moment (one row per digest): now found
+            self.client.log_inputs(run_id, inputs)
 
     def end(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status)

@@ -33,3 +33,30 @@ def test_experiment_kind_verdict_and_inputs(tmp_path):
         assert {t.key: t.value for t in data.tags}["mlflow.data.context"] == "benchmark"
         digests.append(data.dataset.digest)
     assert digests[0] != digests[1]  # the digest follows the rows the run used
+
+
+def test_two_runs_storing_the_same_data_at_once_both_list_it(tmp_path, monkeypatch):
+    """Two runs at once (two CI jobs on one store) insert the same dataset row; MLflow refuses the
+    second insert (UNIQUE experiment, name, digest), as test_concurrent_runs met: the loser is
+    replayed here deterministically, the other run's insert landing between its check and its own."""
+    from mlflow.exceptions import MlflowException
+
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "kiln-test")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "a"}\n')
+    first, second = tracker.start("a", {}), tracker.start("b", {})
+    real = tracker.client.log_inputs
+    raced = []
+
+    def racing(run_id, datasets):
+        if not raced:
+            raced.append(run_id)
+            real(first, datasets)  # the other run wins the insert ...
+            raise MlflowException("(sqlite3.IntegrityError) UNIQUE constraint failed: datasets.experiment_id, "
+                                  "datasets.name, datasets.digest")  # ... and this one's fails, as MLflow's does
+        return real(run_id, datasets)
+
+    monkeypatch.setattr(tracker.client, "log_inputs", racing)
+    tracker.log_data(second, "benchmark", prompts, "prompt", ["a"])
+    for run in (first, second):
+        assert [d.dataset.name for d in tracker.client.get_run(run).inputs.dataset_inputs] == ["prompts.jsonl"]
