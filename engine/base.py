@@ -168,5 +168,12 @@ class EngineBackend(abc.ABC):
     def load(cls, engine_dir: Path, **options: Any) -> Engine:
         """Load a built engine (the folder `build` wrote) ready to serve."""
 
+    @classmethod
+    def refuses(cls, config: dict[str, Any]) -> str | None:
+        """Why this backend cannot build a checkpoint whose config.json holds `config`, or None. Asked
+        before any stage runs (kiln.pipeline.stage_impl.check_inputs), without importing the backend's
+        library: an architecture its converter cannot take is refused in seconds, naming the field."""
+        return None
+
 
 BACKENDS: Registry[EngineBackend] = Registry("engine backend", "backend")

@@ -39,6 +39,12 @@ from kiln.engine.openvino import HF_FILES, eos_ids_of
 from kiln.pipeline.errors import BadInput
 
 MODEL = "ct2"  # subfolder holding model.bin, config.json, vocabulary.json
+# Architectures the pinned converter registers but cannot convert (config.json model_type: why).
+# Re-check them when the ctranslate2 pin moves.
+UNCONVERTIBLE = {
+    "phi3": "ctranslate2 4.8.5's Phi-3 converter reads rope_scaling['type'], which transformers 5 configs no "
+            "longer carry (the conversion fails with KeyError 'type')",
+}
 
 
 class CTranslate2Config(EngineConfig):
@@ -55,6 +61,21 @@ class CTranslate2Backend(EngineBackend):
     takes_quantized: ClassVar[bool] = False  # converts and compresses an unquantized checkpoint itself
     revision: ClassVar[int] = 1  # 1: a cohort with a one-token prompt no longer streams the others' prompts
 
+    @classmethod
+    def refuses(cls, config: dict[str, Any]) -> str | None:
+        model_type = config.get("model_type")
+        if not isinstance(model_type, str):  # transformers' own loading refuses such a config
+            return None
+        if model_type in UNCONVERTIBLE:
+            return f"model_type '{model_type}': {UNCONVERTIBLE[model_type]}"
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+        name = CONFIG_MAPPING_NAMES.get(model_type)
+        registered = _converter_configs()
+        if name is not None and registered and name not in registered:
+            return f"model_type '{model_type}' ({name}) has no CTranslate2 converter"
+        return None
+
     def build(self, checkpoint: Path, out_dir: Path) -> dict[str, Any]:
         from ctranslate2 import __version__
         from ctranslate2.converters import TransformersConverter
@@ -63,6 +84,9 @@ class CTranslate2Backend(EngineBackend):
         from kiln.engine.hf_torch import check_checkpoint
 
         check_checkpoint(checkpoint)
+        why = self.refuses(json.loads((checkpoint / "config.json").read_text()))
+        if why:
+            raise BadInput(f"{checkpoint}: CTranslate2 cannot convert it ({why}). Use the `torch` backend.")
         hf = AutoConfig.from_pretrained(checkpoint)
         if getattr(hf, "quantization_config", None):
             raise BadInput(f"{checkpoint}: already quantized; build this backend from the unquantized baseline "
@@ -73,8 +97,10 @@ class CTranslate2Backend(EngineBackend):
         try:
             TransformersConverter(str(checkpoint), low_cpu_mem_usage=True).convert(
                 str(out_dir / MODEL), quantization=cfg.quantization, force=True)
-        except ValueError as e:  # the converter's "no converter for this architecture"
-            raise BadInput(f"{checkpoint}: CTranslate2 cannot convert it ({e}). Use the `torch` backend.") from e
+        except (ValueError, KeyError, NotImplementedError) as e:  # "no converter for this architecture", a
+            # config field its loader expects and does not find, a rope or quantization type it lacks
+            raise BadInput(f"{checkpoint}: CTranslate2 cannot convert it ({type(e).__name__}: {e}). "
+                           "Use the `torch` backend.") from e
         for name in HF_FILES:
             if (checkpoint / name).is_file():
                 shutil.copy2(checkpoint / name, out_dir / name)
@@ -92,6 +118,20 @@ class CTranslate2Backend(EngineBackend):
         engine = CTranslate2Engine(Path(engine_dir), config, manifest["build"].get("max_positions"))
         engine.manifest = manifest
         return engine
+
+
+def _converter_configs() -> frozenset[str]:
+    """The config classes CTranslate2's Transformers converter registers a loader for, read from its
+    source: importing ctranslate2 here would fix its GEMM library before the engine picks one
+    (`_pick_gemm`). Empty when the source is not where 4.x keeps it (then the build decides)."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.find_spec("ctranslate2")
+    source = Path(spec.origin).parent / "converters" / "transformers.py" if spec and spec.origin else None
+    if source is None or not source.is_file():
+        return frozenset()
+    return frozenset(re.findall(r'@register_loader\("(\w+)"\)', source.read_text(encoding="utf-8")))
 
 
 def _pick_gemm(quantization: str) -> None:

@@ -61,6 +61,15 @@ class OpenVINOBackend(EngineBackend):
     libraries: ClassVar[tuple[str, ...]] = ("openvino", "openvino-genai", "nncf", "torch", "transformers")
     takes_quantized: ClassVar[bool] = False  # converts and compresses an unquantized checkpoint itself
 
+    @classmethod
+    def refuses(cls, config: dict[str, Any]) -> str | None:
+        from kiln.engine.openvino_export import SUPPORTED
+
+        model_type = config.get("model_type")
+        if isinstance(model_type, str) and model_type not in SUPPORTED:
+            return f"model_type '{model_type}': kiln's OpenVINO export traces {', '.join(SUPPORTED)} only"
+        return None
+
     def build(self, checkpoint: Path, out_dir: Path) -> dict[str, Any]:
         import openvino as ov
 

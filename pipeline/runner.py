@@ -98,7 +98,7 @@ def run_pipeline(recipe: Recipe, recipe_path: Path, runs_root: Path, console: An
     ctx = start_run(recipe, recipe_path, runs_root, console, set(fresh))
     try:
         model = resolve_model(recipe.model.path, ctx.cache)
-        stage_impl.check_inputs(ctx)
+        stage_impl.check_inputs(ctx, model)
         if recipe.candidates is None:
             arts = stage_impl.optimize_both(ctx, model)
             engines = {role: stage_impl.engine(ctx, role, art) for role, art in arts.items()}

@@ -516,9 +516,9 @@ def read_prompts(spec: str, n: int, count_field: str = "evaluate.benchmark.num_p
                    f"{count_field} asks for {n}.")
 
 
-def check_inputs(ctx: RunContext) -> None:
-    """The recipe's input files, read before any stage runs: a bad one is refused in seconds,
-    not after the optimize and engine stages."""
+def check_inputs(ctx: RunContext, model: ResolvedModel) -> None:
+    """The recipe's input files, and whether its engines can build the checkpoint, checked before
+    any stage runs: a bad one is refused in seconds, not after the optimize and engine stages."""
     ev = ctx.recipe.evaluate
     _text_path(ev.quality.perplexity.text)
     read_prompts(ev.benchmark.prompts, ev.benchmark.num_prompts)
@@ -526,6 +526,23 @@ def check_inputs(ctx: RunContext) -> None:
         read_prompts(ev.benchmark.prompts, 2 * ev.benchmark.num_prompts, CONFIRMATION_PROMPTS)
     if ev.quality.served:
         read_prompts(ev.benchmark.prompts, ev.quality.served.num_prompts, "evaluate.quality.served.num_prompts")
+    check_backends(ctx.recipe, model.config)
+
+
+def check_backends(recipe: Any, config: dict[str, Any]) -> None:
+    """Each engine the recipe builds can take the checkpoint whose config.json is `config`
+    (EngineBackend.refuses); a refusal names the field and a backend that can."""
+    from kiln.engine.base import BACKENDS
+
+    engines = [("", recipe.engine)] if recipe.candidates is None else [
+        (f"candidates.{i}.", c.engine) for i, c in enumerate(recipe.candidates) if not c.champion]
+    if recipe.baseline.engine is not None:
+        engines.append(("baseline.", recipe.baseline.engine))
+    for where, engine in engines:
+        why = BACKENDS.get(engine.backend).refuses(config)
+        if why:
+            raise BadInput(f"{where}engine.backend '{engine.backend}' cannot build model.path's checkpoint: {why}. "
+                           "Serve it on engine.backend torch, which runs any transformers causal LM.")
 
 
 def log_evaluation_data(ctx: RunContext) -> None:

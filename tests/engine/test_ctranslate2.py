@@ -18,7 +18,7 @@ from tests.engine import parity
 
 pytest.importorskip("ctranslate2", reason="ctranslate2 is a kiln dependency; install the pinned set")
 
-from kiln.engine.ctranslate2 import CTranslate2Config  # noqa: E402
+from kiln.engine.ctranslate2 import CTranslate2Backend, CTranslate2Config  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +115,67 @@ def test_refuses_quantized_checkpoint(tiny_model_dir, tmp_path):
     (ckpt / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
     with pytest.raises(BadInput, match="already quantized"):
         parity.build(CTranslate2Config(), ckpt, tmp_path / "out")
+
+
+@pytest.fixture(scope="module")
+def tiny_phi3(tiny_model_dir, tmp_path_factory):
+    """A 1-layer random Phi-3 with the demo tokenizer: CTranslate2 4.8.5 registers a Phi-3 converter
+    that fails on every transformers 5 config (KeyError 'type', its rope_scaling)."""
+    import torch
+    from transformers import AutoTokenizer, Phi3Config, Phi3ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                        num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=256,
+                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("tiny-phi3")
+    Phi3ForCausalLM(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_an_architecture_it_cannot_convert_is_refused_naming_a_backend_that_can(tiny_phi3, tmp_path):
+    with pytest.raises(BadInput, match="model_type 'phi3'.*KeyError 'type'.*Use the `torch` backend"):
+        parity.build(CTranslate2Config(quantization="float32"), tiny_phi3, tmp_path / "out")
+    assert CTranslate2Backend.refuses({"model_type": "cohere"}) == "model_type 'cohere' (CohereConfig) has no " \
+        "CTranslate2 converter"
+    assert CTranslate2Backend.refuses({"model_type": "llama"}) is None
+
+
+def test_kiln_run_refuses_it_before_any_stage(tiny_phi3, tmp_path):
+    """The recipe is refused when the run starts, in the field the user set, never as the converter's KeyError."""
+    from tests.pipeline.conftest import fresh_cache, kiln, write_recipe
+
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_phi3, optimize={"method": "none"},
+                          engine={"backend": "ctranslate2", "quantization": "float32"})
+    cache = fresh_cache(tmp_path / "cache")
+    proc = kiln("run", str(recipe), cwd=tmp_path, env={"KILN_CACHE": str(cache)})
+    said = " ".join(proc.stderr.split())  # rich wraps long lines
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "engine.backend 'ctranslate2' cannot build model.path's checkpoint: model_type 'phi3'" in said, said
+    assert "engine.backend torch" in said and "Traceback" not in said and "KeyError:" not in said, said
+    assert not (cache / "stages").exists(), "a stage ran before the up-front checks"
+
+
+def test_each_arm_of_a_search_is_checked_in_its_own_field():
+    from kiln.pipeline.recipe import Recipe
+    from kiln.pipeline.stage_impl import check_backends
+    from tests.pipeline.conftest import TINY_RECIPE
+
+    raw = {k: v for k, v in TINY_RECIPE.items() if k not in ("optimize", "engine")}
+    arms = [{"name": "torch", "optimize": {"method": "none"}, "engine": {"backend": "torch"}},
+            {"name": "ov", "optimize": {"method": "none"}, "engine": {"backend": "openvino", "weights": "fp32"}},
+            {"name": "ct2", "optimize": {"method": "none"}, "engine": {"backend": "ctranslate2"}}]
+    recipe = Recipe.model_validate({**raw, "model": {"path": "demo"}, "candidates": arms})
+    check_backends(recipe, {"model_type": "llama"})
+    with pytest.raises(BadInput, match=r"^candidates\.1\.engine\.backend 'openvino' .* model_type 'phi3'.* torch"):
+        check_backends(recipe, {"model_type": "phi3"})
+    check_backends(recipe.model_copy(update={"candidates": [recipe.candidates[0]]}), {"model_type": "phi3"})
+    with pytest.raises(BadInput, match=r"^baseline\.engine\.backend 'ctranslate2' .* KeyError 'type'"):
+        check_backends(Recipe.model_validate({**TINY_RECIPE, "optimize": {"method": "none"}, "model": {"path": "demo"},
+                                              "baseline": {"engine": {"backend": "ctranslate2"}}}),
+                       {"model_type": "phi3"})
 
 
 @pytest.mark.slow
