@@ -17,10 +17,14 @@ How each check kind maps (the threshold semantics stay those of the offline chec
   margin = max: "canary error rate at most max". Conservative: the reference's smoothed variance
   adds to the canary's.
 - agreement on served_prefix, served_match (or greedy_match, read as served_match) with a min:
-  mirrored greedy prompts (router mirror_fraction > 0), each scored as the offline served-text check
-  scores a pair (kiln.evaluate.quality.served.served_scores); the shortfall 1 - score per prompt
-  against zeros, margin 1 - min: "the canary's agreement with stable is at least min", the offline
-  check's statistic and threshold.
+  mirrored greedy prompts (router mirror_fraction > 0), each answered by stable twice and by the
+  canary once and scored as the offline served-text check scores a pair
+  (kiln.evaluate.quality.served.served_scores): canary vs stable, and stable vs stable (the noise
+  floor). Paired per prompt: the drop floor - canary against zeros, margin 1 - min, shown as
+  1 - drop. Offline the reference is one request at a time, so its floor is 1 and the check reads
+  "agreement >= min"; live, nondeterminism that stable shows itself does not count against the
+  canary. With a deterministic stable the floor is 1.0, the statistic is the offline one, and the
+  check's reason says so.
 - quality, size, other metrics: skipped with the reason (judged offline; no live signal).
 """
 
@@ -53,6 +57,7 @@ class LiveCheck:
     feed: Callable[[Observations], tuple[list[float], list[float]]]  # (reference/stable, canary)
     show: Callable[[float], float]  # decision scale -> the check's own scale
     threshold: str
+    note: Callable[[], str] = lambda: ""  # what the reason adds (the agreement checks' noise floor)
 
     def result(self) -> CheckResult:
         d: SequentialDecision = self.test.decide()
@@ -63,6 +68,7 @@ class LiveCheck:
         if finite and observed is not None:
             why += (f": {observed:.4g}, {1 - self.test.alpha:.0%} confidence sequence [{lo:.4g}, {hi:.4g}], "
                     f"threshold {self.threshold} (n={d.n_stable}/{d.n_canary} reference/canary)")
+        why += self.note()
         return CheckResult(name=self.config.label, kind=self.config.kind, metric=self.config.metric,
                            verdict=d.verdict, observed=observed, baseline=None, threshold=self.threshold,
                            ci=(lo, hi) if finite else None, method=f"{METHOD}, n={d.n_stable}/{d.n_canary}", reason=why)
@@ -118,6 +124,29 @@ def _plan(cfg: CheckConfig, alpha: float, min_per_arm: int, scale: float,
     return None, f"no live mapping for check kind '{kind}'"
 
 
+class MirroredFeed:
+    """Paired drops (floor - canary) of one agreement metric, and the floor seen so far."""
+
+    def __init__(self, score: str):
+        self.score, self.n, self.floor, self.canary = score, 0, 0.0, 0.0
+
+    def __call__(self, o: Observations) -> tuple[list[float], list[float]]:
+        pairs = [(getattr(c, f"floor_{self.score}"), getattr(c, self.score)) for c in o.mirrored]
+        self.n += len(pairs)
+        self.floor += sum(f for f, _ in pairs)
+        self.canary += sum(c for _, c in pairs)
+        return [0.0] * len(pairs), [f - c for f, c in pairs]
+
+    def note(self) -> str:
+        if not self.n:
+            return ""
+        floor = self.floor / self.n
+        why = ("stable answered every mirrored prompt identically twice (deterministic)" if floor == 1
+               else "stable disagrees with itself this much: the canary is judged against that")
+        return (f"; canary vs stable {self.canary / self.n:.4g}, noise floor (stable vs stable) "
+                f"{floor:.4g} over {self.n} mirrored prompts: {why}")
+
+
 def _agreement(cfg: CheckConfig, alpha: float, min_per_arm: int, mirroring: bool) -> tuple[LiveCheck | None, str]:
     score = MIRRORED.get(cfg.metric)
     if score is None or getattr(cfg, "min", None) is None:
@@ -127,8 +156,9 @@ def _agreement(cfg: CheckConfig, alpha: float, min_per_arm: int, mirroring: bool
     bound = cfg.min  # type: ignore[attr-defined]
     test = SequentialTest(alpha, margin=1 - bound, bounded=True, effect_scale=max(1 - bound, 0.01),
                           min_per_arm=min_per_arm)
-    return LiveCheck(cfg, test, lambda o: ([0.0] * len(o.mirrored), [1.0 - getattr(c, score) for c in o.mirrored]),
-                     lambda d: 1 - d, f"≥ {bound:g}"), ""
+    feed = MirroredFeed(score)
+    return LiveCheck(cfg, test, feed, lambda d: 1 - d, f"≥ {bound:g} (1 - drop below the noise floor)",
+                     note=feed.note), ""
 
 
 def _performance(cfg: CheckConfig, alpha: float, min_per_arm: int, scale: float) -> tuple[LiveCheck | None, str]:

@@ -41,14 +41,18 @@ class Observation:
 
 @dataclass(slots=True)
 class Comparison:
-    """A mirrored greedy prompt: the canary's answer scored against stable's as the offline
-    served-text check scores a pair (kiln.evaluate.quality.served.served_scores, on the text)."""
+    """A mirrored greedy prompt, answered by stable twice and by the canary once (one of the three
+    is the client's answer). The canary's answer and stable's second are each scored against
+    stable's first as the offline served-text check scores a pair (served_scores, on the text):
+    the canary's agreement with stable, and the noise floor, stable's agreement with itself."""
 
     seq: int
     t: float
     primary: str  # the arm whose answer the client got
     prefix: float  # served_prefix: leading characters shared, as a fraction of the longer answer
     match: float  # served_match: 1.0 when the two answers are identical
+    floor_prefix: float  # the same two scores for stable's second answer
+    floor_match: float
 
 
 class Window:

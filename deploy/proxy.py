@@ -263,25 +263,33 @@ class Proxy:
         return headers
 
     async def _mirror(self, payload: dict[str, Any], primary: str, text: str) -> None:
-        other = "canary" if primary == "stable" else "stable"
+        """Two more answers to the client's prompt, so it has three: stable's twice and the canary's
+        once. The canary's and stable's second answer are each scored against stable's first: the
+        canary's agreement and its noise floor (how far stable agrees with itself), one pair."""
         body = {k: v for k, v in payload.items() if k not in MIRROR_DROPS}
-        backend = self.backends.get(other)
-        if backend is None:
-            return
-        try:
-            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-            async with backend.post(path, body, self._mirror_headers()) as up:
-                if up.status != 200:
-                    self.metrics.mirror_dropped.labels(names.MIRROR_FAILED).inc()
-                    return
-                other_text = _answer_text(await up.json())
-        except (*UPSTREAM_ERRORS, ValueError):
+        arms = ("canary", "stable") if primary == "stable" else ("stable", "stable")
+        answers = await asyncio.gather(*(self._ask(arm, body) for arm in arms))
+        if None in answers:
             self.metrics.mirror_dropped.labels(names.MIRROR_FAILED).inc()
             return
-        stable, canary = (text, other_text) if primary == "stable" else (other_text, text)
-        prefix, match = served_scores(stable, canary)
-        self.comparisons.items.append(Comparison(self.comparisons.next_seq(), time.time(), primary, prefix, match))
+        first, canary, second = (text, *answers) if primary == "stable" else (answers[0], text, answers[1])
+        prefix, match = served_scores(first, canary)
+        floor_prefix, floor_match = served_scores(first, second)
+        self.comparisons.items.append(Comparison(self.comparisons.next_seq(), time.time(), primary, prefix, match,
+                                                 floor_prefix, floor_match))
         self.metrics.mirror.labels(str(int(match))).inc()
+
+    async def _ask(self, arm: str, body: dict[str, Any]) -> str | None:
+        """One mirrored answer from `arm`, or None when it failed (the comparison is then dropped)."""
+        backend = self.backends.get(arm)
+        if backend is None:
+            return None
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        try:
+            async with backend.post(path, body, self._mirror_headers()) as up:
+                return _answer_text(await up.json()) if up.status == 200 else None
+        except (*UPSTREAM_ERRORS, ValueError):
+            return None
 
 
 def _answer_text(parsed: dict[str, Any]) -> str:

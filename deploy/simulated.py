@@ -24,7 +24,9 @@ class ArmModel:
     tpot_ms: float = 20.0
     sigma: float = 0.3  # log-sd of both latencies
     error_rate: float = 0.0
-    served_prefix: float = 1.0  # mean agreement of a mirrored greedy answer with stable's (served_prefix)
+    # Mean served_prefix of a mirrored greedy answer against stable's first answer; for the stable
+    # arm: its second answer's, the noise floor (1.0: deterministic).
+    served_prefix: float = 1.0
 
     def draw(self, n: int, rng: np.random.Generator) -> ArmData:
         errors = (rng.random(n) < self.error_rate).astype(int)
@@ -74,7 +76,9 @@ class SimulatedTarget(DeployTarget):
                            self.models["canary"].draw(n_canary, self.rng))
         mirrored = int(self.rng.binomial(n, self.mirror_fraction)) if 0 < self.weight < 100 else 0
         prefix = self.models["canary"].agree(mirrored, self.rng)
-        obs.mirrored = [Comparison(0, self.now, "stable", float(p), float(p == 1.0)) for p in prefix]
+        floor = self.models["stable"].agree(mirrored, self.rng)
+        obs.mirrored = [Comparison(0, self.now, "stable", float(p), float(p == 1), float(f), float(f == 1))
+                        for p, f in zip(prefix, floor, strict=True)]
         self.seq += n
         obs.cursor = (self.seq, 0)
         return obs

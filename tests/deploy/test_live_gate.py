@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -22,11 +23,12 @@ def policy(*checks: dict) -> GateSection:
 
 def feed(gate: LiveGate, stable: ArmModel, canary: ArmModel, looks: int = 10, per_look: int = 40, seed: int = 0,
          mirrored: int = 0) -> None:
-    """`mirrored` prompts per look, scored by canary.served_prefix."""
+    """`mirrored` prompts per look, scored by canary.served_prefix (the floor by stable's)."""
     rng = np.random.default_rng(seed)
     for _ in range(looks):
         obs = Observations(stable.draw(per_look, rng), canary.draw(per_look, rng))
-        obs.mirrored = [Comparison(0, 0.0, "stable", float(p), float(p == 1)) for p in canary.agree(mirrored, rng)]
+        obs.mirrored = [Comparison(0, 0.0, "stable", float(p), float(p == 1), float(f), float(f == 1))
+                        for p, f in zip(canary.agree(mirrored, rng), stable.agree(mirrored, rng), strict=True)]
         gate.update(obs)
 
 
@@ -117,8 +119,29 @@ def test_the_recipes_served_prefix_check_is_judged_live_with_its_own_threshold()
         results[name] = live.judge().results[0]
     assert {k: r.verdict for k, r in results.items()} == {
         "identical": Verdict.SUCCESSFUL, "int8": Verdict.SUCCESSFUL, "broken": Verdict.FAILED}
-    assert results["broken"].threshold == "≥ 0.3" and results["broken"].observed < 0.1
+    assert results["broken"].threshold.startswith("≥ 0.3") and results["broken"].observed < 0.1
     assert abs(results["int8"].observed - 0.8) < 0.1
+    # one deterministic stable: the floor is 1.0, so the statistic is exactly the offline one
+    assert "noise floor (stable vs stable) 1 over 50 mirrored prompts" in results["int8"].reason
+    assert "deterministic" in results["int8"].reason
+
+
+def test_the_noise_floor_keeps_a_nondeterministic_but_correct_canary():
+    """Stable agrees with itself 0.8 on average (two replicas that batch differently). A canary
+    as good as stable (0.8 against stable) passes a served_prefix >= 0.9 check, which the
+    floor-blind statistic (0.8 < 0.9) would fail; one 0.2 below stable's floor (0.6) fails."""
+    check = {"kind": "agreement", "metric": "served_prefix", "min": 0.9}
+    noisy = ArmModel(served_prefix=0.8)
+    verdict = {}
+    for name, canary in (("as good as stable", 0.8), ("0.2 below", 0.6)):
+        gate = LiveGate(policy(check), mirroring=True)
+        feed(gate, noisy, ArmModel(served_prefix=canary), looks=10, mirrored=40)
+        verdict[name] = gate.judge().results[0]
+    assert verdict["as good as stable"].verdict == Verdict.SUCCESSFUL, verdict["as good as stable"].reason
+    assert verdict["0.2 below"].verdict == Verdict.FAILED
+    assert abs(verdict["0.2 below"].observed - 0.8) < 0.05  # 1 - drop, on the check's own scale
+    floor = re.search(r"noise floor \(stable vs stable\) ([0-9.]+) over 400", verdict["0.2 below"].reason)
+    assert floor and abs(float(floor.group(1)) - 0.8) < 0.05, verdict["0.2 below"].reason
 
 
 def test_a_policy_with_nothing_live_is_bad_input():

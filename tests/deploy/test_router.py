@@ -162,6 +162,9 @@ def test_mirrored_greedy_requests_are_compared(pair):
         comparisons = r.observations()["comparisons"]
         assert len(comparisons) == 20  # sampled (temperature 0.7) requests are never mirrored
         assert all(x["match"] == 1 and x["prefix"] == 1.0 for x in comparisons)  # identical fakes
+        # the noise floor: one deterministic stable agrees with itself on every prompt
+        assert all(x["floor_match"] == 1 and x["floor_prefix"] == 1.0 for x in comparisons)
+        assert {x["primary"] for x in comparisons} == {"stable", "canary"}
 
 
 def test_stable_failures_reach_the_client_as_errors_not_hangs():
