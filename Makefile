@@ -4,7 +4,9 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.kiln-installed
-export KILN_CACHE ?= $(CURDIR)/.cache/kiln
+# kiln's cache is $KILN_CACHE if set, else ~/.cache/kiln, for make as for every later `kiln` command
+# from any folder: make leaves it alone, so what `make demo` and `make llama-cpp` build, a user's own
+# `kiln run` finds (pipeline/llama_cpp_build.py `kiln_cache` is the one definition).
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export MLFLOW_DISABLE_TELEMETRY := true
@@ -30,7 +32,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 # llama.cpp (the llama_cpp engine and the gguf method) compiled once per machine from the pinned
-# llama-cpp-python sdist into $(KILN_CACHE)/llama.cpp/VERSION-CPUKEY; later runs find it and return.
+# llama-cpp-python sdist into llama.cpp/VERSION-PATCH-CPUKEY of kiln's cache; later runs find it and return.
 # The build script needs only Python's standard library, so it runs without the venv: `setup` runs it
 # beside the pip install. Measured on this 2-core VM: see docs/engines.md.
 llama-cpp:
@@ -78,6 +80,7 @@ demo: setup
 test: setup system-deps lint-tools
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=25
 
+# kiln's cache (the llama.cpp build, the demo's files, every stage) is not the checkout's: it stays.
 clean:
 	rm -rf $(VENV) .cache runs mlflow.db
 

@@ -193,7 +193,9 @@ def main() -> None:
     a = p.parse_args()
     if a.quick:
         a.rounds, a.seconds, a.batch = 1, 20, 8
-    cache = Path(os.environ.get("KILN_CACHE", ROOT / ".cache" / "kiln"))
+    from kiln.pipeline.model_source import cache_root
+
+    cache = cache_root()
     engine = build_engine(a.batch, cache)
     rows = []
     with tempfile.TemporaryDirectory() as work:

@@ -14,7 +14,6 @@ a killed build leaves nothing half-written and two processes never build the sam
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,13 +21,14 @@ from pathlib import Path
 from kiln.pipeline import demo_data, demo_model
 from kiln.pipeline.demo_austen import fetch_janeaustenr
 from kiln.pipeline.files import atomic_dir, atomic_write_json, cached_tree_hash, file_lock
+from kiln.pipeline.llama_cpp_build import kiln_cache
 
 MODEL_MANIFEST = "kiln-source.json"
 
 
 def cache_root() -> Path:
-    """$KILN_CACHE if set, else ~/.cache/kiln."""
-    return Path(os.environ.get("KILN_CACHE") or Path.home() / ".cache" / "kiln").expanduser()
+    """$KILN_CACHE if set, else ~/.cache/kiln (defined once, in `llama_cpp_build.kiln_cache`)."""
+    return kiln_cache()
 
 
 def _model_target() -> tuple[Path, Path, str]:

@@ -1,5 +1,8 @@
 """Build llama.cpp once per machine into kiln's cache (`python -m kiln.pipeline.llama_cpp_build`).
 
+The build lives in `llama.cpp/` under `kiln_cache()` ($KILN_CACHE, else ~/.cache/kiln), where every
+stage looks: `make llama-cpp` and a later `kiln run` from any folder agree on it.
+
 No prebuilt llama.cpp can be downloaded here, so the install step compiles it from a registry
 source: the llama-cpp-python sdist on PyPI vendors llama.cpp. One source for the binaries, the
 `convert_hf_to_gguf.py` converter and the Python binding: the sdist's pure-Python ctypes package
@@ -68,8 +71,19 @@ PATCH_TO = """        if (incomplete) {
 CONVERTER = ("convert_hf_to_gguf.py", "conversion", "gguf-py")
 
 
+def kiln_cache() -> Path:
+    """kiln's one cache: $KILN_CACHE if set, else ~/.cache/kiln, whatever the current folder.
+
+    Every stage, `kiln prepare-demo`, this build and its lookup, `make` and the test suite use it
+    (pipeline/demo.py's `cache_root` returns it). It is defined here because this module must run
+    with Python's standard library alone: the Makefile runs it before kiln is installed.
+    """
+    return Path(os.environ.get("KILN_CACHE") or Path.home() / ".cache" / "kiln").expanduser()
+
+
 def cache_root() -> Path:
-    return Path(os.environ.get("KILN_CACHE", Path.cwd() / ".cache" / "kiln")) / "llama.cpp"
+    """Where the llama.cpp builds live: `llama.cpp/` in kiln's cache."""
+    return kiln_cache() / "llama.cpp"
 
 
 def cpu_key() -> str:

@@ -18,9 +18,10 @@ class ResolvedModel:
 
 
 def cache_root() -> Path:
-    from kiln.pipeline.demo import cache_root as demo_cache_root
+    """kiln's one cache: $KILN_CACHE if set, else ~/.cache/kiln (`llama_cpp_build.kiln_cache`)."""
+    from kiln.pipeline.llama_cpp_build import kiln_cache
 
-    return demo_cache_root()
+    return kiln_cache()
 
 
 def resolve_model(spec: str, cache: Path) -> ResolvedModel:

@@ -1,8 +1,9 @@
 """Shared test fixtures: the demo model and data, and a tiny random Llama with the demo tokenizer.
 
 Environment is set at import time, before any test module imports transformers or MLflow:
-tests never reach a model hub, and they share one kiln cache with `make` (`<repo>/.cache/kiln`
-unless KILN_CACHE is set), so the demo model is converted once per checkout, not per run.
+tests never reach a model hub, and they share kiln's one cache with `make` and every `kiln`
+command ($KILN_CACHE, else ~/.cache/kiln), so the demo model is converted and llama.cpp built once
+per machine, not per run. KILN_CACHE is set to it for the tests that read it.
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from kiln.pipeline.llama_cpp_build import kiln_cache
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
-os.environ.setdefault("KILN_CACHE", str(REPO / ".cache" / "kiln"))
+os.environ["KILN_CACHE"] = str(kiln_cache())
 
 
 def build_tiny_llama(tokenizer_dir: Path, out: Path) -> Path:

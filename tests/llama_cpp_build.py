@@ -20,5 +20,5 @@ def require_llama_cpp() -> None:
     if not missing:
         return
     message = (f"llama.cpp is not built at {install_dir()} (missing {', '.join(missing)}): "
-               "run `make llama-cpp` (python -m kiln.pipeline.llama_cpp_build)")
+               "run `make llama-cpp` (python -m kiln.pipeline.llama_cpp_build) with the same KILN_CACHE")
     pytest.fail(message)

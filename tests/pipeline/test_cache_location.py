@@ -1,0 +1,117 @@
+"""One cache for everything (issue 35, point 4): what `make llama-cpp` builds, a user's `kiln run`
+from a folder outside the checkout finds, with or without KILN_CACHE.
+
+Each test plays a user with an empty HOME. The build `make` finds is the suite's own, linked into
+that user's cache, so nothing is compiled or downloaded (a stand-in `cmake` fails and pip has no
+index: a make that looked anywhere else would stop, not build). `make llama-cpp` runs for real and
+says where the build is; the lookup and the stages' cache are then read from a process in another
+folder; and once, the real CLI: `kiln run` on a recipe whose one candidate is a GGUF served by
+llama.cpp, stopped when that candidate's engine is built (its GGUF converted and quantized by the
+build's tools). Before the fix, make put the build under the checkout and kiln looked under the
+current folder: that run stopped at the GGUF build with exit 2.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.llama_cpp_build import require_llama_cpp
+from tests.pipeline.conftest import write_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+NAME = "llama-q8_0"
+CANDIDATE = {"name": NAME, "optimize": {"method": "gguf", "type": "q8_0", "threads": 1},
+             "engine": {"backend": "llama_cpp", "threads": 1, "parallel": 1, "ctx_per_slot": 256}}
+LOOKUP = ("import json; from kiln.pipeline import llama_cpp_build as b, model_source as m, demo as d; "
+          "print(json.dumps({'build': str(b.install_dir()), 'converter': str(b.converter()), "
+          "'stages': str(m.cache_root()), 'demo': str(d.cache_root())}))")
+
+
+def user(tmp_path: Path, with_cache: bool) -> tuple[dict, Path]:
+    """A user's environment (empty HOME, KILN_CACHE set or not) and the cache kiln should use, which
+    holds what `make llama-cpp` and `kiln prepare-demo` left there: the build and the demo data."""
+    from kiln.pipeline.llama_cpp_build import complete, install_dir
+
+    require_llama_cpp()
+    shared_build, shared_data = install_dir(), Path(os.environ["KILN_CACHE"]) / "data"
+    home, bin_dir = tmp_path / "home", tmp_path / "bin"
+    home.mkdir()
+    bin_dir.mkdir()
+    (bin_dir / "cmake").write_text("#!/bin/sh\necho 'test: no compile here' >&2\nexit 1\n")
+    (bin_dir / "cmake").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("KILN_CACHE", "MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    env.update(HOME=str(home), PATH=f"{bin_dir}:{env['PATH']}", PIP_NO_INDEX="1")
+    cache = tmp_path / "elsewhere" / "kiln-cache" if with_cache else home / ".cache" / "kiln"
+    if with_cache:
+        env["KILN_CACHE"] = str(cache)
+    (cache / "llama.cpp").mkdir(parents=True)
+    (cache / "llama.cpp" / shared_build.name).symlink_to(shared_build, target_is_directory=True)
+    (cache / "data").symlink_to(shared_data, target_is_directory=True)
+    assert complete(cache / "llama.cpp" / shared_build.name)
+    return env, cache
+
+
+def make_llama_cpp(env: dict, cwd: Path) -> str:
+    proc = subprocess.run(["make", "-C", str(REPO), "--no-print-directory", f"PY={sys.executable}", "llama-cpp"],
+                          cwd=cwd, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.parametrize("with_cache", [False, True], ids=["default-cache", "KILN_CACHE"])
+def test_make_and_kiln_agree_on_the_cache_from_any_folder(tmp_path, with_cache):
+    from kiln.pipeline.llama_cpp_build import VERSION, install_dir
+
+    env, cache = user(tmp_path, with_cache)
+    build = cache / "llama.cpp" / install_dir().name
+    assert f"llama.cpp {VERSION}: {build}\n" in make_llama_cpp(env, cwd=tmp_path)
+
+    folder = tmp_path / "a-users-project"
+    folder.mkdir()
+    proc = subprocess.run([sys.executable, "-c", LOOKUP], cwd=folder, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout)
+    assert seen == {"build": str(build), "converter": str(build / "convert_hf_to_gguf.py"),
+                    "stages": str(cache), "demo": str(cache)}
+
+
+def test_kiln_run_from_another_folder_gets_past_the_gguf_build(tmp_path, tiny_model_dir):
+    """The real CLI, with KILN_CACHE unset: the case that stopped with exit 2."""
+    env, cache = user(tmp_path, with_cache=False)
+    make_llama_cpp(env, cwd=tmp_path)
+    work = tmp_path / "a-users-project"
+    raw = yaml.safe_load(write_recipe(tmp_path / "base.yaml", tiny_model_dir).read_text())
+    del raw["optimize"], raw["engine"]
+    raw.update(name="my-model", candidates=[CANDIDATE], baseline={"engine": {"backend": "torch", "threads": 1}})
+    work.mkdir()
+    recipe = work / "my-recipe.yaml"
+    recipe.write_text(yaml.safe_dump(raw))
+
+    kiln = Path(sys.executable).parent / "kiln"  # the console script a user runs
+    log = tmp_path / "kiln.log"
+    until = str(work / "runs" / "*" / "candidates" / NAME / "stages" / "engine-candidate.json")
+    with log.open("w") as out:
+        proc = subprocess.Popen([str(kiln), "run", str(recipe)], cwd=work, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 900  # a hang guard, not a measurement
+            while proc.poll() is None and not glob.glob(until) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait()
+    assert glob.glob(until), f"exit {proc.returncode}:\n{log.read_text()[-3000:]}"
+    record = json.loads(Path(glob.glob(until)[0]).read_text())
+    assert Path(record["path"]).is_relative_to(cache / "stages"), record  # the user's cache, not the folder's
+    assert not (work / ".cache").exists()
