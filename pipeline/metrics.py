@@ -86,3 +86,9 @@ for _name, _up, _unit, _what in (
 ):
     declare(LOAD_PREFIX + _name, _up, _unit, f"{_what} (served over HTTP under the load shape)", "performance")
 declare("peak_rss_bytes", False, "bytes", "peak resident memory while producing the artifact", "size")
+# What each stage held (kiln.pipeline.rss): kiln's own process, and the processes it started.
+for _stage in ("optimize", "engine", "quality", "agreement", "served", "lmeval", "benchmark", "load"):
+    declare(f"{_stage}_peak_rss_bytes", False, "bytes", f"peak resident memory of kiln's process in the {_stage} stage",
+            "machine")
+    declare(f"{_stage}_children_peak_pss_bytes", False, "bytes",
+            f"peak summed PSS of the processes the {_stage} stage started", "machine")

@@ -84,7 +84,8 @@ def tables(outcome: GateOutcome, evidence: dict[str, Evidence], sections: Sectio
     """The report's tables in reading order after the verdict and the plots (empty ones left out)."""
     base, cand = evidence["baseline"].metrics, evidence["candidate"].metrics
     names = sorted(set(base) | set(cand))
-    metric_rows = [[n, _fmt(base.get(n)), _fmt(cand.get(n)), METRICS[n].unit if n in METRICS else ""] for n in names]
+    metric_rows = [[n, _amount(n, base.get(n)), _amount(n, cand.get(n)),  # bytes as MB, the unit in the value
+                    METRICS[n].unit if n in METRICS and not n.endswith("_bytes") else ""] for n in names]
     memory = [[MEMORY_COST[n], _amount(n, base.get(n)), _amount(n, cand.get(n)),
                _fmt(cand[n] / base[n]) if base.get(n) and n in cand else "—"] for n in MEMORY_COST if n in names]
     if len(served := sections.serving) == 2:  # the artifact is not what OpenVINO, CTranslate2 or llama.cpp load

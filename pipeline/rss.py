@@ -14,9 +14,12 @@ ru_maxrss, or VmHWM) only ever grows, so a stage's own peak needs a fresh start:
   Linux carries the parent's peak into a child across fork and exec.
 
 Resident memory counts pages a process shares with others (its mapped files, copy-on-write pages
-after a fork) in each of them, so kiln's figure plus its children's can overstate what they held
-together; the children's figure is the sum of each child's own peak, which need not have been
-reached at one moment.
+after a fork) in each of them: a forked Python worker of a 2 GB kiln shows 2 GB resident though
+it holds almost nothing of its own. So the children's figure is not a sum of their RSS peaks but
+the peak, over the samples, of their summed proportional set size (PSS, /proc/PID/smaps_rollup:
+each shared page divided among the processes that map it): what the children held together at
+one moment, shared pages counted once across everyone who maps them. Each child's own VmHWM is
+kept in the manifest beside it.
 """
 
 from __future__ import annotations
@@ -51,6 +54,12 @@ def peak_rss_bytes(pid: int | str = "self") -> int:
     return next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:"))
 
 
+def pss_bytes(pid: int) -> int:
+    """A process's proportional set size now (shared pages divided among their mappers)."""
+    rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    return next(int(line.split()[1]) * 1024 for line in rollup.splitlines() if line.startswith("Pss:"))
+
+
 def descendants(pid: int | str = "self") -> list[int]:
     """Every live process below `pid` (children, their children, ...)."""
     if not _PROC_CHILDREN:  # a kernel without CONFIG_PROC_CHILDREN, or no /proc
@@ -82,6 +91,7 @@ class StageMemory:
         self.children: dict[int, dict[str, Any]] = {}  # pid -> {"name", "peak_rss_bytes"}
         self.reset = False
         self.own = 0
+        self.children_pss = 0  # the peak of the children's summed PSS over the samples
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="kiln-stage-memory", daemon=True)
 
@@ -103,24 +113,26 @@ class StageMemory:
             self._sample()
 
     def _sample(self) -> None:
+        together = 0
         for pid in descendants():
             try:
-                peak = peak_rss_bytes(pid)
+                peak, pss = peak_rss_bytes(pid), pss_bytes(pid)
                 name = Path(f"/proc/{pid}/comm").read_text().strip()
             except (OSError, StopIteration):  # it exited meanwhile (or is a zombie: no VmHWM)
                 continue
             seen = self.children.setdefault(pid, {"name": name, "peak_rss_bytes": 0})
             seen["peak_rss_bytes"] = max(seen["peak_rss_bytes"], peak)
+            together += pss
+        self.children_pss = max(self.children_pss, together)
 
     def figures(self) -> dict[str, Any]:
         """For the stage's manifest: both peaks, each child's, and how they were measured."""
         return {"peak_rss_bytes": self.own, "peak_rss_reset": self.reset,
-                "children_peak_rss_bytes": sum(c["peak_rss_bytes"] for c in self.children.values()),
+                "children_peak_pss_bytes": self.children_pss,
                 "children": [{"pid": pid, **c} for pid, c in sorted(self.children.items())],
                 "children_sampled_every_s": self.interval_s}
 
     def metrics(self, stage: str) -> dict[str, int]:
         """For the stage's result metrics (MLflow, the report): named for the stage, so the
         stages of one arm do not overwrite each other's in its evidence."""
-        return {f"{stage}_peak_rss_bytes": self.own,
-                f"{stage}_children_peak_rss_bytes": sum(c["peak_rss_bytes"] for c in self.children.values())}
+        return {f"{stage}_peak_rss_bytes": self.own, f"{stage}_children_peak_pss_bytes": self.children_pss}

@@ -177,7 +177,7 @@ def _compute(ctx: RunContext, label: str, key: str, inputs: dict[str, Any],
              compute: Callable[[Path], dict[str, Any]], path: Path) -> None:
     """Compute the stage into `path` (<cache>/stages/<stage>/<key>). Its result's metrics gain the
     stage's peak resident memory, kiln's own and its child processes' (`<stage>_peak_rss_bytes`,
-    `<stage>_children_peak_rss_bytes`: kiln.pipeline.rss says what is counted); the manifest holds
+    `<stage>_children_peak_pss_bytes`: kiln.pipeline.rss says what is counted); the manifest holds
     them with each child's."""
     ctx.console.print(f"[bold]▶ {escape(label)}[/bold]")
     start = time.perf_counter()

@@ -52,13 +52,13 @@ def test_a_stage_counts_the_server_it_starts(tmp_path):
         for p in procs:
             p.kill()
             p.wait()
-    children = manifest["children_peak_rss_bytes"]
+    children = manifest["children_peak_pss_bytes"]
     assert children > 290 * MB, children / MB
     assert manifest["peak_rss_bytes"] < children  # kiln itself did not hold the 300 MB
     assert [c["pid"] for c in manifest["children"]] == [procs[0].pid]
     # In the result's metrics under the stage's name (MLflow, the report), beside the stage's own.
     assert result["metrics"]["x"] == 1.0
-    assert result["metrics"]["served_children_peak_rss_bytes"] == children
+    assert result["metrics"]["served_children_peak_pss_bytes"] == children
     assert result["metrics"]["served_peak_rss_bytes"] == manifest["peak_rss_bytes"]
 
 
@@ -87,4 +87,4 @@ def test_kiln_process_peak_is_the_stage_s_own(tmp_path):
     assert large["peak_rss_bytes"] - small["peak_rss_bytes"] > 300 * MB
     assert small["peak_rss_reset"] is True  # this kernel resets VmHWM; where not, the manifest says so
     assert small_result["metrics"]["agreement_peak_rss_bytes"] == small["peak_rss_bytes"]
-    assert small["children"] == [] and small["children_peak_rss_bytes"] == 0
+    assert small["children"] == [] and small["children_peak_pss_bytes"] == 0
