@@ -5,7 +5,11 @@ picked by their pod-template hash, passed in by the Rollout as args canary-hash 
 - ttft_ms, tpot_ms, ratio: latency(canary) / latency(stable); SLO: 1000 * latency(canary) (ms);
 - decode_tok_s, ratio: latency_tpot(stable) / latency_tpot(canary); SLO: 1 / latency_tpot(canary);
 - error_rate: rate(outcome="server_error") / rate(all requests), canary pods;
-- quality, agreement, size, other metrics: no Prometheus signal: skipped, with a warning.
+- agreement on served_prefix / served_match (greedy_match) with a min, when
+  deploy.router.mirror_fraction > 0: `kiln route`'s mirrored scores (scraped with the app's
+  namespace and app labels), 1 - (mean stable-vs-stable - mean canary-vs-stable) >= min: the live
+  gate's statistic (live_gate.py) on the query window, empty until min-requests prompts were mirrored;
+- quality, size, other metrics: no Prometheus signal: skipped, with a warning.
 latency is sum(rate(_sum)) / sum(rate(_count)) (the mean, exact from a histogram) or
 histogram_quantile(q, ...) (kubernetes.latency_statistic). Every query is empty until the canary
 served the step's min-requests within the query window, and an empty result decides nothing.
@@ -44,6 +48,9 @@ ARGO = "argoproj.io/v1alpha1"
 METRICS = {"ttft": names.TTFT, "tpot": names.TPOT, "requests": names.total(names.REQUESTS), "waiting": names.WAITING}
 QUANTILES = {"p50": 0.5, "p90": 0.9, "p95": 0.95, "p99": 0.99}
 ARGS = [{"name": "canary-hash"}, {"name": "stable-hash"}]
+# Agreement metrics -> the router's histogram of per-prompt scores (label PAIR).
+MIRRORED = {"served_prefix": names.ROUTER_MIRROR_PREFIX, "served_match": names.ROUTER_MIRROR_MATCH,
+            "greedy_match": names.ROUTER_MIRROR_MATCH}
 
 
 @dataclass
@@ -64,8 +71,8 @@ class Query:
 class PromQL:
     """Builds the queries for one app: label selectors, window, latency statistic."""
 
-    def __init__(self, name: str, k: KubernetesConfig):
-        self.k, self.base = k, f'namespace="{k.namespace}",app="{name}"'
+    def __init__(self, name: str, k: KubernetesConfig, mirroring: bool = False):
+        self.k, self.base, self.mirroring = k, f'namespace="{k.namespace}",app="{name}"', mirroring
 
     def sel(self, arm: str, extra: str = "") -> str:
         return "{" + f'{self.base},{self.k.hash_label}="{{{{args.{arm}-hash}}}}"{extra}' + "}"
@@ -77,10 +84,29 @@ class PromQL:
         q = QUANTILES[self.k.latency_statistic]
         return f"histogram_quantile({q}, sum(rate({m}_bucket{self.sel(arm)}[{w}])) by (le))"
 
-    def guarded(self, expr: str) -> str:
-        """Empty (not a number) while the canary has served fewer than min-requests in the window."""
-        count = f"sum(increase({METRICS['requests']}{self.sel('canary')}[{self.k.query_window}]))"
+    def guarded(self, expr: str, count: str | None = None) -> str:
+        """Empty (not a number) while the canary has served fewer than min-requests in the window
+        (or `count`, another counter expression, is under it)."""
+        count = count or f"sum(increase({METRICS['requests']}{self.sel('canary')}[{self.k.query_window}]))"
         return f"({expr}) and on() ({count} >= {{{{args.min-requests}}}})"
+
+    def mirrored(self, metric: str, pair: str, part: str = "sum", over: str = "rate") -> str:
+        """The router's series of one pair (its pod carries no pod-template hash: it fronts both arms)."""
+        sel = "{" + f'{self.base},{names.PAIR}="{pair}"' + "}"
+        return f"sum({over}({metric}_{part}{sel}[{self.k.query_window}]))"
+
+    def agreement(self, cfg: CheckConfig) -> tuple[str, str, float, str] | str:
+        """The router's mirrored scores: 1 - (floor - canary) >= min, and the mirrored-prompt count."""
+        metric = MIRRORED.get(cfg.metric)
+        if metric is None or getattr(cfg, "min", None) is None:
+            return f"only {', '.join(MIRRORED)} with a min have a live signal (kiln route's mirrored prompts)"
+        if not self.mirroring:
+            return "needs kiln route's mirrored prompts: set deploy.router.mirror_fraction > 0"
+
+        def mean(pair: str) -> str:
+            return f"({self.mirrored(metric, pair)} / {self.mirrored(metric, pair, 'count')})"
+        count = self.mirrored(metric, names.MIRROR_CANARY, "count", "increase")
+        return f"1 - ({mean(names.MIRROR_FLOOR)} - {mean(names.MIRROR_CANARY)})", ">=", cfg.min, count  # type: ignore[attr-defined]
 
     def check(self, cfg: CheckConfig) -> tuple[str, str, float] | str:
         """(expression, operator, bound) for a check, or the reason it cannot be expressed.
@@ -105,12 +131,16 @@ class PromQL:
         return (expr, ">=", c.min) if c.min is not None else (expr, "<=", c.max)
 
 
-def _queries(name: str, policy: GateSection, k: KubernetesConfig, warnings: list[str]) -> list[Query]:
-    pq, out = PromQL(name, k), []
+def _queries(name: str, policy: GateSection, deploy: DeployConfig, warnings: list[str]) -> list[Query]:
+    pq, out = PromQL(name, deploy.kubernetes, deploy.router.mirror_fraction > 0), []
     for cfg in policy.checks:
-        mapped = pq.check(cfg)
+        mapped = pq.agreement(cfg) if cfg.kind == "agreement" else pq.check(cfg)
         if isinstance(mapped, str):
             warnings.append(f"check {cfg.label} skipped in the AnalysisTemplates: {mapped}")
+            continue
+        if cfg.kind == "agreement":  # mirrors need both arms, like a ratio
+            expr, op, bound, count = mapped
+            out.append(Query(metric_name(cfg), pq.guarded(expr, count), op, bound, True))
             continue
         expr, op, bound = mapped
         out.append(Query(metric_name(cfg), pq.guarded(expr), op, bound, "_ratio" in _bound(cfg)))
@@ -172,7 +202,7 @@ def analysis_templates(name: str, policy: GateSection, deploy: DeployConfig, war
     """The guard (background, fail-fast), the step gate, and the step gate for a 100% step (no
     stable traffic left to compare with, so only the absolute checks)."""
     k = deploy.kubernetes
-    queries = _queries(name, policy, k, warnings)
+    queries = _queries(name, policy, deploy, warnings)
     if not queries:
         raise KilnError("gate.checks: no check can be expressed as a Prometheus query, so the rollout would "
                         "have no analysis. Add an error_rate check or a ttft_ms / tpot_ms performance check.")

@@ -21,6 +21,8 @@ from kiln.engine import metric_names as names
 
 # Seconds, from a few ms (fakes, small models) to minutes (long generations).
 BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 60, 120)
+# Agreement scores (served_prefix, a fraction); the AnalysisTemplates read the means (_sum / _count).
+AGREEMENT_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 
 
 @dataclass(slots=True)
@@ -88,7 +90,14 @@ class ArmMetrics:
         self.e2e = Histogram(names.ROUTER_E2E, "request latency, end to end", arm, buckets=BUCKETS, registry=r)
         self.in_flight = Gauge(names.ROUTER_IN_FLIGHT, "requests in flight", arm, registry=r)
         self.weight = Gauge(names.ROUTER_WEIGHT, "canary traffic weight", registry=r)
-        self.mirror = Counter(names.ROUTER_MIRROR, "mirrored comparisons", ["match"], registry=r)
+        pair = [names.PAIR]
+        self.mirror_prefix = Histogram(names.ROUTER_MIRROR_PREFIX, "served_prefix of a mirrored prompt's answer",
+                                       pair, buckets=AGREEMENT_BUCKETS, registry=r)
+        self.mirror_match = Histogram(names.ROUTER_MIRROR_MATCH, "served_match of a mirrored prompt's answer",
+                                      pair, buckets=(0.5, 1.0), registry=r)
+        for p in (names.MIRROR_CANARY, names.MIRROR_FLOOR):  # exported from the start: rate() needs a first sample
+            self.mirror_prefix.labels(p)
+            self.mirror_match.labels(p)
         self.mirror_dropped = Counter(names.ROUTER_MIRROR_DROPPED, "mirrors not compared", [names.REASON], registry=r)
         for reason in (names.MIRROR_LOAD, names.MIRROR_FAILED):
             self.mirror_dropped.labels(reason)
@@ -103,6 +112,13 @@ class ArmMetrics:
                 self.ttft.labels(obs.arm).observe(obs.ttft_s)
             if obs.tpot_s is not None:
                 self.tpot.labels(obs.arm).observe(obs.tpot_s)
+
+
+    def record_mirror(self, c: Comparison) -> None:
+        for pair, prefix, match in ((names.MIRROR_CANARY, c.prefix, c.match),
+                                    (names.MIRROR_FLOOR, c.floor_prefix, c.floor_match)):
+            self.mirror_prefix.labels(pair).observe(prefix)
+            self.mirror_match.labels(pair).observe(match)
 
 
 def is_failure(status: int, error: str | None) -> bool:

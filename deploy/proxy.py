@@ -275,9 +275,10 @@ class Proxy:
         first, canary, second = (text, *answers) if primary == "stable" else (answers[0], text, answers[1])
         prefix, match = served_scores(first, canary)
         floor_prefix, floor_match = served_scores(first, second)
-        self.comparisons.items.append(Comparison(self.comparisons.next_seq(), time.time(), primary, prefix, match,
-                                                 floor_prefix, floor_match))
-        self.metrics.mirror.labels(str(int(match))).inc()
+        comparison = Comparison(self.comparisons.next_seq(), time.time(), primary, prefix, match,
+                                floor_prefix, floor_match)
+        self.comparisons.items.append(comparison)
+        self.metrics.record_mirror(comparison)
 
     async def _ask(self, arm: str, body: dict[str, Any]) -> str | None:
         """One mirrored answer from `arm`, or None when it failed (the comparison is then dropped)."""

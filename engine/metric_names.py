@@ -57,7 +57,13 @@ ROUTER_E2E = "kiln:router_e2e_request_latency_seconds"
 ROUTER_IN_FLIGHT = "kiln:router_num_requests_running"
 ROUTER_WAITING = "kiln:router_num_requests_waiting"
 ROUTER_WEIGHT = "kiln:router_canary_weight_percent"
-ROUTER_MIRROR = "kiln:router_mirror_comparisons"  # label match
+# Mirrored greedy prompts scored as the offline served-text check scores a pair (histograms of
+# per-prompt scores in [0, 1]; label PAIR: MIRROR_CANARY = canary vs stable, MIRROR_FLOOR = stable
+# vs stable, the noise floor). The rendered AnalysisTemplates judge their means.
+ROUTER_MIRROR_PREFIX = "kiln:router_mirror_served_prefix"
+ROUTER_MIRROR_MATCH = "kiln:router_mirror_served_match"
+PAIR = "pair"
+MIRROR_CANARY, MIRROR_FLOOR = "canary", "floor"
 ROUTER_MIRROR_DROPPED = "kiln:router_mirror_dropped"  # label REASON: MIRROR_LOAD (shed for clients) | MIRROR_FAILED
 REASON = "reason"
 MIRROR_LOAD, MIRROR_FAILED = "load", "failed"

@@ -214,6 +214,8 @@ def fake_engine(ttft_ms: float = 50.0, tpot_ms: float = 10.0,
 def route(stable: Annotated[str, typer.Option(help="stable backend URL")],
           canary: Annotated[str | None, typer.Option(help="canary backend URL")] = None,
           weight: Annotated[float, typer.Option(help="percent of traffic to the canary")] = 0.0,
+          mirror_fraction: Annotated[float, typer.Option(
+              help="share of greedy prompts also answered by the canary and by stable again, and scored")] = 0.0,
           host: HostOpt = "127.0.0.1", port: int = 8080, api_key_env: KeyEnvOpt = "KILN_API_KEY",
           upstream_api_key_env: KeyEnvOpt = "KILN_UPSTREAM_API_KEY", insecure_no_api_key: InsecureOpt = False) -> None:
     """One OpenAI-compatible entry point splitting traffic between a stable and a canary backend."""
@@ -221,7 +223,8 @@ def route(stable: Annotated[str, typer.Option(help="stable backend URL")],
     from kiln.deploy.router_process import serve_router
 
     check_exposure(host, _key(api_key_env), api_key_env, insecure_no_api_key)
-    cfg = RouterConfig(host=host, port=port, stable_url=stable, canary_url=canary, weight=weight)
+    cfg = RouterConfig(host=host, port=port, stable_url=stable, canary_url=canary, weight=weight,
+                       mirror_fraction=mirror_fraction)
     try:
         serve_router(cfg, api_key=_key(api_key_env), upstream_api_key=_key(upstream_api_key_env))
     except OSError as e:  # the port in use

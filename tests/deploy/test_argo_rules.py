@@ -163,3 +163,33 @@ def test_kiln_deploy_render_exits_2_naming_the_field(tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     assert "deploy.steps[].max_duration_s" in r.stdout + r.stderr
     assert not (tmp_path / "rollout.yaml").exists()
+
+
+def test_the_served_prefix_check_renders_on_the_routers_mirrored_scores():
+    """The demo recipe's served_prefix >= 0.3 becomes a metric on kiln route's mirrored scores,
+    with the live gate's statistic, in the guard and the step gate (not at 100%: mirrors need
+    stable), and Argo's rules hold; without mirroring it is skipped with the reason."""
+    from kiln.deploy.config import RouterOptions
+    from kiln.engine import metric_names as names
+
+    served = [c for c in load_recipe(REPO / "recipes" / "demo.yaml").gate.checks if c.metric == "served_prefix"]
+    policy = GateSection(checks=[*TTFT_BOTH.checks, *served])
+    for on_inconclusive in ("rollback", "hold"):
+        deploy = DeployConfig(on_inconclusive=on_inconclusive, steps=[CanaryStep(weight=50), CanaryStep(weight=100)],
+                              router=RouterOptions(mirror_fraction=0.1))
+        docs = render("smol", policy, deploy).documents
+        assert validate_rollout(docs) == []
+        metrics = {d["metadata"]["name"]: {m["name"]: m for m in d["spec"]["metrics"]}
+                   for d in docs if d["kind"] == "AnalysisTemplate"}
+        assert "agreement-served-prefix" in metrics["smol-guard"]
+        assert "agreement-served-prefix" not in metrics["smol-step-full"]
+        step = metrics["smol-step"]["agreement-served-prefix"]
+        assert step["successCondition"] == "len(result) > 0 && result[0] >= 0.3"
+        query = step["provider"]["prometheus"]["query"]
+        assert f'{names.ROUTER_MIRROR_PREFIX}_sum{{namespace="default",app="smol",pair="floor"}}' in query
+        assert f'{names.ROUTER_MIRROR_PREFIX}_count{{namespace="default",app="smol",pair="canary"}}' in query
+    rendered = render("smol", policy, DeployConfig())
+    docs, warnings = rendered.documents, rendered.warnings
+    assert not any(m["name"] == "agreement-served-prefix" for d in docs if d["kind"] == "AnalysisTemplate"
+                   for m in d["spec"]["metrics"])
+    assert any("agreement:served_prefix" in w and "mirror_fraction" in w for w in warnings), warnings

@@ -231,3 +231,119 @@ def test_step_verdicts_on_fake_canaries_that_export_kiln_serves_names(tmp_path):
             prometheus.wait(timeout=30)
         for server in servers.values():
             server.__exit__(None, None, None)
+
+
+AGREEMENT_POLICY = GateSection.model_validate({"checks": [
+    {"kind": "performance", "metric": "ttft_ms", "max_ratio": 3.0},  # lenient: both arms run one engine
+    {"kind": "performance", "metric": "tpot_ms", "max_ratio": 3.0},
+    {"kind": "error_rate", "max": 0.05},
+    {"kind": "agreement", "metric": "served_prefix", "min": 0.3},  # the demo recipe's offline check
+]})
+
+
+def _greedy(url: str, i: int) -> int:
+    body = json.dumps({"prompt": f"Once upon a time, in story number {i}, there", "max_tokens": 12,
+                       "temperature": 0, "ignore_eos": True, "stream": i % 2 == 0}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        r.read()
+        return r.status
+
+
+@pytest.mark.timeout(600)
+def test_a_canary_that_corrupts_batched_tokens_is_rolled_back_on_quality_alone(tiny_model_dir, tmp_path):
+    """Two real `kiln serve` canaries beside one stable, each behind its own real `kiln route`
+    mirroring every greedy prompt: one on the engine that corrupts batched tokens (fast, no errors,
+    wrong text), one identical to stable. Prometheus scrapes all five; the rendered step gate fails
+    the corrupting canary on served_prefix alone (latency and errors pass) and passes the other."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kiln.deploy.config import RouterOptions
+    from kiln.engine.cache import build_engine
+    from kiln.engine.hf_torch import TorchEngineConfig
+
+    engine_dir = build_engine(TorchEngineConfig(threads=1), tiny_model_dir, "sha", tmp_path)
+    serve = {"stable": "kiln.pipeline", "good": "kiln.pipeline", "broken": "tests.deploy.broken_serve"}
+    ports = {name: _free_port() for name in [*serve, "route-good", "route-broken"]}
+    url = {name: f"http://127.0.0.1:{p}" for name, p in ports.items()}
+    procs, prometheus = [], None
+    repo = Path(__file__).parents[2]
+    try:
+        for name, module in serve.items():
+            procs.append(subprocess.Popen([sys.executable, "-m", module, "serve", str(engine_dir), "--port",
+                                           str(ports[name]), "--request-log", "off", "--queue-wait", "off", "--max-queue", "256"], cwd=repo,
+                                          env={**os.environ, "KILN_API_KEY": KEY}, stdout=subprocess.DEVNULL))
+        router_env = {k: v for k, v in os.environ.items() if k != "KILN_API_KEY"} | {"KILN_UPSTREAM_API_KEY": KEY}
+        for canary in ("good", "broken"):
+            procs.append(subprocess.Popen([sys.executable, "-m", "kiln.pipeline", "route", "--stable", url["stable"],
+                                           "--canary", url[canary], "--weight", "50", "--mirror-fraction", "1",
+                                           "--port", str(ports[f"route-{canary}"])], cwd=repo, env=router_env,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        for u in url.values():
+            _wait(lambda u=u: _get(u + "/health")[0] == 200, f"{u}/health", 180)
+        # one namespace per walk; stable's pods are in both, as a Rollout's stable is
+        targets = {"stable": [("good", "stable"), ("broken", "stable")], "good": [("good", "canary")],
+                   "broken": [("broken", "canary")], "route-good": [("good", None)], "route-broken": [("broken", None)]}
+        prometheus, prom = _prometheus_labelled(tmp_path, {url[n]: t for n, t in targets.items()})
+        n = 32
+        with ThreadPoolExecutor(12) as pool:  # 12 at once: the canaries batch, which breaks the broken one
+            statuses = list(pool.map(lambda i: _greedy(url[f"route-{'good' if i % 2 else 'broken'}"], i // 2),
+                                     range(2 * n)))
+        assert set(statuses) == {200}
+        for canary in ("good", "broken"):  # every mirror compared (or dropped) before Prometheus looks
+            _wait(lambda c=canary: len(json.loads(_get(url[f"route-{c}"] + "/admin/observations")[1])["comparisons"])
+                  + _dropped(url[f"route-{c}"]) >= n, f"route-{canary} mirrors", 120)
+        time.sleep(3)  # two scrapes after the traffic
+        failing = {}
+        for canary in ("good", "broken"):
+            deploy = DeployConfig(steps=[CanaryStep(weight=50, min_requests=8)], router=RouterOptions(mirror_fraction=1.0),
+                                  kubernetes=KubernetesConfig(namespace=canary, query_window="1m", analysis_interval="1m"))
+            results = _evaluate(prom, render("smol", AGREEMENT_POLICY, deploy).documents,
+                                {"canary-hash": "canary", "stable-hash": "stable", "min-requests": "8"})
+            step = {label.split("/")[1]: (v, m) for label, (v, m) in results.items() if label.startswith("smol-step/")}
+            assert all(v is not None for v, _ in step.values()), (canary, step)
+            failing[canary] = sorted(name for name, (v, m) in step.items() if not _holds(m["successCondition"], v))
+            print(canary, {name: v for name, (v, _) in step.items()})
+        assert failing == {"good": [], "broken": ["agreement-served-prefix"]}
+    finally:
+        if prometheus is not None:
+            prometheus.terminate()
+            prometheus.wait(timeout=30)
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _dropped(router: str) -> int:
+    from kiln.engine import metric_names as names
+
+    text = _get(router + "/metrics")[1].decode()
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(names.total(names.ROUTER_MIRROR_DROPPED) + "{")))
+
+
+def _prometheus_labelled(tmp_path: Path, targets: dict[str, list[tuple[str, str | None]]]) -> tuple[subprocess.Popen, str]:
+    """Prometheus scraping each url once per (namespace, pod-template hash or None for the router)."""
+    port = _free_port()
+    static = [{"targets": [u.removeprefix("http://")],
+               "labels": {"namespace": ns, "app": "smol", **({"rollouts_pod_template_hash": h} if h else {})}}
+              for u, labels in targets.items() for ns, h in labels]
+    jobs = [{"job_name": f"kiln-{i}", "static_configs": [s]} for i, s in enumerate(static)]
+    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "scrape_configs": jobs}
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    proc = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    _wait(lambda: _get(url + "/-/ready")[0] == 200, "prometheus ready", 60)
+
+    def scraped() -> bool:
+        body = json.loads(_get(url + "/api/v1/query?query=" + urllib.parse.quote("up == 1"))[1])
+        return len(body["data"]["result"]) == len(static)
+    _wait(scraped, "a first scrape of every target", 30)
+    return proc, url
