@@ -56,6 +56,7 @@ class SimulatedTarget(DeployTarget):
         self._pending = 0.0  # seconds of traffic not yet observed
         self.history: list[tuple[str, float]] = []  # ("weight", w) | ("promote", w) | ("rollback", w)
         self.seq = 0
+        self.mirrored = 0  # mirrored prompts so far (each costs 2 extra requests)
 
     def sleep(self, seconds: float) -> None:
         self.now += seconds
@@ -75,6 +76,7 @@ class SimulatedTarget(DeployTarget):
         obs = Observations(self.models["stable"].draw(n - n_canary, self.rng),
                            self.models["canary"].draw(n_canary, self.rng))
         mirrored = int(self.rng.binomial(n, self.mirror_fraction)) if 0 < self.weight < 100 else 0
+        self.mirrored += mirrored
         prefix = self.models["canary"].agree(mirrored, self.rng)
         floor = self.models["stable"].agree(mirrored, self.rng)
         obs.mirrored = [Comparison(0, self.now, "stable", float(p), float(p == 1), float(f), float(f == 1))

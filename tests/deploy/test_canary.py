@@ -146,3 +146,24 @@ def test_canary_killed_mid_step_is_rolled_back_and_clients_never_notice():
     assert result.status == "rolled_back", result.reason
     assert "error_rate" in result.reason
     assert load.failures == [] and load.ok > 50
+
+
+def test_simulated_walks_judge_agreement_against_the_noise_floor():
+    """A stable that agrees with itself 0.8 (two replicas batching differently): a canary as good
+    as stable is promoted under served_prefix min 0.9 in every walk; one 0.2 below it is rolled
+    back on that check alone, in the first step (bench/canary_sim.py measures how often and how fast)."""
+    policy = GateSection.model_validate({"checks": [*POLICY.model_dump()["checks"][:3],
+                                                    {"kind": "agreement", "metric": "served_prefix", "min": 0.9}]})
+    config = DeployConfig(router=RouterOptions(mirror_fraction=0.1))
+    outcomes = []
+    for seed in range(5):
+        for canary in (0.8, 0.6):
+            target = SimulatedTarget(ArmModel(served_prefix=0.8), ArmModel(served_prefix=canary), rate=50,
+                                     mirror_fraction=0.1, seed=seed)
+            result = Controller(target, policy, config, log=lambda _: None, sleep=target.sleep,
+                                clock=target.clock).run()
+            failed = [c["name"] for c in result.steps[-1].checks if c["verdict"] == "Failed"]
+            outcomes.append((canary, result.status, len(result.steps), tuple(failed)))
+    assert {o for o in outcomes if o[0] == 0.8} == {(0.8, "promoted", 4, ())}
+    assert {o for o in outcomes if o[0] == 0.6} == {
+        (0.6, "rolled_back", 1, ("agreement:served_prefix",))}
