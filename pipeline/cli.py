@@ -142,7 +142,7 @@ def ui(port: int = 5000, host: Annotated[str, typer.Option(help="bind address (l
     uri = tracking_uri or default_uri()
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--host", host,
-           "--port", str(port), "--workers", "1"]
+           "--port", str(port), "--workers", "1", "--app-name", "kiln"]  # kiln.pipeline.mlflow_ui
     console.print(f"MLflow UI on http://{host}:{port} (store {redact_uri(uri)}); Ctrl-C to stop", soft_wrap=True)
     kiln_made = " and ".join(f"tags.`{key}` = '{value}'" for key, value in EXPERIMENT_KIND.items())
     for exp in open_client(uri).search_experiments(filter_string=kiln_made):

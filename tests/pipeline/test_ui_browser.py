@@ -142,6 +142,20 @@ def test_kiln_ui_links_the_experiment_to_its_runs_table(mlflow_ui, page, store):
     assert _client(store).get_experiment(parents["experiment_id"]).tags["mlflow.experimentKind"] == "custom_model_development"
 
 
+def test_an_experiment_opened_from_the_experiments_list_shows_its_runs(mlflow_ui, page, store):
+    """A first visit (an empty browser profile) that starts at the home page, not at kiln's link:
+    MLflow 3.17 would open the experiment on its GenAI overview; the page kiln ui serves makes
+    'Model training' the browser's choice until the user picks another (kiln.pipeline.mlflow_ui)."""
+    parents = _parents(store)
+    page.goto(f"{mlflow_ui['url']}/#/experiments")
+    page.get_by_role("link", name="kiln-test", exact=True).first.click()
+    for verdict in GATES:
+        page.get_by_text(parents[verdict].info.run_name, exact=True).first.wait_for(timeout=60_000)
+    page.screenshot(path=str(SHOTS / "0b-experiment-from-the-list.png"), full_page=True)
+    assert page.get_by_role("heading", name="Runs").count() == 1
+    assert page.evaluate("localStorage.getItem('mlflow.workflowType_v1')") == '"machine_learning"'
+
+
 def test_runs_table_shows_verdict_dataset_and_source_of_each_run(mlflow_ui, page, store):
     parents = _parents(store)
     page.goto(mlflow_ui["experiment"])
