@@ -171,13 +171,7 @@ def test_every_rendered_query_returns_data_from_kiln_serve(tiny_model_dir, tmp_p
         assert values["smol-step/error-rate"] == 0.0  # every request above succeeded
         print(json.dumps(values, indent=1))
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        _stop(procs)
 
 
 VERDICT_POLICY = GateSection.model_validate({"checks": [
@@ -310,13 +304,18 @@ def test_a_canary_that_corrupts_batched_tokens_is_rolled_back_on_quality_alone(t
         if prometheus is not None:
             prometheus.terminate()
             prometheus.wait(timeout=30)
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        _stop(procs)
+
+
+def _stop(procs: list) -> None:
+    """Every process asked to stop, then waited for (killed past 40 s)."""
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            p.kill()
 
 
 def _dropped(router: str) -> int:
