@@ -231,7 +231,10 @@ AGREEMENT_POLICY = GateSection.model_validate({"checks": [
     {"kind": "performance", "metric": "ttft_ms", "max_ratio": 3.0},  # lenient: both arms run one engine
     {"kind": "performance", "metric": "tpot_ms", "max_ratio": 3.0},
     {"kind": "error_rate", "max": 0.05},
-    {"kind": "agreement", "metric": "served_prefix", "min": 0.3},  # the demo recipe's offline check
+    # The broken engine corrupts only the steps it shares with another request, so its agreement moves
+    # with how the mirrors overlap: 0.13 and 0.22 on a quiet machine, 0.31 under CI's second worker
+    # (past the demo's 0.3). The identical canary scored 1.0 every time: 0.6 tells them apart.
+    {"kind": "agreement", "metric": "served_prefix", "min": 0.6},
 ]})
 
 

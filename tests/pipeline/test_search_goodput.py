@@ -61,7 +61,8 @@ def test_a_goodput_search_serves_every_candidate_and_confirms_the_winners_load(t
     assert winner["confirmed"] is not None and "a fresh load stage" in proc.stdout
     top = json.loads((run_dir / "stages" / "load-pair.json").read_text())
     manifest = json.loads((Path(top["path"]) / "manifest.json").read_text())
-    assert manifest["inputs"].get("confirmation") == 1  # the run's load stage is the winner's confirmation
+    # the run's load stage is the winner's confirmation, keyed by this run: never reused
+    assert manifest["inputs"]["confirmation"]["run"], manifest["inputs"]
 
 
 @pytest.mark.parametrize("change, needle", [

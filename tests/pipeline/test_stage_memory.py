@@ -32,6 +32,12 @@ def _release(proc: subprocess.Popen) -> None:
     assert proc.stdout.readline().strip() == "freed"
 
 
+def _rss() -> int:
+    """This process's resident memory now."""
+    status = Path("/proc/self/status").read_text()
+    return next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:"))
+
+
 def _run(tmp_path: Path, stage: str, compute) -> tuple[dict, dict]:
     ctx = SimpleNamespace(console=Console(quiet=True))
     path = tmp_path / "stages" / stage / "key"  # where run_stage puts it: the folder names the stage
@@ -46,6 +52,7 @@ def test_a_stage_counts_the_server_it_starts(tmp_path):
         procs.append(_child(300))  # like llama-server: started by the stage, alive while it measures
         return {"metrics": {"x": 1.0}}
 
+    before = _rss()
     try:
         result, manifest = _run(tmp_path, "served", compute)
     finally:
@@ -54,7 +61,9 @@ def test_a_stage_counts_the_server_it_starts(tmp_path):
             p.wait()
     children = manifest["children_peak_pss_bytes"]
     assert children > 290 * MB, children / MB
-    assert manifest["peak_rss_bytes"] < children  # kiln itself did not hold the 300 MB
+    # kiln itself did not hold the 300 MB: its peak is what it held when the stage began (a pytest
+    # worker that ran other tests may hold a GB or more), not that plus the child's
+    assert manifest["peak_rss_bytes"] < before + 200 * MB, (manifest["peak_rss_bytes"] - before) / MB
     assert [c["pid"] for c in manifest["children"]] == [procs[0].pid]
     # In the result's metrics under the stage's name (MLflow, the report), beside the stage's own.
     assert result["metrics"]["x"] == 1.0
