@@ -79,14 +79,19 @@ def _complete(url: str, prompt: str) -> int:
 
 def _prometheus(tmp_path: Path, arms: dict[str, str]) -> tuple[subprocess.Popen, str]:
     """Debian's prometheus scraping each arm (url) every second, labelled as the Rollout's pods are."""
+    return _start_prometheus(tmp_path, [{"job_name": "kiln", "static_configs": [
+        {"targets": [url.removeprefix("http://")], "labels": {"namespace": "default", "app": "smol",
+                                                              "rollouts_pod_template_hash": name}}
+        for name, url in arms.items()]}], len(arms))
+
+
+def _start_prometheus(tmp_path: Path, jobs: list[dict], targets: int) -> tuple[subprocess.Popen, str]:
+    """Prometheus on `jobs`, every second, ready once each of its `targets` was scraped once
+    (before any traffic: increase() counts from there)."""
     if not Path(PROMETHEUS).exists():
         pytest.fail("needs Debian's prometheus: apt-get install -y prometheus (make system-deps)")
     port = _free_port()
-    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "scrape_configs": [
-        {"job_name": "kiln", "static_configs": [
-            {"targets": [url.removeprefix("http://")], "labels": {"namespace": "default", "app": "smol",
-                                                                  "rollouts_pod_template_hash": name}}
-            for name, url in arms.items()]}]}
+    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "scrape_configs": jobs}
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     proc = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
                              f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
@@ -94,10 +99,10 @@ def _prometheus(tmp_path: Path, arms: dict[str, str]) -> tuple[subprocess.Popen,
     url = f"http://127.0.0.1:{port}"
     _wait(lambda: _get(url + "/-/ready")[0] == 200, "prometheus ready", 60)
 
-    def scraped() -> bool:  # every arm scraped once before any traffic: increase() counts from there
+    def scraped() -> bool:
         body = json.loads(_get(url + "/api/v1/query?query=" + urllib.parse.quote("up == 1"))[1])
-        return len(body["data"]["result"]) == len(arms)
-    _wait(scraped, "a first scrape of every arm", 30)
+        return len(body["data"]["result"]) == targets
+    _wait(scraped, "a first scrape of every target", 30)
     return proc, url
 
 
@@ -331,21 +336,8 @@ def _dropped(router: str) -> int:
 
 def _prometheus_labelled(tmp_path: Path, targets: dict[str, list[tuple[str, str | None]]]) -> tuple[subprocess.Popen, str]:
     """Prometheus scraping each url once per (namespace, pod-template hash or None for the router)."""
-    port = _free_port()
     static = [{"targets": [u.removeprefix("http://")],
                "labels": {"namespace": ns, "app": "smol", **({"rollouts_pod_template_hash": h} if h else {})}}
               for u, labels in targets.items() for ns, h in labels]
-    jobs = [{"job_name": f"kiln-{i}", "static_configs": [s]} for i, s in enumerate(static)]
-    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "scrape_configs": jobs}
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    proc = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    _wait(lambda: _get(url + "/-/ready")[0] == 200, "prometheus ready", 60)
-
-    def scraped() -> bool:
-        body = json.loads(_get(url + "/api/v1/query?query=" + urllib.parse.quote("up == 1"))[1])
-        return len(body["data"]["result"]) == len(static)
-    _wait(scraped, "a first scrape of every target", 30)
-    return proc, url
+    return _start_prometheus(tmp_path, [{"job_name": f"kiln-{i}", "static_configs": [s]} for i, s in enumerate(static)],
+                             len(static))
