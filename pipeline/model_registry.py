@@ -92,8 +92,9 @@ def passed(mv: Any) -> bool:
 
 def check_passed(client: Any, name: str, version: str, reason: str | None, what: str) -> Any:
     """The version, once its run passed; else BadInput naming the run and its verdict, unless a
-    reason to go ahead anyway is given (`--force --reason`)."""
+    reason to go ahead anyway is given (`--force --reason`) or was recorded on it before (`kiln.forced`)."""
     mv = _version(client, name, version)
+    reason = reason or mv.tags.get(FORCED)
     if mv.tags.get(STATE, "complete") != "complete":
         raise BadInput(f"VERSION: {name} v{version} never finished registering (its run was interrupted); "
                        f"run its recipe again to complete it, then {what}.")
@@ -152,10 +153,9 @@ def _alias(client: Any, name: str, alias: str) -> Any | None:
 def promote(client: Any, name: str, version: str, reason: str | None = None) -> str | None:
     """Move `champion` to `version`, remembering the one it replaces; returns that one. A version
     whose run did not pass is refused unless `reason` says why it goes anyway (`--force`)."""
-    mv = _version(client, name, version)
-    reason = reason or mv.tags.get(FORCED)  # `kiln deploy canary --force` records it before the walk
-    check_passed(client, name, version, reason, "promote")
+    mv = check_passed(client, name, version, reason, "promote")
     forced = not passed(mv)
+    reason = reason or mv.tags.get(FORCED)  # `kiln deploy canary --force` records it before the walk
     previous = _alias(client, name, CHAMPION)
     if previous and previous.version != version:
         client.set_model_version_tag(name, version, PREVIOUS, previous.version)
@@ -197,8 +197,7 @@ def rollback(client: Any, name: str, to: str | None = None, reason: str | None =
     target = to or (moves[-1]["previous"] if moves else None) or current.tags.get(PREVIOUS)
     if not target:
         raise BadInput(f"{name} v{current.version} has no recorded previous champion; pass --to VERSION.")
-    mv = _version(client, name, target)
-    check_passed(client, name, target, reason or mv.tags.get(FORCED), "roll back to")
+    mv = check_passed(client, name, target, reason, "roll back to")
     if reason and not passed(mv):
         client.set_model_version_tag(name, target, FORCED, reason)
     client.set_registered_model_alias(name, CHAMPION, target)
