@@ -155,7 +155,9 @@ def _health(url: str) -> tuple[int, dict] | None:
 
 def test_drain_finishes_the_stream_in_flight_and_refuses_new_work(served_engine):
     with ServerThread(served_engine, api_key=KEY) as srv:
-        stream = _open_stream(srv.url, {"prompt": "Hello", "max_tokens": 30, "ignore_eos": True})
+        # 300 tokens: long enough that the stream is still running when drain begins (30 could all be
+        # generated before the health check on a fast moment, seen in a fresh-clone CI run)
+        stream = _open_stream(srv.url, {"prompt": "Hello", "max_tokens": 300, "ignore_eos": True})
         first = stream.readline()  # in flight
         drained: list[bool] = []
         drainer = threading.Thread(target=lambda: drained.append(srv.drain()))
@@ -167,7 +169,7 @@ def test_drain_finishes_the_stream_in_flight_and_refuses_new_work(served_engine)
         drainer.join(60)
     assert health == (503, {"status": "draining", "running": 1})
     assert late[0] == 503 and late[1]["Retry-After"] == "1" and json.loads(late[2])["error"]["type"] == "unavailable"
-    assert first.startswith(b"data: ") and rest[-1] == "[DONE]" and len(rest) == 30  # 29 more tokens + [DONE]
+    assert first.startswith(b"data: ") and rest[-1] == "[DONE]" and len(rest) == 300  # 299 more tokens + [DONE]
     assert drained == [True]
 
 
