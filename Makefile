@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.kiln-installed
 # kiln's cache is $KILN_CACHE if set, else ~/.cache/kiln, for make as for every later `kiln` command
 # from any folder: make leaves it alone, so what `make demo` and `make llama-cpp` build, a user's own
-# `kiln run` finds (pipeline/llama_cpp_build.py `kiln_cache` is the one definition).
+# `kiln run` finds (core/llama_cpp_build.py `kiln_cache` is the one definition).
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export MLFLOW_DISABLE_TELEMETRY := true
@@ -36,7 +36,7 @@ install: $(STAMP)
 # The build script needs only Python's standard library, so it runs without the venv: `setup` runs it
 # beside the pip install. Measured on this 2-core VM: see docs/engines.md.
 llama-cpp:
-	$(PY) pipeline/llama_cpp_build.py
+	$(PY) core/llama_cpp_build.py
 
 # The demo model and data (kiln's cache; a second call finds them and returns).
 prepare: install

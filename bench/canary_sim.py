@@ -48,8 +48,8 @@ import numpy as np
 from kiln.deploy.canary import Controller
 from kiln.deploy.config import DeployConfig
 from kiln.deploy.simulated import ArmModel, SimulatedTarget
-from kiln.pipeline.files import atomic_write_json
-from kiln.pipeline.gate.policy import GateSection
+from kiln.core.files import atomic_write_json
+from kiln.core.gate.policy import GateSection
 
 OUT = Path(__file__).parent / "results" / "canary_sim.json"
 POLICY = GateSection.model_validate({"checks": [

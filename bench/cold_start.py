@@ -25,7 +25,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from kiln.pipeline.files import atomic_write_json, read_json
+from kiln.core.files import atomic_write_json, read_json
 
 OUT = Path(__file__).parent / "results" / "cold_start.json"
 PHASES = ("boot_s", "load_s", "warmup_s", "total_s")

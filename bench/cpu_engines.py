@@ -85,7 +85,7 @@ def gguf_artifact(checkpoint: Path, kind: str, threads: int) -> Path:
     """The gguf method's artifact of `checkpoint` at `kind`, made once into the cache."""
     from kiln.optimize.gguf import Gguf, GgufConfig
     from kiln.pipeline.demo import cache_root
-    from kiln.pipeline.files import atomic_write_json, cached_tree_hash
+    from kiln.core.files import atomic_write_json, cached_tree_hash
 
     out = cache_root() / "bench-gguf" / f"{cached_tree_hash(checkpoint, cache_root() / 'hashes.json')[:12]}-{kind}"
     if not (out / "kiln-artifact.json").is_file():
@@ -142,7 +142,7 @@ def stream_decode(url: str, prompt: list[int], n: int) -> tuple[float, list[floa
 def llama_bench(gguf_path: Path, threads: int, n: int, depth: int, prefill: bool = True) -> dict[str, float]:
     """`llama-bench` of the same build on the same file, tok/s: decode n tokens after `depth` tokens of
     context and from position 0 (and prompt 512 from position 0 if `prefill`)."""
-    from kiln.pipeline.llama_cpp_build import binary
+    from kiln.core.llama_cpp_build import binary
 
     out = subprocess.run([str(binary("llama-bench")), "-m", str(gguf_path), "-t", str(threads),
                           "-p", "512" if prefill else "0", "-n", str(n), "-d", f"0,{depth}", "-r", "2", "-o", "json"],
@@ -166,7 +166,7 @@ def measure(label: str, checkpoint: Path, threads: int, decode_tokens: int, orde
     from kiln.engine.cache import build_engine
     from kiln.engine.loader import engine_config, load_engine
     from kiln.pipeline.demo import cache_root
-    from kiln.pipeline.files import cached_tree_hash
+    from kiln.core.files import cached_tree_hash
 
     variant = dict(VARIANTS[label])
     started = time.perf_counter()
@@ -365,7 +365,7 @@ def main() -> None:
     if args.child:
         print("KILN_BENCH_RESULT " + json.dumps(measure(args.child, args.model, args.threads, args.decode_tokens, args.round % 2)))
         return
-    from kiln.pipeline.files import atomic_write_json
+    from kiln.core.files import atomic_write_json
 
     labels = args.only or list(VARIANTS)
     load_start, busy_start = os.getloadavg(), contention.read()

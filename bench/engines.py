@@ -186,7 +186,7 @@ def main() -> None:
     if args.child:
         return _child(args)
 
-    from kiln.pipeline.files import atomic_write_json
+    from kiln.core.files import atomic_write_json
 
     model = args.model or str(_demo_model())
     variants = [parse_variant(v, model) for v in (args.variant or ["torch-fp32=torch,dtype=float32"])]

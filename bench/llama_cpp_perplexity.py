@@ -35,7 +35,7 @@ CTX = 512
 
 
 def llama_perplexity(gguf_path: Path, text: Path, chunks: int, threads: int) -> float:
-    from kiln.pipeline.llama_cpp_build import binary
+    from kiln.core.llama_cpp_build import binary
 
     out = subprocess.run([str(binary("llama-perplexity")), "-m", str(gguf_path), "-f", str(text), "-c", str(CTX),
                           "-b", str(CTX), "--chunks", str(chunks), "-t", str(threads)],
@@ -72,7 +72,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args()
     from kiln.pipeline.demo import cache_root, demo_model_dir
-    from kiln.pipeline.files import atomic_write_json
+    from kiln.core.files import atomic_write_json
 
     checkpoint = demo_model_dir()
     text = (cache_root() / "data" / "demo-v3" / "eval.txt").read_text()

@@ -45,7 +45,7 @@ def engine_dirs(checkpoint: Path, kind: str, threads: int) -> dict[str, Path]:
     from kiln.engine.cache import build_engine
     from kiln.engine.loader import engine_config
     from kiln.pipeline.demo import cache_root
-    from kiln.pipeline.files import cached_tree_hash
+    from kiln.core.files import cached_tree_hash
 
     artifact = cpu_engines.gguf_artifact(checkpoint, kind, threads)
     digest = cached_tree_hash(artifact, cache_root() / "hashes.json")
@@ -143,7 +143,7 @@ def main() -> None:
     started, load0, busy0 = time.time(), os.getloadavg(), contention.read()
     rows = [measure(kind, checkpoint, args.threads, args.rounds, args.decode_tokens, args.reference or None)
             for kind in args.types or ["q4_0", "q4_1", "q8_0"]]
-    from kiln.pipeline.files import atomic_write_json
+    from kiln.core.files import atomic_write_json
 
     result = {"machine": platform.processor() or platform.machine(), "cpu": cpu_engines.cpu_identity(),
               "cpus": os.cpu_count(), "model": str(checkpoint), "load_average_start": load0,

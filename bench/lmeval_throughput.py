@@ -164,7 +164,7 @@ def main() -> None:
 
     from kiln.engine.hf_torch import TorchEngine, TorchEngineConfig
     from kiln.evaluate.quality.lmeval_adapter import KilnLM
-    from kiln.pipeline.files import atomic_write_json
+    from kiln.core.files import atomic_write_json
 
     model, data = demo_model_dir(), prepare_demo_data()
     work = Path(tempfile.mkdtemp(prefix="kiln-lmeval-bench-"))

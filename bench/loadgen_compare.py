@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from kiln.engine.fake import FakeEngineConfig, FakeServer
-from kiln.pipeline.files import atomic_write_json
+from kiln.core.files import atomic_write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "loadgen_compare.json"

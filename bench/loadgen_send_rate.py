@@ -33,7 +33,7 @@ from kiln.engine.fake import FakeEngineConfig, FakeServer
 from kiln.evaluate.perf.config import PerformanceConfig
 from kiln.evaluate.perf.metrics import achieved_rate
 from kiln.evaluate.perf.runner import run_load
-from kiln.pipeline.files import atomic_write_json
+from kiln.core.files import atomic_write_json
 
 OUT = Path(__file__).resolve().parent / "results" / "loadgen_send_rate.json"
 

@@ -1,7 +1,7 @@
 """Calibration of the gate's perplexity check by simulation (issue #18).
 
 Per-document NLL pairs are simulated with a known corpus perplexity ratio and judged by the real
-check (kiln.pipeline.gate.policy.judge on kiln.pipeline.gate.base.Evidence). A 95% gate interval
+check (kiln.core.gate.policy.judge on kiln.core.gate.base.Evidence). A 95% gate interval
 promises each wrong call at most 2.5% of the time: a candidate sitting exactly on the +5% margin
 must pass at most 2.5% of the time, and fail at most 2.5% (it is not worse than the margin).
 
@@ -17,7 +17,7 @@ and two stress shapes beyond what the check claims to cover (--stress-ns): expon
 moves and scales with the data); power does.
 
 Columns, interleaved on the same simulated data: `before`, the method the check used until this
-bench (kiln.evaluate.stats.paired_bootstrap, expanded percentile, then non_inferiority, no minimum
+bench (kiln.core.stats.paired_bootstrap, expanded percentile, then non_inferiority, no minimum
 n); `interval`, the check's interval alone (its upper end within the margin, whatever n); `check`,
 the check's verdict through judge(). Each cell draws from its own seed ([--seed, cell index]), so
 --jobs runs cells in parallel with the same figures. The last lines give the worst false-pass and
@@ -37,11 +37,12 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.evaluate import contention, stats
-from kiln.pipeline.files import atomic_write_json
-from kiln.pipeline.gate.base import Evidence, Verdict
-from kiln.pipeline.gate.policy import GateSection, judge
-from kiln.pipeline.gate.quality import BOOTSTRAP_ITERATIONS, SEED, min_perplexity_documents
+from kiln.core import stats
+from kiln.evaluate import contention
+from kiln.core.files import atomic_write_json
+from kiln.core.gate.base import Evidence, Verdict
+from kiln.core.gate.policy import GateSection, judge
+from kiln.core.gate.quality import BOOTSTRAP_ITERATIONS, SEED, min_perplexity_documents
 
 OUT = Path(__file__).parent / "results" / "ppl_calibration.json"
 MARGIN = 0.05

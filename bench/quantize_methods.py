@@ -49,7 +49,7 @@ def quantize_worker(model: Path, spec: dict, out: Path) -> dict:
     from kiln.optimize.calibration import build_calibration
     from kiln.optimize.checkpoint import read_config
     from kiln.optimize.memory import plan_memory
-    from kiln.pipeline.files import atomic_dir
+    from kiln.core.files import atomic_dir
     from kiln.pipeline.stage_impl import calibration_text
     from kiln.pipeline.stages import peak_rss_bytes
 
@@ -142,7 +142,7 @@ def main() -> None:
     if args.worker:
         model, spec, out = args.worker
         result = quantize_worker(Path(model), json.loads(spec), Path(out))
-        from kiln.pipeline.files import atomic_write_json
+        from kiln.core.files import atomic_write_json
 
         atomic_write_json(Path(out).with_suffix(".result.json"), result)
         print("KILN-RESULT " + json.dumps(result))
@@ -177,7 +177,7 @@ def main() -> None:
 def reused(model: Path, out: Path) -> dict:
     """A checkpoint quantized by an earlier run: its worker's result, or only what the files show."""
     from kiln.optimize.checkpoint import bits_per_weight, param_count
-    from kiln.pipeline.files import read_json
+    from kiln.core.files import read_json
 
     result = out.with_suffix(".result.json")
     if result.is_file():
@@ -200,7 +200,7 @@ def report(model: Path, rows: dict, quality: dict, dirs: dict, args: argparse.Na
 
     from kiln.optimize.checkpoint import safetensors_files
     from kiln.optimize.memory import human
-    from kiln.pipeline.files import atomic_write_json
+    from kiln.core.files import atomic_write_json
 
     base = quality.get("none") or next(iter(quality.values()))
     t = Table("method", "dtype", "quantize s", "peak RSS", "planned", "weights on disk", "bits/weight",

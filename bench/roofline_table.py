@@ -24,7 +24,7 @@ from kiln.evaluate.roofline import (
     kv_bytes_per_token,
     measure_bandwidth,
 )
-from kiln.pipeline.files import atomic_write_json
+from kiln.core.files import atomic_write_json
 
 OUT = Path(__file__).parent / "results" / "roofline_table.json"
 ESSAY = """\

@@ -2,7 +2,7 @@
 
 The search (kiln.pipeline.search) judges N candidates against one baseline, promotes the fastest
 of those whose every check is Successful, measures the winner's speed again and states that fresh
-figure. Two properties, on simulated evidence judged by kiln.pipeline.gate.policy.judge:
+figure. Two properties, on simulated evidence judged by kiln.core.gate.policy.judge:
 
 1. Promotion of a bad candidate. N candidates all sit exactly on the perplexity margin (+5%) and
    are 3x faster. A single candidate there passes at most the one-sided 2.5%; the search promotes
@@ -30,10 +30,10 @@ from pathlib import Path
 import numpy as np
 
 from kiln.evaluate import contention
-from kiln.pipeline.files import atomic_write_json
-from kiln.pipeline.gate.base import Evidence, Verdict
-from kiln.pipeline.gate.policy import GateSection, judge
-from kiln.pipeline.gate.quality import min_perplexity_documents
+from kiln.core.files import atomic_write_json
+from kiln.core.gate.base import Evidence, Verdict
+from kiln.core.gate.policy import GateSection, judge
+from kiln.core.gate.quality import min_perplexity_documents
 from kiln.pipeline.search import family_confidence, for_family
 
 OUT = Path(__file__).parent / "results" / "selection_sim.json"

@@ -24,8 +24,8 @@ import scipy
 from scipy import stats
 
 from kiln.deploy.sequential import SequentialTest, fixed_horizon_n
-from kiln.evaluate.stats import Verdict
-from kiln.pipeline.files import atomic_write_json
+from kiln.core.stats import Verdict
+from kiln.core.files import atomic_write_json
 
 OUT = Path(__file__).parent / "results" / "sequential_sim.json"
 

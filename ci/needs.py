@@ -65,7 +65,7 @@ def demo_data_cached() -> bool:
 
 
 def llama_cpp_key() -> str:
-    from kiln.pipeline import llama_cpp_build as b
+    from kiln.core import llama_cpp_build as b
 
     recipe = "\n".join([b.SDIST_SHA256, b.PATCH_FILE, b.PATCH_FROM, b.PATCH_TO, *b.CMAKE_FLAGS, *b.TARGETS,
                         b.LIBRARY, b.BINDING, *b.CONVERTER])
@@ -73,8 +73,8 @@ def llama_cpp_key() -> str:
 
 
 def outputs(recipe_path: str, overrides: list[str]) -> dict[str, str]:
-    from kiln.pipeline import llama_cpp_build
-    from kiln.pipeline.errors import KilnError
+    from kiln.core import llama_cpp_build
+    from kiln.core.errors import KilnError
     from kiln.pipeline.recipe import load_recipe
 
     try:

@@ -40,9 +40,9 @@ from typing import Any
 
 from kiln.deploy.config import DeployConfig, KubernetesConfig
 from kiln.engine import metric_names as names
-from kiln.pipeline.errors import KilnError
-from kiln.pipeline.gate.base import CheckConfig
-from kiln.pipeline.gate.policy import GateSection
+from kiln.core.errors import KilnError
+from kiln.core.gate.base import CheckConfig
+from kiln.core.gate.policy import GateSection
 
 ARGO = "argoproj.io/v1alpha1"
 METRICS = {"ttft": names.TTFT, "tpot": names.TPOT, "requests": names.total(names.REQUESTS), "waiting": names.WAITING}

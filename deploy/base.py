@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kiln.deploy.observations import Comparison, is_failure
-from kiln.pipeline.gate.base import Evidence
+from kiln.core.gate.base import Evidence
 
 
 @dataclass

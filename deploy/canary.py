@@ -37,10 +37,10 @@ from typing import Any
 from kiln.deploy.base import DeployTarget, Observations
 from kiln.deploy.config import CanaryStep, DeployConfig
 from kiln.deploy.live_gate import LiveGate
-from kiln.evaluate.stats import Verdict, jsonable
-from kiln.pipeline.errors import ExitCode, KilnError
-from kiln.pipeline.files import atomic_write_json, read_json
-from kiln.pipeline.gate.policy import GateOutcome, GateSection
+from kiln.core.stats import Verdict, jsonable
+from kiln.core.errors import ExitCode, KilnError
+from kiln.core.files import atomic_write_json, read_json
+from kiln.core.gate.policy import GateOutcome, GateSection
 from kiln.pipeline.model_registry import CHALLENGER
 
 

@@ -27,9 +27,9 @@ from kiln.deploy.analysis_templates import ARGO, METRICS, analysis_templates, re
 from kiln.deploy.argo_rules import validate_rollout
 from kiln.deploy.base import DeployTarget, Observations
 from kiln.deploy.config import DeployConfig
-from kiln.pipeline.errors import BadInput, KilnError
-from kiln.pipeline.files import atomic_write_text
-from kiln.pipeline.gate.policy import GateSection
+from kiln.core.errors import BadInput, KilnError
+from kiln.core.files import atomic_write_text
+from kiln.core.gate.policy import GateSection
 
 ARG_VALUES = [{"name": "canary-hash", "valueFrom": {"podTemplateHashValue": "Latest"}},
               {"name": "stable-hash", "valueFrom": {"podTemplateHashValue": "Stable"}}]

@@ -5,7 +5,7 @@ again and again, and may stop at any look; a fixed-sample interval read at every
 back healthy canaries far more often than its confidence says. So each check the live data can
 speak to becomes a `SequentialTest` (deploy/sequential.py: a normal-mixture confidence sequence),
 one per check for the whole walk, and the check's verdicts are combined by the same rule as
-offline (`kiln.pipeline.gate.policy.combine`).
+offline (`kiln.core.gate.policy.combine`).
 
 How each check kind maps (the threshold semantics stay those of the offline check):
 - performance, min_ratio / max_ratio on ttft_ms, tpot_ms, decode_tok_s: canary / stable ratio of
@@ -36,9 +36,9 @@ from dataclasses import dataclass
 
 from kiln.deploy.base import ArmData, Observations
 from kiln.deploy.sequential import SequentialDecision, SequentialTest
-from kiln.pipeline.errors import BadInput
-from kiln.pipeline.gate.base import CheckConfig, CheckResult
-from kiln.pipeline.gate.policy import GateOutcome, GateSection, combine
+from kiln.core.errors import BadInput
+from kiln.core.gate.base import CheckConfig, CheckResult
+from kiln.core.gate.policy import GateOutcome, GateSection, combine
 
 LIVE_SIGNALS: dict[str, Callable[[ArmData], list[float]]] = {
     "ttft_ms": lambda a: a.ttft_ms,

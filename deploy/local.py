@@ -29,7 +29,7 @@ from kiln.deploy.config import RouterConfig, RouterOptions, Section
 from kiln.deploy.router_process import RouterProcess
 from kiln.engine.fake import FakeEngineConfig, FakeServer
 from kiln.engine.remote import free_port, wait_healthy
-from kiln.pipeline.errors import BadInput, KilnError
+from kiln.core.errors import BadInput, KilnError
 
 
 class BackendSpec(Section):

@@ -23,7 +23,7 @@ import urllib.request
 from typing import Any
 
 from kiln.deploy.config import RouterConfig
-from kiln.pipeline.errors import KilnError
+from kiln.core.errors import KilnError
 
 READY = "KILN_ROUTER_READY"
 KEY_ENV, UPSTREAM_KEY_ENV = "KILN_ROUTER_API_KEY", "KILN_ROUTER_UPSTREAM_API_KEY"

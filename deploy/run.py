@@ -18,7 +18,7 @@ from kiln.deploy.canary import CanaryResult, recover_crashed_walk, run_canary
 from kiln.deploy.config import DeployConfig
 from kiln.deploy.kubernetes import Rendered, render
 from kiln.deploy.local import BackendSpec, LocalTarget
-from kiln.pipeline.gate.policy import GateSection
+from kiln.core.gate.policy import GateSection
 
 
 def kiln_serve(engine_dir: str | Path) -> BackendSpec:

@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
-from kiln.evaluate.stats import Verdict, jsonable
-from kiln.pipeline.errors import BadInput
+from kiln.core.stats import Verdict, jsonable
+from kiln.core.errors import BadInput
 
 
 @dataclasses.dataclass(frozen=True)

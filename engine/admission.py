@@ -52,7 +52,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import BaseModel, ConfigDict, Field
 
 from kiln.engine import metric_names as names
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 
 class AdmissionConfig(BaseModel):

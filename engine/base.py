@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from kiln.pipeline.registry import Registry
+from kiln.core.registry import Registry
 
 MANIFEST = "kiln-engine.json"
 REBUILD = ("Engines are built by a run's engine stage: rebuild with `kiln run RECIPE --fresh engine`, "
@@ -71,7 +71,7 @@ class Score:
 
 def check_request(request: GenerationRequest, max_positions: int) -> None:
     """What every backend refuses before queueing a request."""
-    from kiln.pipeline.errors import BadInput
+    from kiln.core.errors import BadInput
 
     n = len(request.prompt_ids)
     if n == 0 or request.max_new_tokens < 1:

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from kiln.engine.base import BACKENDS, MANIFEST, EngineConfig
-from kiln.pipeline.files import atomic_dir, atomic_write_json, hash_of
-from kiln.pipeline.versions import library_versions
+from kiln.core.files import atomic_dir, atomic_write_json, hash_of
+from kiln.core.versions import library_versions
 
 # CPU flags that change which kernels run (and so the numbers an engine produces).
 _ISA_PREFIXES = ("sse", "ssse", "avx", "fma", "f16c", "amx", "vnni", "bf16", "asimd", "sve", "neon")

@@ -36,7 +36,7 @@ from kiln.engine import full_logits
 from kiln.engine.base import (BACKENDS, REBUILD, Engine, EngineBackend, EngineConfig, GenerationRequest, Score,
                               TokenEvent, check_request)
 from kiln.engine.openvino import HF_FILES, eos_ids_of
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 MODEL = "ct2"  # subfolder holding model.bin, config.json, vocabulary.json
 # Architectures the pinned converter registers but cannot convert (config.json model_type: why).

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kiln.engine.base import Score
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 # logits_fn(batch of token-id lists) -> list of [len(seq), vocab] float32 logits, one per sequence
 LogitsFn = Callable[[list[list[int]]], list[np.ndarray]]

@@ -22,7 +22,7 @@ from pydantic import Field
 
 from kiln.engine.base import (BACKENDS, REBUILD, Engine, EngineBackend, EngineConfig, GenerationRequest, Score,
                               TokenEvent, check_request)
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 FULL_PASS_TOKENS, MIN_FILL = 512, 0.9  # scoring passes: see TorchEngine._batches
 

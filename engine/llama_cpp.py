@@ -58,7 +58,7 @@ from kiln.engine.base import (
 from kiln.engine.llama_cpp_logits import InProcessScoring, LlamaLogits
 from kiln.engine.llama_cpp_stream import Completion
 from kiln.engine.remote import free_port, wait_healthy
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 GGUF = "model.gguf"
 _HOST = "127.0.0.1"
@@ -95,7 +95,7 @@ class LlamaCppBackend(EngineBackend):
 
     def build(self, checkpoint: Path, out_dir: Path) -> dict[str, Any]:
         from kiln.optimize import gguf
-        from kiln.pipeline.llama_cpp_build import VERSION
+        from kiln.core.llama_cpp_build import VERSION
 
         checkpoint, out_dir = Path(checkpoint), Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -206,12 +206,12 @@ class LlamaServerEngine(InProcessScoring, Engine):
 
     @classmethod
     def start(cls, gguf_path: Path, tokenizer_dir: Path, config: LlamaCppConfig) -> LlamaServerEngine:
-        from kiln.pipeline.llama_cpp_build import binary
+        from kiln.core.llama_cpp_build import binary
 
         exe = binary("llama-server")
         if exe is None:
             raise BadInput("llama-server is not built on this machine: run `make llama-cpp` "
-                           "(or `python -m kiln.pipeline.llama_cpp_build`) to build llama.cpp once.")
+                           "(or `python -m kiln.core.llama_cpp_build`) to build llama.cpp once.")
         port = free_port()
         # A file, not a pipe (a full pipe would stall the server); it lives as long as the process.
         log = tempfile.TemporaryFile()  # noqa: SIM115

@@ -35,7 +35,7 @@ import numpy as np
 from kiln.engine import full_logits
 from kiln.engine.base import Engine, GenerationRequest, TokenEvent, check_request
 from kiln.engine.llama_cpp_logits import InProcessScoring, LlamaLogits, binding, load_model, new_context
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 if TYPE_CHECKING:
     from kiln.engine.llama_cpp import LlamaCppConfig

@@ -2,7 +2,7 @@
 
 llama-server cannot return prompt log-likelihoods (it refuses `echo`), so kiln scores through
 the library itself: the ctypes binding of llama-cpp-python (its `llama_cpp/` package, copied from
-the same sdist the binaries are built from, pipeline/llama_cpp_build.py) over the build's
+the same sdist the binaries are built from, core/llama_cpp_build.py) over the build's
 `libllama.so`. A context with one output row per token (what llama-cpp-python calls `logits_all`)
 decodes a group of sequences packed into one unified KV cache, each under its own sequence id,
 and hands [len, vocab] logits to engine/full_logits.py like the other backends.
@@ -28,7 +28,7 @@ import numpy as np
 
 from kiln.engine import full_logits
 from kiln.engine.base import Score
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 GGML_TYPE = {"f32": 0, "f16": 1}  # ggml_type of the KV cache
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # llama_flash_attn_type
@@ -39,12 +39,12 @@ def binding() -> ModuleType:
     """llama-cpp-python's `_internals` module, loaded over this machine's libllama.so."""
     if "llama_cpp._internals" in sys.modules:
         return sys.modules["llama_cpp._internals"]
-    from kiln.pipeline.llama_cpp_build import BINDING, library_dir
+    from kiln.core.llama_cpp_build import BINDING, library_dir
 
     base = library_dir()
     if base is None:
         raise BadInput("llama.cpp's shared library and Python binding are not built on this machine: run "
-                       "`make llama-cpp` (or `python -m kiln.pipeline.llama_cpp_build`) to build llama.cpp once.")
+                       "`make llama-cpp` (or `python -m kiln.core.llama_cpp_build`) to build llama.cpp once.")
     os.environ["LLAMA_CPP_LIB_PATH"] = str(base / "bin")  # read by llama_cpp.llama_cpp when it loads the library
     spec = importlib.machinery.ModuleSpec("llama_cpp", None, is_package=True)
     spec.submodule_search_locations = [str(base / BINDING / "llama_cpp")]

@@ -18,7 +18,7 @@ import json
 import socket
 from typing import Any
 
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 _REFUSED = (400, 401, 403, 404, 422)  # the request's fault: BadInput, as the remote backend reports it
 

@@ -15,7 +15,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from kiln.engine.base import BACKENDS, MANIFEST, REBUILD, Engine, EngineConfig
 from kiln.engine.cache import hardware_fingerprint
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 _REQUIRED = ("backend", "config", "source", "versions", "hardware", "build")
 

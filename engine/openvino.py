@@ -26,7 +26,7 @@ from pydantic import Field, model_validator
 from kiln.engine import full_logits
 from kiln.engine.base import (BACKENDS, REBUILD, Engine, EngineBackend, EngineConfig, GenerationRequest, Score,
                               TokenEvent, check_request)
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 IR = "openvino_model.xml"
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

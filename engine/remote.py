@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator
 
 from kiln.engine.base import BACKENDS, Engine, EngineBackend, EngineConfig, GenerationRequest, Score, TokenEvent
-from kiln.pipeline.errors import BadInput, KilnError
+from kiln.core.errors import BadInput, KilnError
 
 
 def free_port() -> int:

@@ -18,7 +18,7 @@ import reprlib
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default, cut to what the context leaves
 MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (vLLM's _SAMPLING_EPS): 1/T would overflow

@@ -43,7 +43,7 @@ from kiln.engine.protocol import TextStream, logprobs_block, position_logprobs, 
 from kiln.engine.request import (RequestError, Sampling, budgets, chat_prompt, check_model, parse_prompts,
                                  parse_sampling, read_body)
 from kiln.engine.scheduler import Metrics, Scheduler
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 STATE = web.AppKey("state", object)
 STARTER = web.AppKey("starter", asyncio.Task)

@@ -26,8 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kiln.engine.base import BACKENDS, EngineBackend, EngineConfig
 from kiln.engine.remote import RemoteEngine, RemoteEngineConfig, free_port, wait_healthy
-from kiln.pipeline.errors import BadInput
-from kiln.pipeline.files import atomic_write_text
+from kiln.core.errors import BadInput
+from kiln.core.files import atomic_write_text
 
 SERVE_CONFIG = "trtllm-config.yml"
 

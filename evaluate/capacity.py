@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 HOURS_PER_MONTH = 730.0  # 365 * 24 / 12
 

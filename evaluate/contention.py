@@ -131,7 +131,7 @@ class Watch:
 def as_metrics(machine: dict[str, Any]) -> dict[str, float]:
     """The figures the gate reads, as the candidate's (and baseline's) metrics: the pressure under
     the name of the signal that measured it, and the steal."""
-    from kiln.pipeline.metrics import BENCH_STEAL, PRESSURE_BY_SIGNAL
+    from kiln.core.metrics import BENCH_STEAL, PRESSURE_BY_SIGNAL
 
     out = {}
     if machine.get("signal") in PRESSURE_BY_SIGNAL and machine["cpu_pressure"] is not None:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from kiln.engine.base import Engine, GenerationRequest
-from kiln.pipeline.errors import BadInput, ExitCode, KilnError
+from kiln.core.errors import BadInput, ExitCode, KilnError
 
 PROMPTS = 3
 NEW_TOKENS = 8

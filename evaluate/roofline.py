@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 # Peak HBM bandwidth, GB/s (vendor datasheets).
 DATASHEET_GB_S = {

@@ -31,9 +31,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kiln.evaluate.perf.concurrent import ConcurrentConfig
 from kiln.evaluate.perf.config import LengthDistribution, PerformanceConfig, Trim, WorkloadConfig
-from kiln.pipeline.errors import KilnError
-from kiln.pipeline.files import atomic_write_text
-from kiln.pipeline.registry import did_you_mean
+from kiln.core.errors import KilnError
+from kiln.core.files import atomic_write_text
+from kiln.core.registry import did_you_mean
 
 # What a trial records from the load's headline stage (names as `Summary.flat()` spells them).
 METRICS = ("goodput", "output_token_throughput", "request_throughput", "slo_attainment",

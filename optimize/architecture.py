@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from kiln.pipeline.files import read_json
-from kiln.pipeline.registry import Registry
+from kiln.core.files import read_json
+from kiln.core.registry import Registry
 
 MANIFEST = "kiln-artifact.json"
 

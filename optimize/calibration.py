@@ -21,8 +21,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from kiln.optimize.base import Calibration
-from kiln.pipeline.errors import BadInput
-from kiln.pipeline.files import hash_of, sha256_file
+from kiln.core.errors import BadInput
+from kiln.core.files import hash_of, sha256_file
 
 FIELD = "optimize.calibration"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",

@@ -16,7 +16,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 # Weight files and their indexes: written by the quantizer, never copied from the source.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
@@ -82,7 +82,7 @@ def canonicalize_safetensors(checkpoint: Path) -> None:
     keys in a different order from one save to the next, which changed the artifact's sha256 on
     every re-quantization and so every content key downstream of it. A hardlinked file (the
     pass-through's) holds the source's own bytes, stable already: it is left alone, still shared."""
-    from kiln.pipeline.files import atomic_copy_with
+    from kiln.core.files import atomic_copy_with
 
     for path in safetensors_files(checkpoint):
         if path.stat().st_nlink > 1:

@@ -1,7 +1,7 @@
 """`gguf`: convert a safetensors checkpoint to one GGUF file (f32/f16/bf16) and quantize it with
 llama.cpp's `llama-quantize` (q8_0, q6_K, q5_0, q4_0, q4_1, iq4_nl, q4_K_M, q5_K_M).
 
-Both tools come from the llama.cpp build kiln makes at install time (pipeline/llama_cpp_build.py):
+Both tools come from the llama.cpp build kiln makes at install time (core/llama_cpp_build.py):
 the vendored `convert_hf_to_gguf.py` (run with this interpreter; it needs PyPI `gguf`, pinned to
 the version it vendors) and `llama-quantize`. The artifact folder holds `model.gguf`, the HF
 tokenizer files and the manifest; anything that reads GGUF can serve it.
@@ -39,7 +39,7 @@ from kiln.optimize.architecture import DecoderShapes
 from kiln.optimize.base import QUANTIZERS, Calibration, Quantizer, QuantizerConfig
 from kiln.optimize.checkpoint import copy_side_files, safetensors_files
 from kiln.optimize.memory import Component, MethodMemory, runtime, weights
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 log = logging.getLogger("kiln")
 
@@ -107,12 +107,12 @@ class Gguf(Quantizer):
 
 
 def _tool(name: str) -> Path:
-    from kiln.pipeline.llama_cpp_build import binary, converter
+    from kiln.core.llama_cpp_build import binary, converter
 
     path = converter() if name == "convert_hf_to_gguf.py" else binary(name)
     if path is None:
         raise BadInput(f"llama.cpp's {name} is not built on this machine: run `make llama-cpp` "
-                       "(or `python -m kiln.pipeline.llama_cpp_build`) to build it once.")
+                       "(or `python -m kiln.core.llama_cpp_build`) to build it once.")
     return path
 
 

@@ -37,8 +37,8 @@ from kiln.optimize.checkpoint import (
     safetensors_files,
 )
 from kiln.optimize.memory import DTYPE_BYTES, Component, MethodMemory, quantized_weights, runtime, weights
-from kiln.pipeline.errors import BadInput
-from kiln.pipeline.files import atomic_write_json, read_json
+from kiln.core.errors import BadInput
+from kiln.core.files import atomic_write_json, read_json
 
 
 class GPTQConfig(QuantizerConfig):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.optimize.architecture import DecoderShapes, quantized_linears
-from kiln.pipeline.errors import DoesNotFit
+from kiln.core.errors import DoesNotFit
 
 # Resident size of the libraries alone, measured on import (Python 3.11, torch 2.13 CPU): every
 # CPU step pays this before it loads a byte of model.

@@ -25,8 +25,8 @@ from typing import Any
 from kiln.optimize.architecture import DecoderShapes
 from kiln.optimize.base import Calibration
 from kiln.optimize.checkpoint import bits_per_weight, copy_side_files, linear_names, param_count, read_config
-from kiln.pipeline.errors import BadInput
-from kiln.pipeline.files import read_json
+from kiln.core.errors import BadInput
+from kiln.core.files import read_json
 
 MODELOPT_PIN = "nvidia-modelopt==0.47.0"
 

@@ -20,7 +20,7 @@ from kiln.optimize.base import QUANTIZERS, Calibration, Quantizer, QuantizerConf
 from kiln.optimize.calibration import CalibrationConfig
 from kiln.optimize.memory import Component, MethodMemory, quantized_weights, weights
 from kiln.optimize.modelopt_common import build_config, quantize_and_export, require_gpu
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 
 class Int4AWQConfig(QuantizerConfig):

@@ -13,7 +13,7 @@ import typer
 
 from kiln.pipeline.cli import app, console
 from kiln.pipeline.cli_ops import TrackingOpt
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 cache_app = typer.Typer(help="What kiln's cache holds (by model, stage and size; what is needed) and pruning the rest.")
 app.add_typer(cache_app, name="cache")

@@ -1,4 +1,4 @@
-"""The `kiln` command line. Exit codes: see kiln.pipeline.errors (0 pass, 1 gate failed,
+"""The `kiln` command line. Exit codes: see kiln.core.errors (0 pass, 1 gate failed,
 2 bad input, 3 inconclusive, 4 internal error)."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kiln.pipeline.errors import BadInput, ExitCode, KilnError
-from kiln.pipeline.secrets import guard_streams
+from kiln.core.errors import BadInput, ExitCode, KilnError
+from kiln.core.credentials import guard_streams
 
 app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
                   help="kiln: take an LLM checkpoint to production safely — optimize, evaluate, track, gate, deploy.")

@@ -11,7 +11,7 @@ import typer
 
 from kiln.engine.admission import SERVE_ADMISSION
 from kiln.pipeline.cli import RecipeArg, RunsOpt, SetOpt, app, console
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 HostOpt = Annotated[str, typer.Option(help="bind address; loopback unless you mean otherwise (any other address "
                                            "needs an API key, or --insecure-no-api-key)")]
@@ -64,7 +64,7 @@ def run_dir(run: str, runs: Path) -> Path:
 def engine_dir(target: str, role: str, runs: Path) -> Path:
     """An engine folder, or a run's engine for `role`."""
     from kiln.engine.base import REBUILD
-    from kiln.pipeline.files import read_json
+    from kiln.core.files import read_json
 
     p = Path(target)
     if (p / "kiln-engine.json").exists():
@@ -249,7 +249,7 @@ def deploy_canary(run: Annotated[str, typer.Argument(metavar="RUN")], runs: Runs
     that did not pass its gate is refused (exit 2) unless --force --reason TEXT.
     """
     from kiln.deploy.run import deploy_local, kiln_serve
-    from kiln.pipeline.files import read_json
+    from kiln.core.files import read_json
 
     d = run_dir(run, runs)
     recipe = _run_recipe(d)
@@ -339,7 +339,7 @@ def compare(run_a: Annotated[str, typer.Argument(metavar="RUN_A")], run_b: Annot
             runs: RunsOpt = Path("runs")) -> None:
     """Judge RUN_B's candidate against RUN_A's candidate with RUN_B's gate policy: the gate's own table."""
     from kiln.pipeline.evidence import evidence_from_run
-    from kiln.pipeline.gate.policy import judge
+    from kiln.core.gate.policy import judge
     from kiln.pipeline.report import CHECK_HEADER, check_rows
 
     a, b = run_dir(run_a, runs), run_dir(run_b, runs)

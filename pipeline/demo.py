@@ -20,8 +20,8 @@ from pathlib import Path
 
 from kiln.pipeline import demo_data, demo_model
 from kiln.pipeline.demo_austen import fetch_janeaustenr
-from kiln.pipeline.files import atomic_dir, atomic_write_json, cached_tree_hash, file_lock
-from kiln.pipeline.llama_cpp_build import kiln_cache
+from kiln.core.files import atomic_dir, atomic_write_json, cached_tree_hash, file_lock
+from kiln.core.llama_cpp_build import kiln_cache
 
 MODEL_MANIFEST = "kiln-source.json"
 

@@ -16,8 +16,8 @@ import tempfile
 import zlib
 from pathlib import Path
 
-from kiln.pipeline.errors import BadInput
-from kiln.pipeline.files import atomic_dir
+from kiln.core.errors import BadInput
+from kiln.core.files import atomic_dir
 
 PACKAGE = "r-cran-janeaustenr"
 BOOKS = {

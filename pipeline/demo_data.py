@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from kiln.pipeline.demo_austen import BOOKS, read_novels
-from kiln.pipeline.errors import BadInput
-from kiln.pipeline.files import atomic_write_text, sha256_file
+from kiln.core.errors import BadInput
+from kiln.core.files import atomic_write_text, sha256_file
 
 DATA_VERSION = "demo-v3"  # bump when any file's format or content rule changes
 EVAL_BOOKS = ("persuasion",)

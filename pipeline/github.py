@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from kiln.pipeline.errors import BadInput
-from kiln.pipeline.files import atomic_write_text, read_json
+from kiln.core.errors import BadInput
+from kiln.core.files import atomic_write_text, read_json
 
 COMMENT_FILE = "pr-comment.md"
 MARKER = "<!-- kiln-report:{recipe} -->"

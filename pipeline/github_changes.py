@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 from kiln.pipeline.github import in_github_actions, output_line
 
 GPU_BACKENDS = frozenset({"tensorrt_llm", "vllm", "sglang"})

@@ -27,8 +27,8 @@ from kiln.evaluate.perf.config import PerformanceConfig
 from kiln.evaluate.perf.metrics import client_limited
 from kiln.evaluate.perf.runner import LoadResult
 from kiln.evaluate.roofline import CeilingRow
-from kiln.pipeline.errors import BadInput
-from kiln.pipeline.metrics import CLIENT_LIMITED, LOAD_PREFIX, METRICS
+from kiln.core.errors import BadInput
+from kiln.core.metrics import CLIENT_LIMITED, LOAD_PREFIX, METRICS
 
 PLOTS = ("latency_vs_rate.png", "latency_throughput.png", "ceiling_vs_measured.png")
 CEILING_BATCHES = (1, 2, 4, 8, 16)

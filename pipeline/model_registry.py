@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.pipeline.errors import BadInput
-from kiln.pipeline.files import file_lock, hash_of
+from kiln.core.errors import BadInput
+from kiln.core.files import file_lock, hash_of
 from kiln.pipeline.tracking import process_tags, redact_uri
 
 CHALLENGER, CHAMPION = "challenger", "champion"

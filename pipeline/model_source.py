@@ -6,8 +6,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.pipeline.errors import BadInput
-from kiln.pipeline.files import cached_tree_hash
+from kiln.core.errors import BadInput
+from kiln.core.files import cached_tree_hash
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,7 @@ class ResolvedModel:
 
 def cache_root() -> Path:
     """kiln's one cache: $KILN_CACHE if set, else ~/.cache/kiln (`llama_cpp_build.kiln_cache`)."""
-    from kiln.pipeline.llama_cpp_build import kiln_cache
+    from kiln.core.llama_cpp_build import kiln_cache
 
     return kiln_cache()
 

@@ -15,9 +15,9 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.pipeline.errors import ExitCode
-from kiln.pipeline.gate.base import CheckResult, Verdict
-from kiln.pipeline.gate.policy import GateOutcome, combine
+from kiln.core.errors import ExitCode
+from kiln.core.gate.base import CheckResult, Verdict
+from kiln.core.gate.policy import GateOutcome, combine
 
 NOT_JUDGED = "not judged"
 

@@ -22,10 +22,10 @@ from kiln.evaluate.quality.lmeval import LmEvalConfig
 from kiln.evaluate.quality.served import ServedConfig
 from kiln.evaluate.tune import TuneConfig, check_space
 from kiln.optimize.base import QUANTIZERS
-from kiln.pipeline import yaml_input
-from kiln.pipeline.errors import BadInput
-from kiln.pipeline.files import hash_of
-from kiln.pipeline.gate.policy import GateSection
+from kiln.core import yaml_input
+from kiln.core.errors import BadInput
+from kiln.core.files import hash_of
+from kiln.core.gate.policy import GateSection
 
 
 class Section(BaseModel):
@@ -349,7 +349,7 @@ def format_errors(err: ValidationError, raw: dict[str, Any]) -> list[str]:
         path = _user_path(e["loc"], raw)
         if e["type"] == "union_tag_invalid":
             ctx = e["ctx"]
-            from kiln.pipeline.registry import did_you_mean
+            from kiln.core.registry import did_you_mean
 
             choices = [t.strip(" '") for t in str(ctx["expected_tags"]).split(",")]
             lines.append(f"{path}.{ctx['discriminator'].strip(chr(39))}: unknown name '{ctx['tag']}'."

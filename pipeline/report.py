@@ -19,12 +19,12 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from kiln.pipeline.errors import BadInput
-from kiln.pipeline.files import atomic_write_json, atomic_write_text
-from kiln.pipeline.gate.base import CheckResult, Evidence, Verdict
-from kiln.pipeline.gate.policy import GateOutcome
-from kiln.pipeline.metrics import METRICS
-from kiln.pipeline.verdict import percent
+from kiln.core.errors import BadInput
+from kiln.core.files import atomic_write_json, atomic_write_text
+from kiln.core.gate.base import CheckResult, Evidence, Verdict
+from kiln.core.gate.policy import GateOutcome
+from kiln.core.metrics import METRICS
+from kiln.core.verdict import percent
 
 ICON = {Verdict.SUCCESSFUL: "✅", Verdict.FAILED: "❌", Verdict.INCONCLUSIVE: "⚠️", Verdict.ERROR: "💥"}
 
@@ -75,7 +75,7 @@ class Sections:
     search: dict[str, Any] | None = None  # search_record(): the winner and one row per candidate
     load: dict[str, Any] | None = None  # the load stage's result
     lineage: list[dict[str, str]] = field(default_factory=list)
-    comparisons: list[Any] = field(default_factory=list)  # kiln.evaluate.stats.Comparison, one per paired metric
+    comparisons: list[Any] = field(default_factory=list)  # kiln.core.stats.Comparison, one per paired metric
     serving: dict[str, float] = field(default_factory=dict)  # role -> bytes the engine serves from (engine_bytes)
     warnings: list[str] = field(default_factory=list)  # shown under the verdict: a contention guard off or blind
 
@@ -147,7 +147,7 @@ def _per_million(price_per_hour: float | None, tok_s: float | None) -> float | N
 def search_record(arms: list[Any], winner: Any, policy: Any) -> dict[str, Any]:
     """search.json: what the report's search tables and the Pareto plot are drawn from."""
     from kiln.pipeline.evidence import evidence_from_run
-    from kiln.pipeline.gate.performance import contention
+    from kiln.core.gate.performance import contention
 
     objective = arms[0].ctx.recipe.search.objective
     price = arms[0].ctx.recipe.search.price_per_hour
@@ -206,7 +206,7 @@ def serving_bytes(arm: Any) -> float | None:
 def engine_bytes(engine_dir: Path, artifact_bytes: float | None) -> float | None:
     """What an engine serves from on disk: its folder when it holds converted weights (OpenVINO,
     CTranslate2, GGUF), else the artifact it loads (torch: the folder holds a manifest only)."""
-    from kiln.pipeline.files import dir_size
+    from kiln.core.files import dir_size
 
     size = dir_size(engine_dir)
     return size if size > 1 << 20 or artifact_bytes is None else artifact_bytes
@@ -324,7 +324,7 @@ def lineage(ctx: Any, outcome: GateOutcome, version: dict[str, Any]) -> list[dic
 def comparisons(evidence: dict[str, Evidence], confidence: float) -> list[Any]:
     """Each quality metric both arms have per-item records of, compared paired (perplexity as a
     relative change), at the gate's confidence; a metric whose records do not join is left out."""
-    from kiln.pipeline.gate.quality import compare, paired_metrics
+    from kiln.core.gate.quality import compare, paired_metrics
 
     cand, base = evidence["candidate"], evidence["baseline"]
     out = []
@@ -356,7 +356,7 @@ def publish(ctx: Any, outcome: GateOutcome, evidence: dict[str, Evidence], artif
             search: tuple[list[Any], Any, Any] | None = None) -> Path:
     """The report, its plots and the registry version. `search`: (arms, winner, policy) of a search run."""
     from kiln.pipeline import model_registry
-    from kiln.pipeline.gate.performance import guard_warnings
+    from kiln.core.gate.performance import guard_warnings
     from kiln.pipeline.report_plots import gather, pareto
 
     registered = model_registry.register(ctx, artifact)

@@ -15,7 +15,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from kiln.pipeline.gate.base import CheckResult
+from kiln.core.gate.base import CheckResult
 
 VERDICT_COLORS = {"Successful": "#1a7f37", "Failed": "#cf222e", "Inconclusive": "#9a6700", "Error": "#6e7781"}
 LOAD_PLOTS = {"latency_vs_rate.png": "TTFT and TPOT vs rate", "latency_throughput.png": "latency-throughput curve",

@@ -17,17 +17,17 @@ from typing import Any
 
 import yaml
 
-from kiln.pipeline.errors import BadInput
-from kiln.pipeline.files import atomic_write_json, atomic_write_text, read_json
-from kiln.pipeline.gate.base import Verdict
-from kiln.pipeline.gate.policy import GateOutcome, judge
+from kiln.core.errors import BadInput
+from kiln.core.files import atomic_write_json, atomic_write_text, read_json
+from kiln.core.gate.base import Verdict
+from kiln.core.gate.policy import GateOutcome, judge
 from kiln.pipeline.outcomes import not_judged
 from kiln.pipeline.model_source import cache_root, resolve_model
 from kiln.pipeline.recipe import Recipe
-from kiln.pipeline.secrets import ScrubFilter
+from kiln.core.credentials import ScrubFilter
 from kiln.pipeline.stages import RunContext
 from kiln.pipeline.tracking import Tracker, flatten, redact_uri, source_tags
-from kiln.pipeline.versions import environment, git_commit
+from kiln.core.versions import environment, git_commit
 
 
 def new_run_dir(root: Path, recipe: Recipe) -> Path:

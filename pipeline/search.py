@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 
 from kiln.optimize.base import QUANTIZERS, ModelArtifact
-from kiln.pipeline.errors import BadInput, ExitCode, KilnError
-from kiln.pipeline.gate.base import CheckResult, Evidence, Verdict
-from kiln.pipeline.gate.policy import GateOutcome, GateSection, judge
-from kiln.pipeline.metrics import LOAD_PREFIX, METRICS
+from kiln.core.errors import BadInput, ExitCode, KilnError
+from kiln.core.gate.base import CheckResult, Evidence, Verdict
+from kiln.core.gate.policy import GateOutcome, GateSection, judge
+from kiln.core.metrics import LOAD_PREFIX, METRICS
 from kiln.pipeline.stages import RunContext, run_stage, run_tags
 
 
@@ -150,7 +150,7 @@ def speedup(evidence: dict[str, Evidence], objective: str, confidence: float) ->
     """The candidate's speed-up over the baseline on `objective`: the geometric mean of the paired
     per-repeat ratios with its t-interval at `confidence`, the one the verdict is taken at
     (ttft_ms inverted, so higher is always better)."""
-    from kiln.pipeline.gate.performance import t_interval
+    from kiln.core.gate.performance import t_interval
 
     cand = np.asarray(evidence["candidate"].repeats.get(objective, []), dtype=float)
     base = np.asarray(evidence["baseline"].repeats.get(objective, []), dtype=float)
@@ -262,7 +262,7 @@ def champion_artifact(ctx: RunContext, champion: Champion) -> ModelArtifact:
     its hash) and checked against the hash the registry recorded."""
     import mlflow.artifacts
 
-    from kiln.pipeline.files import read_json, sha256_tree
+    from kiln.core.files import read_json, sha256_tree
 
     def compute(out: Path) -> dict[str, Any]:
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=champion.source, dst_path=str(out),

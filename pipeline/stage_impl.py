@@ -9,15 +9,15 @@ from pathlib import Path
 from typing import Any
 
 from kiln.optimize.base import QUANTIZERS, ModelArtifact
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 from kiln.pipeline.evidence import evidence_from_run
-from kiln.pipeline.files import atomic_write_json, dir_size, hash_of, read_json, sha256_file
-from kiln.pipeline.gate.base import Evidence, Verdict
-from kiln.pipeline.gate.policy import GateOutcome, judge
-from kiln.pipeline.metrics import LOAD_PREFIX
+from kiln.core.files import atomic_write_json, dir_size, hash_of, read_json, sha256_file
+from kiln.core.gate.base import Evidence, Verdict
+from kiln.core.gate.policy import GateOutcome, judge
+from kiln.core.metrics import LOAD_PREFIX
 from kiln.pipeline.model_source import ResolvedModel
 from kiln.pipeline.stages import RunContext, StageOutcome, peak_rss_bytes, run_stage, run_tags
-from kiln.pipeline.versions import library_versions
+from kiln.core.versions import library_versions
 
 
 def optimize_both(ctx: RunContext, model: ResolvedModel) -> dict[str, ModelArtifact]:
@@ -45,7 +45,7 @@ def quantize(ctx: RunContext, role: str, cfg: Any, model: ResolvedModel) -> Mode
                     "libraries": library_versions(), "wall_s": _t.perf_counter() - start,
                     "peak_rss_bytes": peak_rss_bytes(), "size_bytes": dir_size(out / "model"), **fields}
         from kiln.optimize.checkpoint import canonicalize_safetensors
-        from kiln.pipeline.files import sha256_tree
+        from kiln.core.files import sha256_tree
 
         if quantizer.artifact_format == "safetensors":  # a GGUF file is written by llama.cpp, byte-stable itself
             canonicalize_safetensors(out / "model")  # same weights, same bytes: the hash chain holds
@@ -490,7 +490,7 @@ def _cached_prompts(ctx: RunContext, engine_dir: Path, spec: str, n: int,
 
 def read_prompts(spec: str, n: int, count_field: str = "evaluate.benchmark.num_prompts") -> list[str]:
     """The first `n` prompts of a JSONL file (one object with a 'prompt' string per line), or 'demo'."""
-    from kiln.pipeline import yaml_input
+    from kiln.core import yaml_input
 
     if spec == "demo":
         from kiln.pipeline.demo import prepare_demo_data

@@ -21,10 +21,10 @@ from typing import Any
 
 from rich.markup import escape
 
-from kiln.pipeline.files import atomic_dir, atomic_write_json, file_lock, hash_of, read_json
+from kiln.core.files import atomic_dir, atomic_write_json, file_lock, hash_of, read_json
 from kiln.pipeline.rss import StageMemory, peak_rss_bytes  # noqa: F401 - peak_rss_bytes: stage_impl and bench import it from here
 from kiln.pipeline.tracking import STAGE_KEY, Tracker, flatten
-from kiln.pipeline.versions import environment
+from kiln.core.versions import environment
 
 log = logging.getLogger("kiln")
 

@@ -8,7 +8,7 @@ baseline's results instead of recomputing them.
 Opening a store probes it first (an unreachable server is exit 2 in seconds, not MLflow's minutes
 of retries), creates a new sqlite store under a lock (two runs at once would both migrate it), and
 remembers any credential in the URI so that nothing kiln writes or prints shows it
-(`kiln.pipeline.secrets`).
+(`kiln.core.credentials`).
 
 What the MLflow UI shows without configuring is kiln's to fill: the parent run's name and a
 `kiln.passed` metric carry the verdict, its Dataset column the evaluation data, its Source column
@@ -28,8 +28,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kiln.pipeline import secrets
-from kiln.pipeline.errors import BadInput
+from kiln.core import credentials
+from kiln.core.errors import BadInput
 
 STAGE_KEY = "kiln.stage_key"
 VERDICT = "kiln.verdict"
@@ -126,10 +126,10 @@ def open_client(uri: str | None = None) -> Any:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     from mlflow.tracking import MlflowClient
 
-    from kiln.pipeline.files import file_lock
+    from kiln.core.files import file_lock
 
     uri = uri or default_uri()
-    secrets.remember_uri(uri)
+    credentials.remember_uri(uri)
     probe(uri)
     db = uri.removeprefix("sqlite:///") if uri.startswith("sqlite:///") else None
     try:
@@ -153,7 +153,7 @@ def _seed_sqlite(db: Path) -> None:
 
     import mlflow
 
-    from kiln.pipeline.files import file_lock
+    from kiln.core.files import file_lock
     from kiln.pipeline.model_source import cache_root
 
     template = cache_root() / "mlflow" / f"empty-store-{mlflow.__version__}.db"
@@ -210,8 +210,8 @@ class Tracker:
 
         now = get_current_time_millis()
         ms = [Metric(k, float(v), now, 0) for k, v in metrics.items() if _is_number(v)]
-        ps = [Param(k, secrets.scrub(str(v))[:6000]) for k, v in params.items()]
-        ts = [RunTag(k, secrets.scrub(str(v))) for k, v in tags.items()]
+        ps = [Param(k, credentials.scrub(str(v))[:6000]) for k, v in params.items()]
+        ts = [RunTag(k, credentials.scrub(str(v))) for k, v in tags.items()]
         for i in range(0, max(len(ms), len(ps), len(ts)), 100):  # MLflow caps params per batch at 100
             self.client.log_batch(run_id, metrics=ms[i:i + 100], params=ps[i:i + 100], tags=ts[i:i + 100])
 

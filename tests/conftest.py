@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.pipeline.llama_cpp_build import kiln_cache
+from kiln.core.llama_cpp_build import kiln_cache
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"

@@ -10,7 +10,7 @@ import pytest
 
 
 def require_llama_cpp() -> None:
-    from kiln.pipeline.llama_cpp_build import LIBRARY, binary, converter, install_dir, library_dir
+    from kiln.core.llama_cpp_build import LIBRARY, binary, converter, install_dir, library_dir
 
     missing = [n for n in ("llama-server", "llama-quantize", "llama-tokenize") if binary(n) is None]
     if converter() is None:
@@ -20,5 +20,5 @@ def require_llama_cpp() -> None:
     if not missing:
         return
     message = (f"llama.cpp is not built at {install_dir()} (missing {', '.join(missing)}): "
-               "run `make llama-cpp` (python -m kiln.pipeline.llama_cpp_build) with the same KILN_CACHE")
+               "run `make llama-cpp` (python -m kiln.core.llama_cpp_build) with the same KILN_CACHE")
     pytest.fail(message)

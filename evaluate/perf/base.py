@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel
 
-from kiln.pipeline.registry import Registry
+from kiln.core.registry import Registry
 
 if TYPE_CHECKING:
     from kiln.evaluate.perf.metrics import Summary

@@ -21,8 +21,8 @@ from kiln.evaluate.perf.config import PerformanceConfig
 from kiln.evaluate.perf.driver import StageResult, run_stage
 from kiln.evaluate.perf.metrics import Knee, Summary, find_knee
 from kiln.evaluate.perf.workload import Workload
-from kiln.pipeline.errors import BadInput
-from kiln.pipeline.files import atomic_write_text
+from kiln.core.errors import BadInput
+from kiln.core.files import atomic_write_text
 
 
 def _cpu_seconds() -> float:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.evaluate.perf.config import PerformanceConfig, WorkloadConfig
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 _WORDS = (
     "time person year way day thing man world life hand part child eye woman place work week "

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiln.pipeline.files import atomic_write_text
+from kiln.core.files import atomic_write_text
 
 
 @dataclass

@@ -6,7 +6,7 @@ and `log_samples=True`, and returns one `QualityResult` per task. Records are ke
 `doc_id` (the document's index), never `doc_hash`: repeated documents would explode that join.
 
 Kiln names every metric `<task>_<metric>` (`word_swap_acc`, `heldout_word_perplexity`), declared
-with its direction in `kiln.pipeline.metrics` so the gate knows which way is worse. Each record
+with its direction in `kiln.core.metrics` so the gate knows which way is worse. Each record
 holds those per-document values (a perplexity for one document; 0/1 for accuracy) and the raw
 pieces a paired ratio needs (`nll` with `tokens`, `words`, `bytes`).
 """
@@ -21,9 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kiln.evaluate.quality.base import QualityResult
 from kiln.evaluate.tasks import SHIPPED, TaskSet, prepare_tasks, task_fingerprint, task_manager
-from kiln.pipeline.errors import BadInput
-from kiln.pipeline.files import atomic_write_json
-from kiln.pipeline.metrics import METRICS, declare
+from kiln.core.errors import BadInput
+from kiln.core.files import atomic_write_json
+from kiln.core.metrics import METRICS, declare
 
 __all__ = ["LmEvalConfig", "TaskSet", "evaluate_lmeval", "prepare_tasks", "run_lmeval", "task_fingerprint"]
 
@@ -59,7 +59,7 @@ class LmEvalConfig(BaseModel):
     @field_validator("tasks")
     @classmethod
     def _known(cls, tasks: list[str]) -> list[str]:
-        from kiln.pipeline.registry import did_you_mean
+        from kiln.core.registry import did_you_mean
 
         for t in tasks:
             if t not in SHIPPED and not t.endswith((".yaml", ".yml")):

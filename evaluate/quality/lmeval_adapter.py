@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from kiln.engine.base import Engine, GenerationRequest
 from kiln.evaluate.quality.lmeval import DEFAULT_BATCH_SIZE
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 DEFAULT_MAX_LENGTH = 2048  # when neither the caller nor the engine says
 

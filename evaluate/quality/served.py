@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kiln.engine.base import Engine, GenerationRequest
 from kiln.evaluate.parity import with_shortest
 from kiln.evaluate.quality.base import QualityResult
-from kiln.pipeline.metrics import declare
+from kiln.core.metrics import declare
 
 MODEL = "candidate"  # the name the test server serves under
 

@@ -26,8 +26,8 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
-from kiln.pipeline.errors import BadInput
-from kiln.pipeline.files import atomic_write_text, hash_of, sha256_file
+from kiln.core.errors import BadInput
+from kiln.core.files import atomic_write_text, hash_of, sha256_file
 
 HERE = Path(__file__).parent
 SHIPPED = ("heldout", "word_swap", "gsm8k_answer")

@@ -103,7 +103,7 @@ def test_an_override_can_make_a_recipe_need_llama_cpp() -> None:
 
 
 def test_the_build_is_looked_for_where_kiln_cache_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kiln.pipeline import llama_cpp_build
+    from kiln.core import llama_cpp_build
 
     monkeypatch.setenv("KILN_CACHE", str(tmp_path / "kc"))
     out = needs.outputs(str(ROOT / "recipes" / "demo.yaml"), [])
@@ -112,7 +112,7 @@ def test_the_build_is_looked_for_where_kiln_cache_says(tmp_path: Path, monkeypat
 
 
 def test_cache_key_changes_with_the_patch_the_flags_and_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kiln.pipeline import llama_cpp_build as b
+    from kiln.core import llama_cpp_build as b
 
     base = needs.llama_cpp_key()
     assert needs.llama_cpp_key() == base
@@ -176,7 +176,7 @@ def recorder(name: str, log: Path, rc: int = 0) -> str:
 
 
 def shared_build() -> Path:
-    from kiln.pipeline.llama_cpp_build import complete, install_dir
+    from kiln.core.llama_cpp_build import complete, install_dir
 
     path = install_dir()
     if not complete(path):
@@ -196,7 +196,7 @@ def test_a_restored_build_is_used_as_it_is(tmp_path: Path) -> None:
     tools = ("cmake", "ninja", "cc", "c++", "sudo", "apt-get")
     bin_dir = sandbox_bin(tmp_path, **{n: recorder(n, log, 1) for n in tools})
     env = system_env(tmp_path, bin_dir, llama=True, demo=False)
-    from kiln.pipeline.llama_cpp_build import install_dir
+    from kiln.core.llama_cpp_build import install_dir
 
     restored = Path(env["KILN_CACHE"]) / "llama.cpp" / install_dir().name
     shutil.copytree(shared_build(), restored, symlinks=True)
@@ -219,7 +219,7 @@ def test_a_cache_miss_installs_what_is_missing_and_builds(tmp_path: Path) -> Non
     """No build in the cache: apt-get installs the missing tools (sudo works, as on GitHub's
     runners), then the build runs from the pinned sdist with kiln's flags. The cmake is a stand-in
     that records the call and stops the build there (compiling takes 6-10 minutes)."""
-    from kiln.pipeline import llama_cpp_build as b
+    from kiln.core import llama_cpp_build as b
 
     log = tmp_path / "calls.log"
     bin_dir = tmp_path / "sandbox-bin"
@@ -393,7 +393,7 @@ def test_demo_recipe_gets_past_its_gguf_build_on_a_fresh_runner(tmp_path: Path) 
     cache, as a restored artifact cache holds them (a first run converts and downloads them: not
     the build this checks). The run is stopped once the q4_1 candidate's GGUF is built and its
     engine loaded it through the restored libllama."""
-    from kiln.pipeline.llama_cpp_build import install_dir
+    from kiln.core.llama_cpp_build import install_dir
 
     shared = shared_build()
     from kiln.pipeline.demo import demo_model_dir, prepare_demo_data

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kiln.pipeline import github
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 PASSWORD = "s3cret-tracking-pw"
 TOKEN = "ghp_tokenvalue123456"

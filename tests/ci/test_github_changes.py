@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 from kiln.pipeline.github_changes import changed_recipes, runner_of
 
 FILES = {

@@ -14,8 +14,8 @@ import yaml
 from kiln.deploy.argo_rules import validate_metric, validate_metrics, validate_rollout
 from kiln.deploy.config import CanaryStep, DeployConfig, KubernetesConfig
 from kiln.deploy.kubernetes import render
-from kiln.pipeline.errors import BadInput
-from kiln.pipeline.gate.policy import GateSection
+from kiln.core.errors import BadInput
+from kiln.core.gate.policy import GateSection
 from kiln.pipeline.recipe import load_recipe
 
 REPO = Path(__file__).parents[2]

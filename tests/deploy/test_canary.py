@@ -15,8 +15,8 @@ from kiln.deploy.config import CanaryStep, DeployConfig, RouterOptions
 from kiln.deploy.loadgen import SteadyLoad
 from kiln.deploy.local import BackendSpec, LocalTarget
 from kiln.deploy.simulated import ArmModel, SimulatedTarget
-from kiln.pipeline.errors import ExitCode
-from kiln.pipeline.gate.policy import GateSection
+from kiln.core.errors import ExitCode
+from kiln.core.gate.policy import GateSection
 from tests.deploy.fakes import fake
 
 POLICY = GateSection.model_validate({"checks": [

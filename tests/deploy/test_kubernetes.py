@@ -8,8 +8,8 @@ import yaml
 
 from kiln.deploy.config import CanaryStep, DeployConfig, KubernetesConfig
 from kiln.deploy.kubernetes import KubernetesTarget, render
-from kiln.pipeline.errors import KilnError
-from kiln.pipeline.gate.policy import GateSection
+from kiln.core.errors import KilnError
+from kiln.core.gate.policy import GateSection
 
 POLICY = GateSection.model_validate({"checks": [
     {"kind": "performance", "metric": "ttft_ms", "max_ratio": 1.1},

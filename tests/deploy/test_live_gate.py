@@ -12,9 +12,9 @@ from kiln.deploy.base import ArmData, Observations
 from kiln.deploy.live_gate import LiveGate
 from kiln.deploy.observations import Comparison
 from kiln.deploy.simulated import ArmModel
-from kiln.evaluate.stats import Verdict
-from kiln.pipeline.errors import BadInput
-from kiln.pipeline.gate.policy import GateSection
+from kiln.core.stats import Verdict
+from kiln.core.errors import BadInput
+from kiln.core.gate.policy import GateSection
 
 
 def policy(*checks: dict) -> GateSection:

@@ -24,7 +24,7 @@ import yaml
 from kiln.deploy.argo_rules import substitute
 from kiln.deploy.config import CanaryStep, DeployConfig, KubernetesConfig
 from kiln.deploy.kubernetes import render
-from kiln.pipeline.gate.policy import GateSection
+from kiln.core.gate.policy import GateSection
 
 KEY = "prom-test-key"
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"

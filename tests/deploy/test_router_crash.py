@@ -19,9 +19,9 @@ from kiln.deploy.config import CanaryStep, DeployConfig, RouterOptions
 from kiln.deploy.loadgen import SteadyLoad
 from kiln.deploy.local import BackendSpec, LocalTarget
 from kiln.deploy.run import kiln_serve
-from kiln.pipeline.errors import ExitCode
-from kiln.pipeline.files import read_json
-from kiln.pipeline.gate.policy import GateSection
+from kiln.core.errors import ExitCode
+from kiln.core.files import read_json
+from kiln.core.gate.policy import GateSection
 from tests.deploy.fakes import fake
 
 REPO = Path(__file__).parents[2]

@@ -10,8 +10,8 @@ import pytest
 from scipy import stats
 
 from kiln.deploy.sequential import SequentialTest, fixed_horizon_n
-from kiln.evaluate.stats import Verdict
-from kiln.pipeline.errors import BadInput
+from kiln.core.stats import Verdict
+from kiln.core.errors import BadInput
 
 ALPHA = 0.05
 SIGMA = 0.5  # log-sd of TTFT: p99/p50 about 3.2, typical of a loaded server

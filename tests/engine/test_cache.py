@@ -12,7 +12,7 @@ from kiln.engine.base import MANIFEST, GenerationRequest
 from kiln.engine.cache import build_engine, hardware_fingerprint
 from kiln.engine.hf_torch import TorchEngineConfig
 from kiln.engine.loader import load_engine, read_manifest
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 
 def test_fingerprint_names_the_cpu():

@@ -7,7 +7,7 @@ import pytest
 
 from kiln.engine.base import GenerationRequest
 from kiln.engine.hf_torch import TorchBackend, TorchEngine, TorchEngineConfig, slow_kernel_notice
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 
 def _prompts(tok) -> list[list[int]]:

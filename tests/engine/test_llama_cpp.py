@@ -13,7 +13,7 @@ import pytest
 from kiln.engine.base import GenerationRequest
 from kiln.engine.llama_cpp import LlamaCppConfig, server_command
 from kiln.optimize.gguf import Gguf, GgufConfig
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 from tests.engine import parity
 from tests.llama_cpp_build import require_llama_cpp
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from kiln.engine.llama_cpp_stream import Completion
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 
 def _serve(replies: list[bytes]) -> tuple[int, list[bytes]]:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kiln.engine.base import GenerationRequest
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 from tests.engine import parity
 
 pytest.importorskip("openvino_genai", reason="openvino-genai is a kiln dependency; install the pinned set")

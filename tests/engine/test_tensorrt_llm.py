@@ -19,7 +19,7 @@ from kiln.engine.base import GenerationRequest
 from kiln.engine.cache import build_engine
 from kiln.engine.loader import load_engine, read_manifest
 from kiln.engine.tensorrt_llm import SERVE_CONFIG, SpeculativeConfig, TensorRTLLMConfig, serve_options
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 DOCUMENTED = {
     "": {"max_batch_size", "max_num_tokens", "max_seq_len", "tensor_parallel_size", "enable_chunked_prefill",

@@ -6,7 +6,7 @@ import pytest
 from rich.console import Console
 
 from kiln.evaluate.capacity import plan_capacity
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 
 def test_replicas_and_cost():

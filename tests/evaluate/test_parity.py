@@ -13,7 +13,7 @@ from kiln.evaluate.parity import (
     unquantized,
     with_shortest,
 )
-from kiln.pipeline.errors import BadInput, ExitCode
+from kiln.core.errors import BadInput, ExitCode
 from tests.evaluate.broken_engine import BatchBrokenEngine, ShortPromptBrokenEngine
 
 

@@ -17,7 +17,7 @@ from kiln.evaluate.roofline import (
     manifest_ceiling,
     measure_bandwidth,
 )
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 # The essay (shared/seeds/004): an 8B model in 16-bit on one H100 SXM (3.35 TB/s), 0.27 GB of KV
 # cache per sequence, $3 per GPU-hour. Its printed output, verbatim:

@@ -1,4 +1,4 @@
-"""kiln.evaluate.stats against reference implementations and by simulation."""
+"""kiln.core.stats against reference implementations and by simulation."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from scipy import optimize, stats
 from statsmodels.stats.contingency_tables import mcnemar
 
-from kiln.evaluate.stats import (
+from kiln.core.stats import (
     Comparison,
     Verdict,
     mcnemar_exact,
@@ -20,7 +20,7 @@ from kiln.evaluate.stats import (
     tango_interval,
     unpaired_test,
 )
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 
 def paired_binary(rng, n, p_base, p_lost, p_won):

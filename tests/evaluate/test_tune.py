@@ -14,7 +14,7 @@ from mlflow.tracking import MlflowClient
 from rich.console import Console
 
 from kiln.evaluate.tune import TuneConfig, Trial, mark, pareto_front, settings, with_knobs
-from kiln.pipeline.errors import BadInput, KilnError
+from kiln.core.errors import BadInput, KilnError
 from kiln.pipeline.recipe import Recipe, load_recipe
 from tests.pipeline.conftest import kiln
 

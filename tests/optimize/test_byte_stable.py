@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from kiln.optimize.base import QUANTIZERS
 from kiln.optimize.checkpoint import canonicalize_safetensors, read_header
-from kiln.pipeline.files import sha256_file, sha256_tree
+from kiln.core.files import sha256_file, sha256_tree
 
 
 def test_int8_weight_only_twice_gives_the_same_bytes(tiny_llama, tmp_path, reload):

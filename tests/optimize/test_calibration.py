@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kiln.optimize.calibration import CalibrationConfig, build_calibration, check_disjoint
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 
 def _write(path, text):

@@ -10,7 +10,7 @@ import pytest
 
 from kiln.optimize.checkpoint import param_count
 from kiln.optimize.gguf import Gguf, GgufConfig, check_tokenizer, describe
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 from tests.llama_cpp_build import require_llama_cpp
 
 
@@ -42,7 +42,7 @@ def test_unfixed_tokenizer_converts_to_spm_and_is_refused(tiny_model_dir, tmp_pa
     """The converter run on the checkpoint as it is writes an SPM ('llama') vocabulary for the
     demo's byte-level BPE tokenizer.json (it has byte_fallback and an SPM-style decoder); the
     tokenizer check refuses that file."""
-    from kiln.pipeline.llama_cpp_build import converter
+    from kiln.core.llama_cpp_build import converter
 
     target = tmp_path / "raw.gguf"
     subprocess.run([sys.executable, str(converter()), str(tiny_model_dir), "--outfile", str(target),

@@ -8,7 +8,7 @@ from kiln.optimize.architecture import DecoderShapes, group_size_problem
 from kiln.optimize.checkpoint import bits_per_weight, param_count, read_config
 from kiln.optimize.gptq import GPTQConfig
 from kiln.optimize.memory import plan_memory
-from kiln.pipeline.errors import DoesNotFit
+from kiln.core.errors import DoesNotFit
 
 SMOLLM2_135M = dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,

@@ -20,7 +20,7 @@ from kiln.optimize import QUANTIZERS, modelopt_common
 from kiln.optimize.checkpoint import read_config, tensors
 from kiln.optimize.modelopt_fp8 import FP8Config
 from kiln.optimize.modelopt_int4_awq import Int4AWQConfig
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 
 def _check(config, model_config):

@@ -11,7 +11,7 @@ from kiln.optimize.checkpoint import param_count, read_config, tensors
 from kiln.optimize.gptq import GPTQConfig
 from kiln.optimize.int8_weight_only import Int8WeightOnlyConfig
 from kiln.optimize.none import NoneConfig
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 PROMPT_IDS = [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]
 

@@ -14,9 +14,9 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from kiln.pipeline import model_registry
-from kiln.pipeline.errors import ExitCode
-from kiln.pipeline.gate.base import Verdict
-from kiln.pipeline.gate.policy import GateOutcome
+from kiln.core.errors import ExitCode
+from kiln.core.gate.base import Verdict
+from kiln.core.gate.policy import GateOutcome
 from tests.pipeline.conftest import TINY_RECIPE, kiln
 from tests.tracking_servers import mlflow_server
 

@@ -41,7 +41,7 @@ def test_baseline_on_torch_and_candidate_on_ctranslate2(tmp_path, tiny_model_dir
     assert 0.5 <= agreement["top1_agreement"] <= 1.0  # int8 weights on another backend: close, not identical
     assert _result(run_dir, "benchmark-pair")["metrics"]  # the speed benchmark ran on both backends
     # Memory and cost: CTranslate2 serves its own int8 conversion, not the fp32 artifact it was built from.
-    from kiln.pipeline.files import dir_size
+    from kiln.core.files import dir_size
 
     ct2 = dir_size(Path(_result(run_dir, "engine-candidate")["engine_dir"]))
     artifact = _result(run_dir, "optimize-candidate")["metrics"]["size_bytes"]

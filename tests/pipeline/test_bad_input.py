@@ -13,7 +13,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 from kiln.pipeline.recipe import load_recipe
 from tests.pipeline.conftest import TINY_RECIPE, fresh_cache, kiln, write_recipe
 

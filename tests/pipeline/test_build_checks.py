@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 from kiln.pipeline.stage_impl import read_prompts
 from tests.pipeline.conftest import kiln, write_recipe
 

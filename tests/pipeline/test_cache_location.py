@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 NAME = "llama-q8_0"
 CANDIDATE = {"name": NAME, "optimize": {"method": "gguf", "type": "q8_0", "threads": 1},
              "engine": {"backend": "llama_cpp", "threads": 1, "parallel": 1, "ctx_per_slot": 256}}
-LOOKUP = ("import json; from kiln.pipeline import llama_cpp_build as b, model_source as m, demo as d; "
+LOOKUP = ("import json; from kiln.core import llama_cpp_build as b, model_source as m, demo as d; "
           "print(json.dumps({'build': str(b.install_dir()), 'converter': str(b.converter()), "
           "'stages': str(m.cache_root()), 'demo': str(d.cache_root())}))")
 
@@ -40,7 +40,7 @@ LOOKUP = ("import json; from kiln.pipeline import llama_cpp_build as b, model_so
 def user(tmp_path: Path, with_cache: bool) -> tuple[dict, Path]:
     """A user's environment (empty HOME, KILN_CACHE set or not) and the cache kiln should use, which
     holds what `make llama-cpp` and `kiln prepare-demo` left there: the build and the demo data."""
-    from kiln.pipeline.llama_cpp_build import complete, install_dir
+    from kiln.core.llama_cpp_build import complete, install_dir
 
     require_llama_cpp()
     shared_build, shared_data = install_dir(), Path(os.environ["KILN_CACHE"]) / "data"
@@ -70,7 +70,7 @@ def make_llama_cpp(env: dict, cwd: Path) -> str:
 
 @pytest.mark.parametrize("with_cache", [False, True], ids=["default-cache", "KILN_CACHE"])
 def test_make_and_kiln_agree_on_the_cache_from_any_folder(tmp_path, with_cache):
-    from kiln.pipeline.llama_cpp_build import VERSION, install_dir
+    from kiln.core.llama_cpp_build import VERSION, install_dir
 
     env, cache = user(tmp_path, with_cache)
     build = cache / "llama.cpp" / install_dir().name

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from kiln.pipeline.files import sha256_tree
+from kiln.core.files import sha256_tree
 from tests.pipeline.conftest import fresh_cache, write_recipe
 
 # What is under test is the locking, not the figures: every stage kind a run computes, each as small as it goes.

@@ -5,9 +5,9 @@ machine was, and the report warns when a recipe switched the guard off or the ma
 import numpy as np
 import pytest
 
-from kiln.pipeline.errors import ExitCode
-from kiln.pipeline.gate.base import Evidence, Verdict
-from kiln.pipeline.gate.policy import GateOutcome, judge
+from kiln.core.errors import ExitCode
+from kiln.core.gate.base import Evidence, Verdict
+from kiln.core.gate.policy import GateOutcome, judge
 from kiln.pipeline.recipe import GateSection
 from kiln.pipeline.report import Sections, _search_tables, html_page, markdown
 
@@ -61,7 +61,7 @@ def test_every_speed_verdict_says_how_busy_the_machine_was(machine, says):
 
 
 def _report(checks: list[dict], machine: dict[str, float]) -> tuple[str, str]:
-    from kiln.pipeline.gate.performance import guard_warnings
+    from kiln.core.gate.performance import guard_warnings
 
     policy = GateSection.model_validate({"checks": checks})
     cand = Evidence("candidate", metrics={"decode_tok_s": 15.0, **machine})

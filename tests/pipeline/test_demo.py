@@ -9,8 +9,9 @@ from collections import Counter
 
 import pytest
 
-from kiln.pipeline import demo, demo_austen, demo_data as demo_data_mod, files
-from kiln.pipeline.errors import BadInput
+from kiln.core import files
+from kiln.pipeline import demo, demo_austen, demo_data as demo_data_mod
+from kiln.core.errors import BadInput
 
 
 @pytest.fixture(scope="module")

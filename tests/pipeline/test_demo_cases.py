@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.pipeline.errors import ExitCode
+from kiln.core.errors import ExitCode
 from tests.pipeline.conftest import kiln
 
 pytestmark = pytest.mark.slow

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from kiln.pipeline.errors import ExitCode
-from kiln.pipeline.gate.base import CheckResult, Evidence, Verdict
-from kiln.pipeline.gate.policy import GateSection, combine, judge
+from kiln.core.errors import ExitCode
+from kiln.core.gate.base import CheckResult, Evidence, Verdict
+from kiln.core.gate.policy import GateSection, combine, judge
 
 
 def _policy(*checks, **kw):
@@ -147,7 +147,7 @@ def test_contention_between_two_readings():
 def test_a_load_check_on_a_client_limited_measurement_decides_nothing(limited_role, verdict):
     """The load generator fell behind its schedule: the numbers measure the client, so a search
     must not rank on them and the gate must not pass or fail the server on them."""
-    from kiln.pipeline.metrics import CLIENT_LIMITED
+    from kiln.core.metrics import CLIENT_LIMITED
 
     cand, base = _perf([2.0, 2.1, 1.9], [4.0, 4.1, 3.9], metric="load_output_token_throughput")
     for ev in (cand, base):

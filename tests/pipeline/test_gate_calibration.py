@@ -9,9 +9,9 @@ import math
 import numpy as np
 import pytest
 
-from kiln.pipeline.gate.base import Evidence, Verdict
-from kiln.pipeline.gate.policy import GateSection, judge
-from kiln.pipeline.gate.quality import MIN_PERPLEXITY_DOCUMENTS, min_perplexity_documents
+from kiln.core.gate.base import Evidence, Verdict
+from kiln.core.gate.policy import GateSection, judge
+from kiln.core.gate.quality import MIN_PERPLEXITY_DOCUMENTS, min_perplexity_documents
 
 TOKENS = 255
 MARGIN = 0.05

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kiln.pipeline.errors import ExitCode
-from kiln.pipeline.gate.base import CheckResult, Verdict
-from kiln.pipeline.gate.policy import GateSection
+from kiln.core.errors import ExitCode
+from kiln.core.gate.base import CheckResult, Verdict
+from kiln.core.gate.policy import GateSection
 from kiln.pipeline.outcomes import ROWS, Ending, conclude, markdown_table, not_judged
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.pipeline.errors import BadInput, ExitCode
+from kiln.core.errors import BadInput, ExitCode
 from kiln.pipeline.recipe import Recipe, apply_overrides, load_recipe
 
 RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))

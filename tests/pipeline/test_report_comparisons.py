@@ -6,9 +6,9 @@ import re
 import numpy as np
 from scipy import stats as sps
 
-from kiln.pipeline.errors import ExitCode
-from kiln.pipeline.gate.base import Evidence, Verdict
-from kiln.pipeline.gate.policy import GateOutcome
+from kiln.core.errors import ExitCode
+from kiln.core.gate.base import Evidence, Verdict
+from kiln.core.gate.policy import GateOutcome
 from kiln.pipeline.report import Sections, comparisons, markdown
 
 

@@ -5,10 +5,10 @@ import re
 
 import pytest
 
-from kiln.pipeline.errors import ExitCode
-from kiln.pipeline.gate.base import CheckResult, Evidence, Verdict
-from kiln.pipeline.gate.policy import GateOutcome
-from kiln.pipeline.gate.quality import QualityCheckConfig
+from kiln.core.errors import ExitCode
+from kiln.core.gate.base import CheckResult, Evidence, Verdict
+from kiln.core.gate.policy import GateOutcome
+from kiln.core.gate.quality import QualityCheckConfig
 from kiln.pipeline.report import Sections, check_rows, html_page, markdown
 from kiln.pipeline.report_plots import quality_deltas
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import yaml
 
-from kiln.pipeline.gate.policy import GateSection, judge
+from kiln.core.gate.policy import GateSection, judge
 from kiln.pipeline.recipe import Recipe
 from kiln.pipeline.search import PHASES, family_confidence, for_family, phase_of, up_to
 from tests.pipeline.conftest import TINY_RECIPE, kiln
@@ -167,7 +167,7 @@ def test_phases_put_cheap_checks_first():
 def test_the_benchmark_stops_on_the_speed_checks_only_each_at_a_share_of_the_confidence():
     from types import SimpleNamespace
 
-    from kiln.pipeline.gate.base import Evidence, Verdict
+    from kiln.core.gate.base import Evidence, Verdict
     from kiln.pipeline.stage_impl import futility_policy
 
     family = for_family(GateSection.model_validate({"confidence": 0.95, "checks": CHECKS}), 3)
@@ -283,7 +283,7 @@ def test_the_champion_is_a_candidate_served_as_it_was_judged(search_run, tmp_pat
 
 
 def test_a_champion_candidate_without_a_champion_is_left_out(tmp_path):
-    from kiln.pipeline.errors import BadInput
+    from kiln.core.errors import BadInput
 
     raw = {k: v for k, v in TINY_RECIPE.items() if k not in ("optimize", "engine")}
     r = Recipe.model_validate({**raw, "model": {"path": "demo"},

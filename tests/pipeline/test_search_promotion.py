@@ -9,9 +9,9 @@ import math
 
 import numpy as np
 
-from kiln.pipeline.gate.base import Evidence, Verdict
-from kiln.pipeline.gate.policy import GateSection, judge
-from kiln.pipeline.gate.quality import min_perplexity_documents
+from kiln.core.gate.base import Evidence, Verdict
+from kiln.core.gate.policy import GateSection, judge
+from kiln.core.gate.quality import min_perplexity_documents
 from kiln.pipeline.search import family_confidence, for_family
 
 TOKENS, CANDIDATES, MARGIN = 255, 5, 0.05

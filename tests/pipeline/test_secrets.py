@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from kiln.pipeline import secrets
-from kiln.pipeline.files import atomic_write_json, atomic_write_text
+from kiln.core import credentials as secrets
+from kiln.core.files import atomic_write_json, atomic_write_text
 
 
 @pytest.fixture(autouse=True)

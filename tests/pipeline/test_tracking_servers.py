@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from kiln.pipeline.files import sha256_tree
+from kiln.core.files import sha256_tree
 from tests.pipeline.conftest import fresh_cache, kiln, write_recipe
 from tests.tracking_servers import S3_SECRET, tracking_setup
 

@@ -7,7 +7,7 @@ import pytest
 from kiln.engine.fake import FakeEngineConfig, FakeServer
 from kiln.evaluate.perf.config import PerformanceConfig
 from kiln.evaluate.perf.runner import compare_interleaved
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 
 def _config(shape: dict) -> PerformanceConfig:

@@ -9,7 +9,7 @@ import pytest
 
 from kiln.evaluate.perf.config import PerformanceConfig
 from kiln.evaluate.perf.workload import Workload, load_prompts
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 
 def _work(**kw) -> Workload:

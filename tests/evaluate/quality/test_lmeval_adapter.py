@@ -121,7 +121,7 @@ def test_generate_until_matches_hf_greedy(engine, hflm):
 
 
 def test_constructor_needs_exactly_one_engine(engine):
-    from kiln.pipeline.errors import BadInput
+    from kiln.core.errors import BadInput
 
     with pytest.raises(BadInput, match="exactly one"):
         KilnLM()

@@ -12,8 +12,8 @@ from kiln.evaluate.quality.base import read_records
 from kiln.evaluate.quality.lmeval import LmEvalConfig, evaluate_lmeval, prepare_tasks, run_lmeval
 from kiln.evaluate.quality.lmeval_adapter import KilnLM
 from kiln.evaluate.tasks import render_shipped
-from kiln.pipeline.errors import BadInput
-from kiln.pipeline.metrics import METRICS
+from kiln.core.errors import BadInput
+from kiln.core.metrics import METRICS
 from tests.evaluate.quality.lmeval_data import write_data
 
 LIMIT = 6

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from kiln.evaluate.quality.lmeval import LmEvalConfig, prepare_tasks, task_fingerprint, task_manager
 from kiln.evaluate.tasks import GSM8K_DOCS, HELDOUT_DOC_CHARS, SHIPPED, heldout_documents, render_shipped
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 from tests.evaluate.quality.lmeval_data import write_data
 
 

@@ -16,8 +16,8 @@ from kiln.evaluate.quality.served import (
     one_at_a_time,
     served_text,
 )
-from kiln.pipeline.gate.base import Evidence, Verdict
-from kiln.pipeline.gate.policy import GateSection, judge
+from kiln.core.gate.base import Evidence, Verdict
+from kiln.core.gate.policy import GateSection, judge
 from tests.evaluate.broken_engine import BatchBrokenEngine, ShortPromptBrokenEngine
 
 CONFIG = ServedConfig(num_prompts=8, max_new_tokens=8, concurrency=4)

@@ -1,4 +1,4 @@
-"""Build llama.cpp once per machine into kiln's cache (`python -m kiln.pipeline.llama_cpp_build`).
+"""Build llama.cpp once per machine into kiln's cache (`python -m kiln.core.llama_cpp_build`).
 
 The build lives in `llama.cpp/` under `kiln_cache()` ($KILN_CACHE, else ~/.cache/kiln), where every
 stage looks: `make llama-cpp` and a later `kiln run` from any folder agree on it.

@@ -4,7 +4,7 @@ A team's tracking server takes a password (in the URI, `http://user:pass@host`, 
 `MLFLOW_TRACKING_PASSWORD`), a token, or S3 keys. kiln never needs to show any of them, yet they
 reach many places: the resolved recipe, MLflow params, MLflow's own "View run … at <uri>" lines,
 error messages that quote a URI. Redacting at each place misses the next one, so the scrubbing
-sits where bytes leave the process: every text file kiln writes (`kiln.pipeline.files`), every
+sits where bytes leave the process: every text file kiln writes (`kiln.core.files`), every
 MLflow param and tag (`Tracker.log`), the run log, and the CLI's stdout and stderr.
 """
 

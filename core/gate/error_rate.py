@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from kiln.pipeline.gate.base import CHECKS, Check, CheckConfig, CheckResult, Evidence, Verdict
-from kiln.pipeline.gate.performance import bounded_verdict
+from kiln.core.gate.base import CHECKS, Check, CheckConfig, CheckResult, Evidence, Verdict
+from kiln.core.gate.performance import bounded_verdict
 
 
 class ErrorRateCheckConfig(CheckConfig):

@@ -12,8 +12,8 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kiln.pipeline.verdict import Verdict
-from kiln.pipeline.registry import Registry
+from kiln.core.verdict import Verdict
+from kiln.core.registry import Registry
 
 __all__ = ["CHECKS", "Check", "CheckConfig", "CheckResult", "Evidence", "Verdict"]
 

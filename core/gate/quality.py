@@ -4,7 +4,7 @@ Baseline and candidate are joined on doc id. Accuracy-like 0/1 items use an exac
 perplexity the per-document log-ratios (the widest of a t, a skew-corrected t and a bootstrap-t
 interval, and no pass on fewer than `min_perplexity_documents(confidence)` documents); other
 continuous items a seeded paired bootstrap. A check passes only when the confidence bound on the
-drop is inside the margin (kiln.evaluate.stats.non_inferiority).
+drop is inside the margin (kiln.core.stats.non_inferiority).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, model_validator
 
-from kiln.pipeline.gate.base import CHECKS, Check, CheckConfig, CheckResult, Evidence, Verdict
-from kiln.pipeline.gate.performance import bounded_verdict
-from kiln.pipeline.metrics import metric
+from kiln.core.gate.base import CHECKS, Check, CheckConfig, CheckResult, Evidence, Verdict
+from kiln.core.gate.performance import bounded_verdict
+from kiln.core.metrics import metric
 
 BOOTSTRAP_ITERATIONS = 10_000
 SEED = 0
@@ -62,10 +62,10 @@ def joined(candidate: Evidence, baseline: Evidence, key: str) -> tuple[list[str]
 
 
 def compare(name: str, candidate: Evidence, baseline: Evidence, confidence: float, relative: bool = False) -> Any:
-    """`kiln.evaluate.stats.Comparison` of one quality metric, paired on doc id: perplexity from
+    """`kiln.core.stats.Comparison` of one quality metric, paired on doc id: perplexity from
     per-document NLL and token counts (`stats.paired_log_ratio`), 0/1 items by exact McNemar, other
     scores by bootstrap."""
-    from kiln.evaluate import stats
+    from kiln.core import stats
 
     if name == "perplexity":
         _, b_nll, c_nll = joined(candidate, baseline, "nll")
@@ -100,7 +100,7 @@ def paired_metrics(candidate: Evidence, baseline: Evidence) -> list[str]:
 @CHECKS.register("quality", QualityCheckConfig)
 class QualityCheck(Check):
     def check(self, candidate: Evidence, baseline: Evidence) -> CheckResult:
-        from kiln.evaluate import stats
+        from kiln.core import stats
 
         c: QualityCheckConfig = self.config  # type: ignore[assignment]
         m = metric(c.metric, f"gate check {c.label}")

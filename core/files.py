@@ -54,7 +54,7 @@ def atomic_copy_with(path: Path, head: bytes, skip: int) -> None:
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Every text file kiln writes comes through here, so no credential ever lands in one."""
-    from kiln.pipeline.secrets import scrub
+    from kiln.core.credentials import scrub
 
     atomic_write_bytes(path, scrub(text).encode())
 

@@ -17,8 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kiln.pipeline.errors import BadInput, ExitCode
-from kiln.pipeline.gate.base import CHECKS, CheckResult, Evidence, Verdict
+from kiln.core.errors import BadInput, ExitCode
+from kiln.core.gate.base import CHECKS, CheckResult, Evidence, Verdict
 
 CheckConfigUnion = CHECKS.config_union()
 

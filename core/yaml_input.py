@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 MAX_BYTES = 1 << 20  # a recipe is a page or two of YAML; 1 MiB is generous
 MAX_ALIASES = 100

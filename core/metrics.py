@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ def declare(name: str, higher_is_better: bool, unit: str, description: str, kind
 
 def metric(name: str, where: str) -> Metric:
     if name not in METRICS:
-        from kiln.pipeline.registry import did_you_mean
+        from kiln.core.registry import did_you_mean
 
         raise BadInput(f"{where}: unknown metric '{name}'.{did_you_mean(name, list(METRICS))}")
     return METRICS[name]

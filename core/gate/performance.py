@@ -19,9 +19,9 @@ from typing import Literal
 import numpy as np
 from pydantic import Field, model_validator
 
-from kiln.pipeline.gate.base import CHECKS, Check, CheckConfig, CheckResult, Evidence, Verdict
-from kiln.pipeline.metrics import BENCH_STEAL, CLIENT_LIMITED, LOAD_PREFIX, PRESSURE_BY_SIGNAL, metric
-from kiln.pipeline.verdict import percent
+from kiln.core.gate.base import CHECKS, Check, CheckConfig, CheckResult, Evidence, Verdict
+from kiln.core.metrics import BENCH_STEAL, CLIENT_LIMITED, LOAD_PREFIX, PRESSURE_BY_SIGNAL, metric
+from kiln.core.verdict import percent
 
 
 class PerformanceCheckConfig(CheckConfig):

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Generic, TypeVar, Union
 
 from pydantic import BaseModel, Field
 
-from kiln.pipeline.errors import BadInput
+from kiln.core.errors import BadInput
 
 T = TypeVar("T")
 

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 from scipy import optimize, stats
 
-from kiln.pipeline.errors import BadInput
-from kiln.pipeline.verdict import Verdict, percent
+from kiln.core.errors import BadInput
+from kiln.core.verdict import Verdict, percent
 
 
 def jsonable(obj: Any) -> Any:

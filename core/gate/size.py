@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from kiln.pipeline.gate.base import CHECKS, Check, CheckConfig, CheckResult, Evidence, Verdict
+from kiln.core.gate.base import CHECKS, Check, CheckConfig, CheckResult, Evidence, Verdict
 
 
 class SizeCheckConfig(CheckConfig):

@@ -1,6 +1,0 @@
-"""The gate: one policy of checks, one file per check kind, registered in CHECKS."""
-
-from kiln.pipeline.gate import error_rate, performance, quality, size  # noqa: F401 - registration
-from kiln.pipeline.gate.base import CHECKS, CheckResult, Evidence, Verdict
-
-__all__ = ["CHECKS", "CheckResult", "Evidence", "Verdict"]
