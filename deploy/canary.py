@@ -9,82 +9,53 @@ test per check, for the whole walk) and act:
 - max_duration_s passed first -> Inconclusive: `deploy.on_inconclusive` holds (stop walking,
   traffic stays where it is, exit 3) or rolls back (exit 3); if the gate policy itself says
   `on_inconclusive: pass`, the step advances instead.
-Successful at the last step -> promote: the target makes the canary the stable arm and the MLflow
-registry alias `champion` moves to the candidate's version. Rollback leaves `champion` where it
-was and tags the version `kiln.deploy=rolled_back`.
+Successful at the last step -> promote: the target makes the canary the stable arm and the
+journal settles the version (with MLflow: the registry alias `champion` moves to the candidate's
+version). Rollback leaves `champion` where it was and tags the version `kiln.deploy=rolled_back`.
 
 A target that fails mid-walk (the local router died and was restarted with stable only, an
 unreachable router) ends the walk rolled back (exit 4), never with stable torn down. The walk's
 state (step, weight, the target's urls and process ids) is written atomically to `state_path` at
 every change, so a controller that crashed can be cleaned up after (`recover_crashed_walk`).
 
-Every step is a child MLflow run (tags kiln.stage=canary-step, kiln.weight, kiln.verdict) with
-its evidence: per-arm summaries and every check's estimate and confidence sequence.
+Every step is reported to the walk's journal (journal.py) with its evidence: per-arm summaries
+and every check's estimate and confidence sequence. The orchestrator's MLflow journal makes it a
+child run (tags kiln.stage=canary-step, kiln.weight, kiln.verdict); with no journal nothing is
+recorded.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kiln.deploy.base import DeployTarget, Observations
-from kiln.deploy.config import CanaryStep, DeployConfig
+from kiln.deploy.config import CanaryStep, DeployConfig, RouterConfig
+from kiln.deploy.journal import CanaryJournal, CanaryResult, StepRecord
 from kiln.deploy.live_gate import LiveGate
+from kiln.deploy.router_process import RouterProcess
 from kiln.core.stats import Verdict, jsonable
 from kiln.core.errors import ExitCode, KilnError
 from kiln.core.files import atomic_write_json, read_json
 from kiln.core.gate.policy import GateOutcome, GateSection
-from kiln.pipeline.model_registry import CHALLENGER
 
-
-
-@dataclass
-class StepRecord:
-    index: int
-    weight: float
-    verdict: str
-    action: str  # advance | promote | rollback | hold
-    reason: str
-    seconds: float
-    stable: dict[str, float]
-    canary: dict[str, float]
-    checks: list[dict[str, Any]]
-    run_id: str | None = None
-
-
-@dataclass
-class CanaryResult:
-    status: str  # promoted | rolled_back | held
-    exit_code: ExitCode
-    reason: str
-    steps: list[StepRecord] = field(default_factory=list)
-    skipped_checks: list[dict[str, str]] = field(default_factory=list)
-    model: str | None = None
-    version: str | None = None
-    run_id: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return jsonable({**asdict(self), "exit_code": int(self.exit_code)})
+__all__ = ["CanaryResult", "Controller", "StepRecord", "recover_crashed_walk", "run_canary"]
 
 
 class Controller:
-    """Walks one canary. `tracker` (kiln.pipeline.tracking.Tracker) and `model` (registered model
-    name; `version` defaults to the one holding alias 'challenger') are optional."""
+    """Walks one canary. `journal` records the walk and settles the version's outcome (records
+    nothing by default; kiln.pipeline.canary_journal.MlflowJournal records to MLflow)."""
 
-    def __init__(self, target: DeployTarget, policy: GateSection, deploy: DeployConfig, tracker: Any = None,
-                 model: str | None = None, version: str | None = None, parent_run_id: str | None = None,
-                 log: Callable[[str], None] = print, sleep: Callable[[float], None] = time.sleep,
-                 clock: Callable[[], float] = time.monotonic, state_path: Path | None = None):
+    def __init__(self, target: DeployTarget, policy: GateSection, deploy: DeployConfig,
+                 journal: CanaryJournal | None = None, log: Callable[[str], None] = print,
+                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
+                 state_path: Path | None = None):
         self.target, self.policy, self.deploy = target, policy, deploy
-        self.tracker, self.model, self.parent_run_id = tracker, model, parent_run_id
-        self.version = version
+        self.journal = journal or CanaryJournal()
         self.log, self.sleep, self.clock = log, sleep, clock
         self.gate = LiveGate(policy, min_per_arm=deploy.min_per_arm, effect_scale=deploy.effect_scale,
                              mirroring=deploy.router.mirror_fraction > 0)
@@ -99,18 +70,17 @@ class Controller:
                                                      "target": describe(), "time": time.time(), **extra}))
 
     def run(self) -> CanaryResult:
-        if self.model and self.tracker and self.version is None:
-            self.version = str(self.tracker.client.get_model_version_by_alias(self.model, CHALLENGER).version)
-        run_id = self._start_run()
+        self.journal.resolve()
+        run_id = self.journal.start(self.deploy, self.policy)
         result = CanaryResult("rolled_back", ExitCode.INTERNAL_ERROR, "interrupted", skipped_checks=self.gate.skipped,
-                              model=self.model, version=self.version, run_id=run_id)
+                              model=self.journal.model, version=self.journal.version, run_id=run_id)
         for s in self.gate.skipped:
             self.log(f"canary: check {s['check']} not judged live: {s['reason']}")
         try:
             self.cursor = self.target.observe((0, 0)).cursor  # what came before the walk does not count
             for i, step in enumerate(self.deploy.steps):
                 self._save("walking", step=i, weight=step.weight)
-                record = self._step(i, step, last=i == len(self.deploy.steps) - 1, parent=run_id)
+                record = self._step(i, step, last=i == len(self.deploy.steps) - 1)
                 result.steps.append(record)
                 if record.action != "advance":
                     break
@@ -124,10 +94,10 @@ class Controller:
             result.reason = f"the walk stopped at step {len(result.steps) + 1}: {e}"
             self.log(f"canary: {result.reason}; rolling back")
         finally:
-            self._finish(result, run_id)
+            self._finish(result)
         return result
 
-    def _step(self, index: int, step: CanaryStep, last: bool, parent: str | None) -> StepRecord:
+    def _step(self, index: int, step: CanaryStep, last: bool) -> StepRecord:
         self.target.set_traffic(step.weight)
         self.log(f"canary: step {index + 1}/{len(self.deploy.steps)}: {step.weight:g}% to the canary")
         window, start = Observations(), self.clock()
@@ -144,7 +114,7 @@ class Controller:
                 break
         record = StepRecord(index, step.weight, outcome.verdict.value, action, reason, elapsed,
                             window.stable.summary(), window.canary.summary(), [r.to_dict() for r in outcome.results])
-        record.run_id = self._log_step(record, parent, window)
+        record.run_id = self.journal.step(record, window)
         self.log(f"canary: step {index + 1}: {outcome.verdict.value} -> {action}: {reason}")
         return record
 
@@ -165,8 +135,8 @@ class Controller:
             return self.deploy.on_inconclusive, why
         return ("promote" if last else "advance"), f"{n_canary} canary requests, every live check {verdict.value}"
 
-    # --- effects: target, MLflow ---------------------------------------------------------------
-    def _finish(self, result: CanaryResult, run_id: str | None) -> None:
+    # --- effects: the target, the journal --------------------------------------------------------
+    def _finish(self, result: CanaryResult) -> None:
         try:
             if result.status == "promoted":
                 self.target.promote()
@@ -178,57 +148,9 @@ class Controller:
             result.status, result.exit_code = f"{result.status}_incomplete", ExitCode.INTERNAL_ERROR
             result.reason += f"; the target failed to {verb}: {type(e).__name__}: {e}"
         self._save(result.status, reason=result.reason)
-        self._registry(result.status)
-        if self.tracker and run_id:
-            self.tracker.log(run_id, metrics={"steps_completed": len(result.steps)},
-                             tags={"kiln.verdict": result.status, "kiln.reason": result.reason[:5000]})
-            self.tracker.end(run_id, "FINISHED" if result.exit_code != ExitCode.INTERNAL_ERROR else "FAILED")
+        self.journal.settle(result.status)
+        self.journal.finish(result)
         self.log(f"canary: {result.status}: {result.reason}")
-
-    def _registry(self, status: str) -> None:
-        """Move 'champion' to the candidate on promotion; tag the version with the outcome either way."""
-        if not (self.tracker and self.model and self.version):
-            return
-        from kiln.pipeline.model_registry import promote
-
-        client = self.tracker.client
-        if status == "promoted":  # remembers the champion it replaces, so `kiln rollback` can restore it
-            promote(client, self.model, self.version)
-        client.set_model_version_tag(self.model, self.version, "kiln.deploy", status)
-
-    def _start_run(self) -> str | None:
-        if not self.tracker:
-            return None
-        tags = {"kiln.stage": "canary", "kiln.model": self.model or "", "kiln.version": self.version or ""}
-        run_id = self.tracker.start("canary", tags, parent=self.parent_run_id)
-        self.tracker.log(run_id, params={"steps": json.dumps([s.model_dump() for s in self.deploy.steps]),
-                                         "on_inconclusive": self.deploy.on_inconclusive,
-                                         "gate": json.dumps(self.policy.model_dump(mode="json"))})
-        return run_id
-
-    def _log_step(self, record: StepRecord, parent: str | None, window: Observations) -> str | None:
-        if not (self.tracker and parent):
-            return None
-        t = self.tracker
-        tags = {"kiln.stage": "canary-step", "kiln.weight": f"{record.weight:g}", "kiln.verdict": record.verdict,
-                "kiln.action": record.action}
-        run_id = t.start(f"canary-step-{record.index + 1}-{record.weight:g}pct", tags, parent=parent)
-        metrics = {f"stable.{k}": v for k, v in record.stable.items()} | {f"canary.{k}": v for k, v in record.canary.items()}
-        for c in record.checks:
-            if c["observed"] is not None:
-                metrics[f"check.{c['name']}.estimate"] = c["observed"]
-            if c["ci"]:
-                metrics[f"check.{c['name']}.cs_low"], metrics[f"check.{c['name']}.cs_high"] = c["ci"]
-        t.log(run_id, metrics=metrics | {"seconds": record.seconds},
-              params={"weight": record.weight, "reason": record.reason[:5000]})
-        candidate, baseline = window.evidence()
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "evidence.json"
-            atomic_write_json(path, jsonable({"step": asdict(record) | {"run_id": None},
-                                              "candidate": asdict(candidate), "baseline": asdict(baseline)}))
-            t.log_artifacts(run_id, path)
-        t.end(run_id)
-        return run_id
 
 
 def _rollback_code(verdict: str) -> ExitCode:
@@ -236,18 +158,10 @@ def _rollback_code(verdict: str) -> ExitCode:
         verdict, ExitCode.GATE_INCONCLUSIVE)
 
 
-def run_canary(target: DeployTarget, policy: GateSection, deploy: DeployConfig, tracking_uri: str | None = None,
-               experiment: str = "kiln", model: str | None = None, version: str | None = None,
-               parent_run_id: str | None = None, log: Callable[[str], None] = print,
-               state_path: Path | None = None) -> CanaryResult:
+def run_canary(target: DeployTarget, policy: GateSection, deploy: DeployConfig, journal: CanaryJournal | None = None,
+               log: Callable[[str], None] = print, state_path: Path | None = None) -> CanaryResult:
     """Walk a canary on `target` (already started) and return the outcome; see Controller."""
-    tracker = None
-    if tracking_uri is not None or model is not None:
-        from kiln.pipeline.tracking import Tracker
-
-        tracker = Tracker(tracking_uri, experiment)
-    return Controller(target, policy, deploy, tracker, model, version, parent_run_id, log,
-                      state_path=state_path).run()
+    return Controller(target, policy, deploy, journal, log, state_path=state_path).run()
 
 
 def _alive_kiln(pid: int | None) -> bool:
@@ -283,9 +197,6 @@ def recover_crashed_walk(state_path: Path, api_key: str | None = None, log: Call
     log(f"canary: the previous walk's controller died at step {state.get('step', 0) + 1} "
         f"({state.get('weight', 0):g}%); rolling it back")
     if target.get("router_url") and _alive_kiln(target.get("router_pid")):
-        from kiln.deploy.config import RouterConfig
-        from kiln.deploy.router_process import RouterProcess
-
         router = RouterProcess(RouterConfig(stable_url=arms["stable"]["url"]), api_key)
         router.url = target["router_url"]
         try:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from kiln.deploy.canary import CanaryResult, recover_crashed_walk, run_canary
 from kiln.deploy.config import DeployConfig
+from kiln.deploy.journal import CanaryJournal
 from kiln.deploy.kubernetes import Rendered, render
 from kiln.deploy.local import BackendSpec, LocalTarget
 from kiln.core.gate.policy import GateSection
@@ -29,12 +30,13 @@ def kiln_serve(engine_dir: str | Path) -> BackendSpec:
 
 def deploy_local(policy: GateSection, deploy: DeployConfig, stable: BackendSpec, candidate: BackendSpec, *,
                  port: int = 8080, api_key: str | None = None, upstream_api_key: str | None = None,
-                 tracking_uri: str | None = None, experiment: str = "kiln", model: str | None = None,
-                 version: str | None = None, parent_run_id: str | None = None, keep_serving: bool = False,
+                 journal: CanaryJournal | None = None, keep_serving: bool = False,
                  log: Callable[[str], None] = print, log_path: str | None = None,
                  state_path: Path | None = None) -> CanaryResult:
     """Walk a canary on this machine. Clients send traffic to http://127.0.0.1:<port> meanwhile.
 
+    journal: what records the walk and settles the version (kiln.pipeline.canary_journal for
+    MLflow); by default nothing is recorded.
     keep_serving: after the walk, keep the router and the winning arm up until SIGTERM/SIGINT
     (a real local deployment); otherwise stop everything and return.
     state_path: the walk's state, written at every change; a walk whose controller died (the
@@ -46,8 +48,7 @@ def deploy_local(policy: GateSection, deploy: DeployConfig, stable: BackendSpec,
                      upstream_api_key=upstream_api_key, log_path=log_path) as target:
         log(f"kiln deploy: router on {target.url}; canary walk: "
             + ", ".join(f"{s.weight:g}%" for s in deploy.steps))
-        result = run_canary(target, policy, deploy, tracking_uri, experiment, model, version, parent_run_id, log,
-                            state_path=state_path)
+        result = run_canary(target, policy, deploy, journal, log, state_path=state_path)
         if keep_serving:
             _wait_for_signal(log, target.url)
     return result
