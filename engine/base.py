@@ -12,13 +12,15 @@ while others decode join the running batch at the next `step`.
 from __future__ import annotations
 
 import abc
+import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
+from kiln.core.errors import BadInput
 from kiln.core.registry import Registry
 
 MANIFEST = "kiln-engine.json"
@@ -71,8 +73,6 @@ class Score:
 
 def check_request(request: GenerationRequest, max_positions: int) -> None:
     """What every backend refuses before queueing a request."""
-    from kiln.core.errors import BadInput
-
     n = len(request.prompt_ids)
     if n == 0 or request.max_new_tokens < 1:
         raise BadInput("A generation request needs a non-empty prompt and max_new_tokens >= 1.")
@@ -164,9 +164,20 @@ class EngineBackend(abc.ABC):
         """Compile/convert `checkpoint` into an engine in `out_dir`; return manifest fields."""
 
     @classmethod
-    @abc.abstractmethod
     def load(cls, engine_dir: Path, **options: Any) -> Engine:
-        """Load a built engine (the folder `build` wrote) ready to serve."""
+        """Load a built engine (the folder `build` wrote) ready to serve; `options` override its config
+        (runtime settings such as threads) for this load only."""
+        manifest = read_manifest(engine_dir)
+        config = engine_config({**manifest, "config": {**manifest["config"], **options}})
+        engine = cls.open(Path(engine_dir), config, manifest)
+        engine.manifest = manifest
+        return engine
+
+    @classmethod
+    @abc.abstractmethod
+    def open(cls, engine_dir: Path, config: Any, manifest: dict[str, Any]) -> Engine:
+        """The hook `load` calls: start the engine built in `engine_dir` under `config` (the manifest's
+        config with the load's options over it, validated by this backend's config class)."""
 
     @classmethod
     def refuses(cls, config: dict[str, Any]) -> str | None:
@@ -177,3 +188,29 @@ class EngineBackend(abc.ABC):
 
 
 BACKENDS: Registry[EngineBackend] = Registry("engine backend", "backend")
+_REQUIRED = ("backend", "config", "source", "versions", "hardware", "build")
+
+
+def read_manifest(engine_dir: Path) -> dict[str, Any]:
+    """The manifest of `engine_dir`, checked for shape; BadInput names the file and the fix."""
+    path = Path(engine_dir) / MANIFEST
+    if not path.is_file():
+        raise BadInput(f"{path} not found: {engine_dir} is not a built engine. {REBUILD}")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise BadInput(f"{path} is not valid JSON ({e}). {REBUILD}") from e
+    missing = [k for k in _REQUIRED if k not in manifest]
+    if missing:
+        raise BadInput(f"{path} lacks {', '.join(missing)}. {REBUILD}")
+    BACKENDS.get(manifest["backend"])  # unknown backend -> BadInput with "Did you mean"
+    return manifest
+
+
+def engine_config(manifest: dict[str, Any], where: Path | str = MANIFEST) -> EngineConfig:
+    """The manifest's backend config, validated by the backend's own config class."""
+    try:
+        return TypeAdapter(BACKENDS.config_union()).validate_python(manifest["config"])
+    except ValidationError as e:
+        problems = [f"config.{'.'.join(map(str, x['loc'][1:] or x['loc']))}: {x['msg']}" for x in e.errors()]
+        raise BadInput(f"{where}: invalid engine config. {REBUILD}", problems) from e

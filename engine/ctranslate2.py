@@ -110,14 +110,8 @@ class CTranslate2Backend(EngineBackend):
                 "build_seconds": round(time.perf_counter() - started, 1)}
 
     @classmethod
-    def load(cls, engine_dir: Path, **options: Any) -> CTranslate2Engine:
-        from kiln.engine.loader import engine_config, read_manifest
-
-        manifest = read_manifest(engine_dir)
-        config = engine_config({**manifest, "config": {**manifest["config"], **options}})
-        engine = CTranslate2Engine(Path(engine_dir), config, manifest["build"].get("max_positions"))
-        engine.manifest = manifest
-        return engine
+    def open(cls, engine_dir: Path, config: CTranslate2Config, manifest: dict[str, Any]) -> CTranslate2Engine:
+        return CTranslate2Engine(engine_dir, config, manifest["build"].get("max_positions"))
 
 
 def _converter_configs() -> frozenset[str]:

@@ -65,17 +65,11 @@ class TorchBackend(EngineBackend):
         return {"checkpoint": str(Path(checkpoint).resolve())}
 
     @classmethod
-    def load(cls, engine_dir: Path, **options: Any) -> TorchEngine:
-        from kiln.engine.loader import engine_config, read_manifest
-
-        manifest = read_manifest(engine_dir)
-        config = engine_config({**manifest, "config": {**manifest["config"], **options}})
+    def open(cls, engine_dir: Path, config: TorchEngineConfig, manifest: dict[str, Any]) -> TorchEngine:
         checkpoint = Path(manifest["build"]["checkpoint"])
         if not checkpoint.is_dir():
             raise BadInput(f"{engine_dir}: the checkpoint it serves, {checkpoint}, does not exist. {REBUILD}")
-        engine = TorchEngine(checkpoint, config)
-        engine.manifest = manifest
-        return engine
+        return TorchEngine(checkpoint, config)
 
 
 @dataclass

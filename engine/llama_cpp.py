@@ -1,89 +1,37 @@
-"""The `llama_cpp` backend: kiln starts llama.cpp's `llama-server` and drives it over HTTP.
+"""The `llama_cpp` backend: builds a GGUF engine folder and loads it under one of two runtimes.
 
-That is the `server` runtime (the default, described here). `runtime: library` runs llama.cpp in
-kiln's process instead, batched by kiln (llama_cpp_library.py): the same GGUF, threads, slots and
-numerics, without the hop through a server process between each decode step and kiln.
+`runtime: server` (the default, llama_cpp_server.py): kiln starts llama.cpp's `llama-server` and
+streams from it over HTTP. `runtime: library` (llama_cpp_library.py): llama.cpp in kiln's process,
+batched by kiln: the same GGUF, threads, slots and numerics, without the hop through a server
+process between each decode step and kiln. Either way scoring (`score`, `next_token_logprobs`:
+perplexity, token agreement, lm-eval log-likelihoods) runs in-process (llama_cpp_scoring.py), with
+the same weights, threads, KV cache type and flash attention setting as generation (`cache_type`,
+`flash_attn`: llama-server's defaults, f16 and auto, or f32 and off for exact parity with torch
+fp32). The options, and which runtime reads each: llama_cpp_config.py.
 
 Build: the engine folder holds one GGUF file and the HF tokenizer files. A `gguf` artifact
 (optimize/gguf.py) is linked as it is; an unquantized safetensors checkpoint (the baseline) is
 converted at `precision` with the same converter and tokenizer check.
-Runtime: `llama-server` on 127.0.0.1 at a free port, `--parallel` slots with continuous batching
-(a request that arrives mid-decode takes a free slot at the server's next step), health-checked
-at start and stopped on `close`. Generation streams llama-server's native `/completion` with
-token-ID prompts and `return_tokens`, so token ids come back exactly; the streamed logprob of
-each token is llama.cpp's (`n_probs: 1`, asked only when the request wants it). Every request
-names its sampler chain (`_sampling`), so llama-server's defaults (top_k 40, min_p 0.05) never
-apply. Stop token ids are applied here (the server knows only stop strings): the stream is closed
-at the first one.
-`step()` reads every sequence's stream on the caller's own thread (llama_cpp_stream.py): no client
-thread sits between llama-server and kiln's scheduler, so a token costs kiln serve one thread
-wake-up less.
-
-Scoring (`score`, `next_token_logprobs`: perplexity, token agreement, lm-eval log-likelihoods)
-runs in-process instead: llama-server refuses `echo` on completions ("Only no echo is
-supported") and returns only top-n probabilities of generated tokens, so the engine loads the
-same GGUF file into llama.cpp through its ctypes binding, from the same build, with a logit row
-for every token (engine/llama_cpp_logits.py). It is loaded on the first scoring call, so a
-server that only generates never pays for it. Same weights, threads, KV cache type and flash
-attention setting as the server that generates (`cache_type`, `flash_attn`: llama-server's
-defaults, f16 and auto, or f32 and off for exact parity with torch fp32).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
-import selectors
 import shutil
-import subprocess
-import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
-from pydantic import Field
-
-from kiln.engine.base import (
-    BACKENDS,
-    REBUILD,
-    Engine,
-    EngineBackend,
-    EngineConfig,
-    GenerationRequest,
-    TokenEvent,
-    check_request,
-)
-from kiln.engine.llama_cpp_logits import InProcessScoring, LlamaLogits
-from kiln.engine.llama_cpp_stream import Completion
-from kiln.engine.remote import free_port, wait_healthy
 from kiln.core.errors import BadInput
+from kiln.engine.base import BACKENDS, REBUILD, Engine, EngineBackend
+from kiln.engine.llama_cpp_config import LlamaCppConfig
+from kiln.engine.llama_cpp_library import LlamaLibraryEngine
+from kiln.engine.llama_cpp_server import LlamaServerEngine
 
 GGUF = "model.gguf"
-_HOST = "127.0.0.1"
-_SILENCE_S = 600.0  # a stream that sends nothing this long fails (the remote backend's request timeout)
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json", "chat_template.jinja", "tokenizer.model")
-
-
-class LlamaCppConfig(EngineConfig):
-    backend: Literal["llama_cpp"] = "llama_cpp"
-    precision: Literal["f32", "f16", "bf16"] = Field(
-        "f32", description="GGUF type when building from an unquantized checkpoint (a gguf artifact keeps its own)")
-    runtime: Literal["server", "library"] = Field(
-        "server", description="server: a llama-server process kiln streams from over HTTP; library: llama.cpp "
-        "in kiln's process, batched by kiln (llama_cpp_library.py): no hop between decode and kiln serve")
-    threads: int | None = Field(None, ge=1, description="llama-server --threads; None: all cores")
-    parallel: int = Field(4, ge=1, description="server slots: sequences decoded together (continuous batching)")
-    ctx_per_slot: int = Field(2048, ge=16, description="context tokens each slot holds (prompt + output)")
-    batch_size: int = Field(512, ge=1, description="llama-server --batch-size: prompt tokens per forward step")
-    # Numerics shared by generation (llama-server) and scoring (in-process): on the tiny f32 Llama the
-    # defaults put next-token log-probs up to 1.1e-3 from torch fp32 (flash attention 1.1e-3, f16 cache
-    # 3e-4); f32 + off gives 3e-6.
-    cache_type: Literal["f16", "f32"] = Field("f16", description="KV cache type (llama-server's default: f16)")
-    flash_attn: Literal["auto", "on", "off"] = Field("auto", description="flash attention (auto: on for CPU)")
-    startup_timeout_s: float = Field(120, gt=0)
 
 
 @BACKENDS.register("llama_cpp", LlamaCppConfig)
@@ -125,23 +73,13 @@ class LlamaCppBackend(EngineBackend):
                 "build_seconds": round(time.perf_counter() - started, 1)}
 
     @classmethod
-    def load(cls, engine_dir: Path, **options: Any) -> Engine:
-        from kiln.engine.loader import engine_config, read_manifest
-
-        manifest = read_manifest(engine_dir)
-        config = engine_config({**manifest, "config": {**manifest["config"], **options}})
-        path = Path(engine_dir) / manifest["build"]["file"]
+    def open(cls, engine_dir: Path, config: LlamaCppConfig, manifest: dict[str, Any]) -> Engine:
+        path = engine_dir / manifest["build"]["file"]
         if not path.is_file():
             raise BadInput(f"{engine_dir}: {path.name} is missing. {REBUILD}")
-        engine: Engine
         if config.runtime == "library":
-            from kiln.engine.llama_cpp_library import LlamaLibraryEngine
-
-            engine = LlamaLibraryEngine(path, Path(engine_dir), config, _threads(config))
-        else:
-            engine = LlamaServerEngine.start(path, Path(engine_dir), config)
-        engine.manifest = manifest
-        return engine
+            return LlamaLibraryEngine(path, engine_dir, config)
+        return LlamaServerEngine.start(path, engine_dir, config)
 
 
 def _artifact_field(checkpoint: Path, key: str) -> str | None:
@@ -157,221 +95,3 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         os.link(src, dst)
     except OSError:
         shutil.copy2(src, dst)
-
-
-def _threads(config: LlamaCppConfig) -> int:
-    return config.threads or os.cpu_count() or 1
-
-
-def server_command(exe: Path, gguf_path: Path, port: int, config: LlamaCppConfig) -> list[str]:
-    threads = _threads(config)
-    return [str(exe), "-m", str(gguf_path), "--host", "127.0.0.1", "--port", str(port),
-            "--parallel", str(config.parallel), "--ctx-size", str(config.parallel * config.ctx_per_slot),
-            "--batch-size", str(config.batch_size), "--threads", str(threads), "--threads-batch", str(threads),
-            "--cache-type-k", config.cache_type, "--cache-type-v", config.cache_type, "--flash-attn", config.flash_attn,
-            "--cont-batching", "--no-webui", "--log-disable"]
-
-
-@dataclass
-class _Sequence:
-    seq_id: int
-    request: GenerationRequest
-    completion: Completion
-    produced: int = 0
-    generated: list[int] = field(default_factory=list)
-    streamed: int = 0  # tokens the current completion has streamed (0 again after a resume)
-
-
-class LlamaServerEngine(InProcessScoring, Engine):
-    """An engine that owns the llama-server process it talks to; `step` reads its streams."""
-
-    process: subprocess.Popen | None = None
-    server_log: Any = None
-    server_url: str = ""
-    max_positions: int = 2048
-    gguf_path: Path
-    llama_config: LlamaCppConfig
-
-    def __init__(self, port: int, tokenizer_dir: Path, config: LlamaCppConfig):
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        self.manifest = {"backend": "llama_cpp", "config": config.model_dump(mode="json")}
-        self.port, self.server_url, self.llama_config = port, f"http://{_HOST}:{port}", config
-        self.max_positions = config.ctx_per_slot
-        self._ids = itertools.count()
-        self._seqs: dict[int, _Sequence] = {}
-        self._selector = selectors.DefaultSelector()
-        self._heard = time.monotonic()  # when a stream last delivered bytes (poll)
-
-    @classmethod
-    def start(cls, gguf_path: Path, tokenizer_dir: Path, config: LlamaCppConfig) -> LlamaServerEngine:
-        from kiln.core.llama_cpp_build import binary
-
-        exe = binary("llama-server")
-        if exe is None:
-            raise BadInput("llama-server is not built on this machine: run `make llama-cpp` "
-                           "(or `python -m kiln.core.llama_cpp_build`) to build llama.cpp once.")
-        port = free_port()
-        # A file, not a pipe (a full pipe would stall the server); it lives as long as the process.
-        log = tempfile.TemporaryFile()  # noqa: SIM115
-        process = subprocess.Popen(server_command(exe, gguf_path, port, config),
-                                   stdout=subprocess.DEVNULL, stderr=log)
-        try:
-            wait_healthy(f"http://{_HOST}:{port}", config.startup_timeout_s, process, "llama-server", log)
-            engine = cls(port, tokenizer_dir, config)
-        except BaseException:
-            process.kill()
-            process.wait(timeout=30)
-            raise
-        engine.process, engine.server_log, engine.gguf_path = process, log, gguf_path
-        return engine
-
-    # ----- generation -----------------------------------------------------------------------
-
-    def add(self, request: GenerationRequest) -> int:
-        check_request(request, self.max_positions)
-        if not self._seqs:  # the silence `poll` measures starts with the first sequence
-            self._heard = time.monotonic()
-        seq = _Sequence(next(self._ids), request, self._completion(request, list(request.prompt_ids),
-                                                                   request.max_new_tokens, request.cache_prompt))
-        self._seqs[seq.seq_id] = seq
-        self._selector.register(seq.completion, selectors.EVENT_READ, seq)
-        return seq.seq_id
-
-    def _completion(self, r: GenerationRequest, prompt: list[int], n: int, cache_prompt: bool) -> Completion:
-        # Never llama-server's ignore_eos: it sets every end-of-generation token's logit to -inf, so
-        # the greedy text differs from the reference's wherever that token would have been chosen
-        # (the demo model after a finished answer: <|im_end|>). kiln's ignore_eos means "do not
-        # stop", so an EOS stop is resumed from the text so far instead (_resume).
-        body: dict[str, Any] = {"prompt": prompt, "n_predict": n, "stream": True, "return_tokens": True,
-                                "cache_prompt": cache_prompt, **_sampling(r)}
-        if r.logprobs:  # n_probs makes the server softmax the whole vocabulary for every token
-            body["n_probs"] = 1
-        if r.seed is not None:
-            body["seed"] = r.seed
-        return Completion(_HOST, self.port, body, _SILENCE_S)
-
-    def _resume(self, seq: _Sequence) -> None:
-        """Continue a sequence llama-server ended at an end-of-generation token it was asked to
-        pass: the same request on prompt + tokens so far (its KV prefix is reused from the slot)."""
-        self._selector.unregister(seq.completion)
-        seq.completion.close()
-        r = seq.request
-        # Always from the slot's cache: the prompt and the tokens so far are this sequence's own, already prefilled.
-        seq.completion = self._completion(r, [*r.prompt_ids, *seq.generated], r.max_new_tokens - seq.produced, True)
-        seq.streamed = 0
-        self._selector.register(seq.completion, selectors.EVENT_READ, seq)
-
-    def has_work(self) -> bool:
-        return bool(self._seqs)
-
-    def cancel(self, seq_id: int) -> None:
-        seq = self._seqs.pop(seq_id, None)
-        if seq is not None:  # closing the connection makes the server free the slot
-            self._selector.unregister(seq.completion)
-            seq.completion.close()
-
-    def readiness_fd(self) -> int | None:
-        """The selector's own descriptor (epoll on Linux): readable while any stream has bytes waiting."""
-        fileno = getattr(self._selector, "fileno", None)  # a select()-based selector has none
-        return fileno() if fileno else None
-
-    def step(self) -> list[TokenEvent]:
-        """Wait for at least one token from any sequence, then return all that arrived."""
-        out: list[TokenEvent] = []
-        while self._seqs and not out:
-            ready = self._selector.select(_SILENCE_S)
-            if not ready:
-                raise self._silent()
-            out = self._read(ready)
-        return out
-
-    def poll(self) -> list[TokenEvent]:
-        if not self._seqs:
-            return []
-        ready = self._selector.select(0)
-        if not ready and time.monotonic() - self._heard > _SILENCE_S:
-            raise self._silent()
-        return self._read(ready)
-
-    def _silent(self) -> RuntimeError:
-        return RuntimeError(f"llama-server at {self.server_url} sent nothing for {_SILENCE_S:g} s")
-
-    def _read(self, ready: list[tuple[selectors.SelectorKey, int]]) -> list[TokenEvent]:
-        out: list[TokenEvent] = []
-        now = time.perf_counter()
-        if ready:
-            self._heard = time.monotonic()
-        for key, _ in ready:
-            seq = key.data
-            try:
-                chunks = seq.completion.feed()
-            except Exception:
-                self.cancel(seq.seq_id)
-                raise
-            if any(self._tokens(seq, chunk, now, out) for chunk in chunks):
-                self.cancel(seq.seq_id)
-        return out
-
-    def _tokens(self, seq: _Sequence, chunk: dict[str, Any], now: float, out: list[TokenEvent]) -> bool:
-        """Append one streamed chunk's tokens to `out`; True once the sequence has ended."""
-        r, ids = seq.request, chunk.get("tokens") or []
-        probs = chunk.get("completion_probabilities") or []
-        done = bool(chunk.get("stop"))
-        for k, token in enumerate(ids):
-            seq.produced += 1
-            seq.generated.append(int(token))
-            seq.streamed += 1
-            lp = probs[k].get("logprob") if k < len(probs) else None
-            last = token in r.stop_ids or seq.produced >= r.max_new_tokens
-            finish = ("stop" if token in r.stop_ids else "length") if last else (
-                _finish(chunk) if done and k == len(ids) - 1 else None)
-            out.append(TokenEvent(seq.seq_id, int(token), now, lp, finish))
-            if last:
-                return True
-        # Resumed only when this completion streamed its tokens (the EOS among them, already in `out`):
-        # an EOS that came without a token must not be re-asked for forever; it ends below instead.
-        if done and chunk.get("stop_type") == "eos" and r.ignore_eos and seq.streamed:
-            self._resume(seq)
-            return False
-        if done and not ids:  # the end came without a token (EOS is not streamed)
-            eos = self.tokenizer.eos_token_id
-            out.append(TokenEvent(seq.seq_id, eos if eos is not None else 0, now, None, _finish(chunk)))
-        return done
-
-    # ----- scoring (in-process: InProcessScoring) -------------------------------------------
-
-    def _new_scorer(self) -> LlamaLogits:
-        c = self.llama_config
-        return LlamaLogits(self.gguf_path, c.ctx_per_slot, c.batch_size, _threads(c), c.cache_type, c.flash_attn)
-
-    def close(self) -> None:
-        for seq_id in list(self._seqs):
-            self.cancel(seq_id)
-        self._selector.close()
-        self._close_scorer()
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=30)
-        if self.server_log is not None:
-            self.server_log.close()
-
-
-def _sampling(r: GenerationRequest) -> dict[str, Any]:
-    """llama-server's sampler chain for kiln's sampling, named whole. Its default chain truncates to
-    the top 40 tokens and to min_p 0.05 and applies top_p before the temperature; kiln's (like torch,
-    OpenVINO, CTranslate2 and the OpenAI API) divides by the temperature, then keeps the nucleus, and
-    truncates nothing else. Greedy is top_k 1: the argmax, without the default chain's partial sort
-    of the whole vocabulary for its top 40 on every token."""
-    if r.temperature == 0:
-        return {"samplers": ["top_k"], "top_k": 1}
-    return {"samplers": ["temperature", "top_p"], "temperature": r.temperature, "top_p": r.top_p}
-
-
-def _finish(chunk: dict[str, Any]) -> str:
-    return "length" if chunk.get("stop_type") == "limit" else "stop"

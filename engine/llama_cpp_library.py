@@ -1,12 +1,12 @@
 """The `llama_cpp` engine's `library` runtime: llama.cpp in kiln's own process, batched by kiln.
 
-The `server` runtime (llama_cpp.py) hands generation to a `llama-server` process and reads its
+The `server` runtime (llama_cpp_server.py) hands generation to a `llama-server` process and reads its
 token streams over HTTP; on a machine whose cores llama.cpp's threads fill, every hop a token
 takes there (llama-server's sampler and HTTP thread, a socket, kiln's parser) runs on a core a
 decode thread needs: driven directly, that engine decodes at batch 1 at 0.86-0.96x `llama-bench` on
 2 cores, this one at 0.95-0.99x (bench/llama_cpp_runtimes.py, docs/engines.md). Here the decode loop is kiln's: one
 llama.cpp context through the ctypes binding (the same build and binding the scorer uses,
-llama_cpp_logits.py), stepped by the scheduler thread, llama.cpp's threads computing while the
+llama_cpp_binding.py), stepped by the scheduler thread, llama.cpp's threads computing while the
 ctypes call has released the GIL.
 
 Continuous batching as llama-server does it: `parallel` sequence slots share one unified KV cache of
@@ -18,7 +18,7 @@ generator), on the logit row llama.cpp returns for that sequence. A sequence sto
 one of the model's end-of-generation tokens (llama.cpp's own list, as llama-server uses) unless
 `ignore_eos`, at max_new_tokens, or when prompt and answer fill its slot's `ctx_per_slot`
 positions. No prompt prefix is reused between requests (`cache_prompt` is the server runtime's).
-Scoring shares the loaded model (a second context, llama_cpp_logits.py).
+Scoring shares the loaded model (a second context, llama_cpp_scoring.py).
 """
 
 from __future__ import annotations
@@ -28,17 +28,15 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
 from kiln.engine import full_logits
-from kiln.engine.base import Engine, GenerationRequest, TokenEvent, check_request
-from kiln.engine.llama_cpp_logits import InProcessScoring, LlamaLogits, binding, load_model, new_context
-from kiln.core.errors import BadInput
-
-if TYPE_CHECKING:
-    from kiln.engine.llama_cpp import LlamaCppConfig
+from kiln.engine.base import GenerationRequest, TokenEvent, check_request
+from kiln.engine.llama_cpp_binding import binding, check_vocab, fill_batch, load_model, new_batch, new_context
+from kiln.engine.llama_cpp_config import LlamaCppConfig
+from kiln.engine.llama_cpp_scoring import LlamaCppEngine
 
 
 @dataclass
@@ -52,22 +50,17 @@ class _Seq:
     produced: int = 0
 
 
-class LlamaLibraryEngine(InProcessScoring, Engine):
+class LlamaLibraryEngine(LlamaCppEngine):
     """Generation and scoring in this process; `step` decodes (the scheduler thread calls it)."""
 
-    def __init__(self, gguf_path: Path, tokenizer_dir: Path, config: LlamaCppConfig, threads: int):
-        from transformers import AutoTokenizer
-
-        internals = binding()
-        lib = self.lib = internals.llama_cpp
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        self.manifest = {"backend": "llama_cpp", "config": config.model_dump(mode="json")}
-        self.config, self.threads, self.max_positions = config, threads, config.ctx_per_slot
+    def __init__(self, gguf_path: Path, tokenizer_dir: Path, config: LlamaCppConfig):
+        lib = self.lib = binding().llama_cpp
+        self._setup(tokenizer_dir, config)
         self.model = load_model(gguf_path)
         capacity = config.batch_size + config.parallel  # every running sequence's token plus a prefill chunk
         self.context = new_context(self.model, config.parallel * config.ctx_per_slot, capacity, config.parallel,
-                                   threads, config.cache_type, config.flash_attn)
-        self.batch = internals.LlamaBatch(n_tokens=capacity, embd=0, n_seq_max=1, verbose=True)
+                                   config.thread_count(), config.cache_type, config.flash_attn)
+        self.batch = new_batch(capacity)
         self.vocab = self.model.n_vocab()
         self.eog = frozenset(t for t in range(self.vocab) if lib.llama_vocab_is_eog(self.model.vocab, t))
         self._ids = itertools.count()
@@ -83,9 +76,7 @@ class LlamaLibraryEngine(InProcessScoring, Engine):
 
     def add(self, request: GenerationRequest) -> int:
         check_request(request, self.max_positions)
-        bad = next((t for t in request.prompt_ids if not 0 <= t < self.vocab), None)
-        if bad is not None:  # refused here: one bad id in a shared batch would fail every sequence in it
-            raise BadInput(f"token id {bad} is outside the model's vocabulary of {self.vocab}.")
+        check_vocab(request.prompt_ids, self.vocab)
         rng = None
         if request.temperature > 0:
             rng = np.random.default_rng(request.seed)  # None: fresh entropy
@@ -136,13 +127,12 @@ class LlamaLibraryEngine(InProcessScoring, Engine):
         return events
 
     def _decode(self, entries: list[tuple[_Seq, int, bool]]) -> None:
-        b = self.batch.batch
-        b.n_tokens = len(entries)
-        for j, (seq, token, wants) in enumerate(entries):
-            b.token[j], b.pos[j], b.n_seq_id[j], b.logits[j] = token, seq.pos, 1, wants
-            b.seq_id[j][0] = seq.slot
+        rows = []
+        for seq, token, wants in entries:  # a sequence's tokens are consecutive: each takes the next position
+            rows.append((token, seq.pos, seq.slot, wants))
             seq.pos += 1
-        code = self.lib.llama_decode(self.context.ctx, b)
+        fill_batch(self.batch, rows)
+        code = self.lib.llama_decode(self.context.ctx, self.batch.batch)
         if code != 0:  # 1: no room in the KV cache (cannot happen within the slots' budget); < 0: an error
             for seq_id in {seq.seq_id for seq, _, _ in entries}:
                 self.cancel(seq_id)
@@ -166,11 +156,10 @@ class LlamaLibraryEngine(InProcessScoring, Engine):
             seq.pending.append(token)
         return TokenEvent(seq.seq_id, token, now, logprob, finish)
 
-    # ----- scoring (InProcessScoring) -------------------------------------------------------
+    # ----- scoring (LlamaCppEngine) ---------------------------------------------------------
 
-    def _new_scorer(self) -> LlamaLogits:
-        c = self.config
-        return LlamaLogits(self.model, c.ctx_per_slot, c.batch_size, self.threads, c.cache_type, c.flash_attn)
+    def _scoring_model(self) -> Any:
+        return self.model  # shared: the scorer is a second context on it
 
     def close(self) -> None:
         self._waiting.clear()

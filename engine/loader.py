@@ -7,42 +7,15 @@ validated config, so an engine folder is self-describing.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import TypeAdapter, ValidationError
-
-from kiln.engine.base import BACKENDS, MANIFEST, REBUILD, Engine, EngineConfig
-from kiln.engine.cache import hardware_fingerprint
 from kiln.core.errors import BadInput
+from kiln.engine.base import BACKENDS, REBUILD, Engine, engine_config, read_manifest
+from kiln.engine.cache import hardware_fingerprint
 
-_REQUIRED = ("backend", "config", "source", "versions", "hardware", "build")
-
-
-def read_manifest(engine_dir: Path) -> dict[str, Any]:
-    """The manifest of `engine_dir`, checked for shape; BadInput names the file and the fix."""
-    path = Path(engine_dir) / MANIFEST
-    if not path.is_file():
-        raise BadInput(f"{path} not found: {engine_dir} is not a built engine. {REBUILD}")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise BadInput(f"{path} is not valid JSON ({e}). {REBUILD}") from e
-    missing = [k for k in _REQUIRED if k not in manifest]
-    if missing:
-        raise BadInput(f"{path} lacks {', '.join(missing)}. {REBUILD}")
-    BACKENDS.get(manifest["backend"])  # unknown backend -> BadInput with "Did you mean"
-    return manifest
-
-
-def engine_config(manifest: dict[str, Any], where: Path | str = MANIFEST) -> EngineConfig:
-    """The manifest's backend config, validated by the backend's own config class."""
-    try:
-        return TypeAdapter(BACKENDS.config_union()).validate_python(manifest["config"])
-    except ValidationError as e:
-        problems = [f"config.{'.'.join(map(str, x['loc'][1:] or x['loc']))}: {x['msg']}" for x in e.errors()]
-        raise BadInput(f"{where}: invalid engine config. {REBUILD}", problems) from e
+# read_manifest and engine_config live in base.py (EngineBackend.load reads them); callers import them here.
+__all__ = ["check_hardware", "engine_config", "load_engine", "read_manifest"]
 
 
 def check_hardware(manifest: dict[str, Any], engine_dir: Path) -> None:

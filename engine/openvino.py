@@ -92,14 +92,8 @@ class OpenVINOBackend(EngineBackend):
                 "build_seconds": round(time.perf_counter() - started, 1)}
 
     @classmethod
-    def load(cls, engine_dir: Path, **options: Any) -> OpenVINOEngine:
-        from kiln.engine.loader import engine_config, read_manifest
-
-        manifest = read_manifest(engine_dir)
-        config = engine_config({**manifest, "config": {**manifest["config"], **options}})
-        engine = OpenVINOEngine(Path(engine_dir), config, manifest["build"].get("max_positions"))
-        engine.manifest = manifest
-        return engine
+    def open(cls, engine_dir: Path, config: OpenVINOConfig, manifest: dict[str, Any]) -> OpenVINOEngine:
+        return OpenVINOEngine(engine_dir, config, manifest["build"].get("max_positions"))
 
 
 def eos_ids_of(engine_dir: Path, tokenizer) -> frozenset[int]:

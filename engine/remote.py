@@ -89,14 +89,8 @@ class RemoteBackend(EngineBackend):
         return {"url": self.config.url, "model": self.config.model, "tokenizer": tokenizer}
 
     @classmethod
-    def load(cls, engine_dir: Path, **options: Any) -> RemoteEngine:
-        from kiln.engine.loader import engine_config, read_manifest
-
-        manifest = read_manifest(engine_dir)
-        config = engine_config({**manifest, "config": {**manifest["config"], **options}})
-        engine = RemoteEngine(config, manifest["build"]["tokenizer"])
-        engine.manifest = manifest
-        return engine
+    def open(cls, engine_dir: Path, config: RemoteEngineConfig, manifest: dict[str, Any]) -> RemoteEngine:
+        return RemoteEngine(config, manifest["build"]["tokenizer"])
 
 
 @dataclass(frozen=True)

@@ -106,16 +106,9 @@ class TensorRTLLMBackend(EngineBackend):
                 "quantization": quantization(checkpoint)}
 
     @classmethod
-    def load(cls, engine_dir: Path, **options: Any) -> TrtllmServeEngine:
-        from kiln.engine.loader import engine_config, read_manifest
-
-        manifest = read_manifest(engine_dir)
-        config = engine_config({**manifest, "config": {**manifest["config"], **options}})
-        checkpoint = manifest["build"]["checkpoint"]
-        engine = TrtllmServeEngine.start(checkpoint, Path(engine_dir) / manifest["build"]["serve_config"],
-                                         config.startup_timeout_s)
-        engine.manifest = manifest
-        return engine
+    def open(cls, engine_dir: Path, config: TensorRTLLMConfig, manifest: dict[str, Any]) -> TrtllmServeEngine:
+        return TrtllmServeEngine.start(manifest["build"]["checkpoint"], engine_dir / manifest["build"]["serve_config"],
+                                       config.startup_timeout_s)
 
 
 class TrtllmServeEngine(RemoteEngine):

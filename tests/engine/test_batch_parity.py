@@ -78,7 +78,7 @@ def reference(context_model):
 def _build(name: str, checkpoint: Path, out: Path) -> Engine:
     """Each local backend at full precision, with the small batch limits that make requests queue."""
     from kiln.engine.ctranslate2 import CTranslate2Config
-    from kiln.engine.llama_cpp import LlamaCppConfig
+    from kiln.engine.llama_cpp_config import LlamaCppConfig
     from kiln.engine.openvino import OpenVINOConfig
     from tests.llama_cpp_build import require_llama_cpp
 

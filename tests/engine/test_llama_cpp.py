@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from kiln.engine.base import GenerationRequest
-from kiln.engine.llama_cpp import LlamaCppConfig, server_command
+from kiln.engine.llama_cpp_config import LlamaCppConfig
+from kiln.engine.llama_cpp_server import server_command
 from kiln.optimize.gguf import Gguf, GgufConfig
 from kiln.core.errors import BadInput
 from tests.engine import parity
@@ -95,7 +96,7 @@ def test_cache_prompt_false_prefills_the_whole_prompt_again(llama_f32, monkeypat
     llama-server's own count of prompt tokens it evaluated (`timings.prompt_n`, sent with every chunk
     when the test adds `timings_per_token`) shows what kiln asked for, and the cache still serves a
     request that allows it."""
-    from kiln.engine import llama_cpp
+    from kiln.engine import llama_cpp_server as llama_cpp
 
     evaluated: list[int] = []
 
@@ -219,7 +220,7 @@ def test_a_stream_that_breaks_fails_its_request_alone(llama_f32, torch_engine, m
 
     import openai
 
-    import kiln.engine.llama_cpp as llama_cpp
+    import kiln.engine.llama_cpp_server as llama_cpp
     from kiln.engine.server_thread import ServerThread
 
     ps = mixed_prompts(llama_f32.vocab_size, 5)[:5]
@@ -267,7 +268,7 @@ def test_a_silent_llama_server_fails_its_streams_and_serving_goes_on(llama_f32, 
 
     import openai
 
-    import kiln.engine.llama_cpp as llama_cpp
+    import kiln.engine.llama_cpp_server as llama_cpp
     import kiln.engine.scheduler as scheduler
     from kiln.engine.server_thread import ServerThread
 
