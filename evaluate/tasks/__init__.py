@@ -2,9 +2,10 @@
 
 Data files live in machine-specific places (the demo data cache), so each template names its
 files as `${key}` and `render_shipped` writes a copy with the real paths, plus the derived data
-files and the `!function` helpers, into a folder that lm-eval's `TaskManager` indexes.
-`prepare_tasks` does that for the shipped names in a task list and finds the folders of the
-user's YAMLs; `task_fingerprint` hashes what decides a task's numbers (config, data content,
+files and the `!function` helpers, into a folder that lm-eval's `TaskManager` indexes. The paths
+come in as an argument (`TaskData`: the orchestrator passes kiln.pipeline.demo's DemoData); this
+package builds no data. `prepare_tasks` does that for the shipped names in a task list and finds
+the folders of the user's YAMLs; `task_fingerprint` hashes what decides a task's numbers (config, data content,
 lm-eval version), never its paths, so a cached baseline result is reused only when valid.
 
 | task          | kind                    | data                                                    |
@@ -24,10 +25,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
-from typing import Any
+from typing import Any, Protocol
 
 from kiln.core.errors import BadInput
 from kiln.core.files import atomic_write_text, hash_of, sha256_file
+from kiln.core.llama_cpp_build import kiln_cache
 
 HERE = Path(__file__).parent
 SHIPPED = ("heldout", "word_swap", "gsm8k_answer")
@@ -36,6 +38,19 @@ HELPERS = "kiln_task_utils.py"
 HELDOUT_DOCS, HELDOUT_DOC_CHARS, HELDOUT_MIN_WORDS = 16, 1500, 8  # ~6,500 demo-tokenizer tokens
 GSM8K_DOCS = 50  # ~7,800 tokens
 ADAPTER_VERSION = 1  # bump when KilnLM's tokenization or scoring changes what a task measures
+
+
+class TaskData(Protocol):
+    """The data files the shipped tasks read (kiln.pipeline.demo.DemoData has them)."""
+
+    eval_text: Path
+    word_swap: Path
+    gsm8k_answers: Path
+
+
+def needs_data(specs: list[str]) -> bool:
+    """Whether a task list names a shipped task, which reads `TaskData`."""
+    return any(s in SHIPPED for s in specs)
 
 
 def template(name: str) -> Path:
@@ -68,7 +83,7 @@ def _jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
     return path
 
 
-def _data_files(names: list[str], data: Any, out: Path) -> dict[str, str]:
+def _data_files(names: list[str], data: TaskData, out: Path) -> dict[str, str]:
     """Files each template refers to; the derived ones are written under `out/data`."""
     for name in names:
         if not Path(getattr(data, NEEDS[name])).is_file():
@@ -87,11 +102,11 @@ def _data_files(names: list[str], data: Any, out: Path) -> dict[str, str]:
     return files
 
 
-def render_shipped(names: list[str], data: Any, out: Path) -> Path:
+def render_shipped(names: list[str], data: TaskData, out: Path) -> Path:
     """Write the named shipped tasks, ready for `TaskManager(include_path=out)`; returns `out`.
 
-    `data` has the demo data paths (kiln.pipeline.demo.DemoData: eval_text, word_swap,
-    gsm8k_answers). Paths are written as JSON strings, which YAML reads verbatim.
+    `data` has the data paths (eval_text, word_swap, gsm8k_answers). Paths are written as JSON
+    strings, which YAML reads verbatim.
     """
     unknown = sorted(set(names) - set(SHIPPED))
     if unknown:
@@ -116,18 +131,19 @@ class TaskSet:
         return {name: task_fingerprint(name, self.include_paths) for name in self.names}
 
 
-def prepare_tasks(specs: list[str], work_dir: Path, data: Any = None) -> TaskSet:
+def prepare_tasks(specs: list[str], work_dir: Path, data: TaskData | None = None) -> TaskSet:
     """Render the shipped tasks named in `specs` into `work_dir`; locate the user YAMLs among them.
 
-    `data`: the demo data paths (kiln.pipeline.demo.DemoData); built on first use if None.
+    `data`: the shipped tasks' data paths (kiln.pipeline.demo.prepare_demo_data() builds them);
+    needed only when `specs` names a shipped task (`needs_data`).
     """
     shipped = [s for s in specs if s in SHIPPED]
     include: list[Path] = []
     if shipped:
         if data is None:
-            from kiln.pipeline.demo import prepare_demo_data
-
-            data = prepare_demo_data()
+            raise BadInput(f"lm-eval task(s) {shipped}: kiln's shipped tasks read the demo data, and no data paths "
+                           "were given. Pass data= (kiln.pipeline.demo.prepare_demo_data(), or any object with "
+                           "eval_text, word_swap and gsm8k_answers paths).")
         include.append(render_shipped(shipped, data, Path(work_dir) / "shipped"))
     names = []
     for spec in specs:
@@ -163,11 +179,9 @@ def _yaml_task_name(path: Path) -> str:
 
 def offline_environment() -> None:
     """lm-eval and datasets must never reach a hub: kiln runs with local files only."""
-    from kiln.pipeline.demo import cache_root
-
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["HF_DATASETS_OFFLINE"] = "1"
-    os.environ.setdefault("HF_HOME", str(cache_root() / "hf"))
+    os.environ.setdefault("HF_HOME", str(kiln_cache() / "hf"))
 
 
 def task_manager(include_paths: list[Path]):
