@@ -17,17 +17,16 @@ import math
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
 from kiln.evaluate.quality.base import QualityResult
-from kiln.evaluate.tasks import SHIPPED, TaskSet, prepare_tasks, task_fingerprint, task_manager
+from kiln.evaluate.quality.lmeval_config import DEFAULT_BATCH_SIZE, LmEvalConfig
+from kiln.evaluate.tasks import TaskData, TaskSet, prepare_tasks, task_fingerprint, task_manager
 from kiln.core.errors import BadInput
 from kiln.core.files import atomic_write_json
 from kiln.core.metrics import METRICS, declare
 
-__all__ = ["LmEvalConfig", "TaskSet", "evaluate_lmeval", "prepare_tasks", "run_lmeval", "task_fingerprint"]
+__all__ = ["DEFAULT_BATCH_SIZE", "LmEvalConfig", "TaskSet", "evaluate_lmeval", "prepare_tasks", "run_lmeval",
+           "task_fingerprint", "task_manager"]
 
-DEFAULT_BATCH_SIZE = 64
 COUNTS = {"word_perplexity": "words", "byte_perplexity": "bytes", "bits_per_byte": "bytes"}
 # lm-eval's own aggregation for these metrics, when a task YAML leaves it out.
 RATIO_AGGREGATION = {"word_perplexity": "weighted_perplexity", "byte_perplexity": "weighted_perplexity",
@@ -47,31 +46,10 @@ for _metric in SHIPPED_METRICS:
     declare(*_metric, kind="quality")
 
 
-class LmEvalConfig(BaseModel):
-    """The recipe's `evaluate.quality.lmeval` section."""
-
-    model_config = ConfigDict(extra="forbid")
-    tasks: list[str] = Field(default_factory=lambda: list(SHIPPED), min_length=1,
-                             description=f"kiln's shipped tasks ({', '.join(SHIPPED)}) or paths to lm-eval task YAMLs")
-    limit: int | None = Field(None, ge=1, description="documents per task (None: all)")
-    batch_size: int = Field(DEFAULT_BATCH_SIZE, ge=1, description="log-likelihood requests per engine.score call")
-
-    @field_validator("tasks")
-    @classmethod
-    def _known(cls, tasks: list[str]) -> list[str]:
-        from kiln.core.registry import did_you_mean
-
-        for t in tasks:
-            if t not in SHIPPED and not t.endswith((".yaml", ".yml")):
-                raise ValueError(f"unknown task '{t}'.{did_you_mean(t, list(SHIPPED))} "
-                                 "Or give the path of an lm-eval task YAML (ending .yaml).")
-        if len(set(tasks)) != len(tasks):
-            raise ValueError("a task is listed twice")
-        return tasks
-
-
-def evaluate_lmeval(engine: Any, config: LmEvalConfig, out_dir: Path, data: Any = None) -> list[QualityResult]:
-    """Prepare `config.tasks` under `out_dir/tasks`, run them, write records to `out_dir`."""
+def evaluate_lmeval(engine: Any, config: LmEvalConfig, out_dir: Path,
+                    data: TaskData | None = None) -> list[QualityResult]:
+    """Prepare `config.tasks` under `out_dir/tasks`, run them, write records to `out_dir`.
+    `data`: the shipped tasks' data paths (see `prepare_tasks`)."""
     tasks = prepare_tasks(config.tasks, Path(out_dir) / "tasks", data)
     return run_lmeval(engine, tasks.names, tasks.include_paths, config.limit, out_dir, config.batch_size)
 
@@ -84,6 +62,7 @@ def run_lmeval(engine: Any, tasks: list[str], include_paths: list[Path], limit: 
     if missing:
         raise BadInput(f"lm-eval task(s) {missing} not found in {[str(p) for p in include_paths]}.",
                        [f"available: {', '.join(manager.all_subtasks) or 'none'}"])
+    # lm-eval (and the adapter built on it) load here, not at import: `kiln validate` reads LmEvalConfig.
     from lm_eval import simple_evaluate
 
     from kiln.evaluate.quality.lmeval_adapter import KilnLM

@@ -21,7 +21,7 @@ from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 from kiln.engine.base import Engine, GenerationRequest
-from kiln.evaluate.quality.lmeval import DEFAULT_BATCH_SIZE
+from kiln.evaluate.quality.lmeval_config import DEFAULT_BATCH_SIZE
 from kiln.core.errors import BadInput
 
 DEFAULT_MAX_LENGTH = 2048  # when neither the caller nor the engine says
