@@ -11,21 +11,20 @@ import math
 import random
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 # Importing the shape modules registers them; the union below is built from the registry.
 from kiln.evaluate.perf import concurrent, constant, poisson, sweep, synchronous  # noqa: F401
 from kiln.evaluate.perf.base import SHAPES
 from kiln.evaluate.perf.concurrent import ConcurrentConfig
+from kiln.evaluate.perf.rules import SLO, SaturationRule, Strict
+
+__all__ = ["SLO", "LengthDistribution", "PerformanceConfig", "SaturationRule", "Trim", "WorkloadConfig"]
 
 ShapeConfig = SHAPES.config_union()
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class LengthDistribution(_Strict):
+class LengthDistribution(Strict):
     """Token lengths drawn from a normal distribution, rounded and clipped to [min, max]."""
 
     mean: int = Field(..., ge=1)
@@ -38,7 +37,7 @@ class LengthDistribution(_Strict):
         return max(self.min, min(n, self.max or n))
 
 
-class WorkloadConfig(_Strict):
+class WorkloadConfig(Strict):
     dataset: str | None = Field(
         None, description="'demo' (GSM8K questions), a JSONL path, or None for synthetic token-id prompts"
     )
@@ -60,51 +59,14 @@ class WorkloadConfig(_Strict):
         return self
 
 
-class Trim(_Strict):
+class Trim(Strict):
     """A stretch excluded from results: by time, by request count, or both (the longer wins)."""
 
     seconds: float = Field(0.0, ge=0)
     requests: int = Field(0, ge=0)
 
 
-class SLO(_Strict):
-    ttft_p95_ms: float = Field(2000.0, gt=0)
-    tpot_p95_ms: float = Field(200.0, gt=0)
-
-
-class SaturationRule(_Strict):
-    """When an open-loop stage stops early, and whom it blames: the server or the client.
-
-    Every `check_interval_s` after warm-up the driver counts requests in flight. When that count
-    rose at each of the last `rising_checks` checks AND is at least `growth` times the count at
-    the first check after warm-up (and at least `min_in_flight`), requests arrive faster than they
-    finish and the stage stops. If sends were on time over those checks (lag within
-    `send_lag_tolerance_ms`) the server could not keep up: "over-saturated". If they were late,
-    the client could not send the target rate and its queued requests are what grew:
-    "client-limited". It also stops, client-limited, when sends fall more than `max_lateness_s`
-    behind the schedule. `enabled: false` turns off the early stop, not the labelling.
-
-    Why 50 ms of p99 lag: a lag that stays under it moves the rate the server sees by under 2%
-    over any window of 2.5 s or more, while a client that cannot keep up falls behind without
-    bound and crosses it within 50 ms / shortfall (0.5 s at 10% short). It sits well above the
-    event loop's ~1 ms timer granularity and the 11 ms p99 loopback jitter of a busy 2-core
-    machine, so a client that keeps up is not called late. (A tolerance relative to the mean gap
-    between arrivals would be under a millisecond at hundreds of requests per second: jitter alone
-    would trip it.)
-    """
-
-    enabled: bool = True
-    check_interval_s: float = Field(0.5, gt=0)
-    rising_checks: int = Field(4, ge=1)
-    growth: float = Field(2.0, gt=1)
-    min_in_flight: int = Field(8, ge=1)
-    max_lateness_s: float = Field(1.0, gt=0)
-    send_lag_tolerance_ms: float = Field(
-        50.0, gt=0, description="p99 send lag (actual - scheduled) beyond which a stage is client-limited"
-    )
-
-
-class PerformanceConfig(_Strict):
+class PerformanceConfig(Strict):
     shape: ShapeConfig = Field(default_factory=ConcurrentConfig)  # type: ignore[valid-type]
     endpoint: Literal["completions", "chat"] = "completions"
     duration_s: float = Field(20.0, gt=0, description="length of each stage")

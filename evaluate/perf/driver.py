@@ -8,7 +8,7 @@ send was (send lag) is measured, not hidden.
 Bounds: the stage sends for `duration_s` or `max_requests`, whichever comes first, then waits up
 to `drain_timeout_s` for requests in flight (they are not cancelled: cancelling them is what
 makes other generators under-count throughput). An open-loop stage stops early under
-`SaturationRule` (see config.py); its in-flight requests are then cancelled and the summary says
+`SaturationRule` (see rules.py); its in-flight requests are then cancelled and the summary says
 why it stopped and whom that blames: the server (in flight grew while sends were on time) or the
 client (sends fell behind).
 """
@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 from kiln.evaluate.perf.base import Stage
 from kiln.evaluate.perf.client import RequestRecord, StreamClient
-from kiln.evaluate.perf.config import PerformanceConfig, SaturationRule, Trim
+from kiln.evaluate.perf.config import PerformanceConfig, Trim
+from kiln.evaluate.perf.rules import SaturationRule
 from kiln.evaluate.perf.metrics import CLIENT_LIMITED, OVER_SATURATED, Summary, summarize
 from kiln.evaluate.perf.workload import Workload
 

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from kiln.evaluate.perf.client import RequestRecord
-from kiln.evaluate.perf.config import SLO, SaturationRule
+from kiln.evaluate.perf.rules import SLO, SaturationRule
 
 PERCENTILES = (50, 90, 95, 99)
 CLIENT, SERVER = "client", "server"  # the values of Summary.limited_by
