@@ -1,4 +1,6 @@
-"""Capacity plan: replicas needed for a target request rate, and what they cost per month.
+"""Capacity plan: replicas needed for a target request rate, and what they cost per month; and
+the one definition of cost per 1M tokens (`cost_per_million`) that the load summary, the decode
+ceiling and the search report all print.
 
 The input that matters is goodput per replica (requests/s one replica serves while meeting the
 SLO, from a load test), not raw throughput: a replica run past its knee serves more requests
@@ -16,6 +18,12 @@ from dataclasses import dataclass
 from kiln.core.errors import BadInput
 
 HOURS_PER_MONTH = 730.0  # 365 * 24 / 12
+
+
+def cost_per_million(price_per_hour: float | None, tokens_per_s: float | None) -> float | None:
+    """What 1M tokens cost on a machine priced `price_per_hour` that makes `tokens_per_s`; None
+    when either is unknown (or zero)."""
+    return price_per_hour / (tokens_per_s * 3600) * 1e6 if price_per_hour and tokens_per_s else None
 
 
 @dataclass

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kiln.evaluate.capacity import cost_per_million
 from kiln.core.errors import BadInput
 
 # Peak HBM bandwidth, GB/s (vendor datasheets).
@@ -104,8 +105,7 @@ def decode_ceiling(
 ) -> CeilingRow:
     step_s = (weight_bytes + batch * kv_bytes_per_sequence) / bandwidth_bytes_per_s
     total = batch / step_s
-    cost = price_per_hour / (total * 3600) * 1e6 if price_per_hour else None
-    return CeilingRow(batch, step_s * 1000, 1 / step_s, total, cost)
+    return CeilingRow(batch, step_s * 1000, 1 / step_s, total, cost_per_million(price_per_hour, total))
 
 
 def ceiling_table(

@@ -19,6 +19,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+from kiln.evaluate.capacity import cost_per_million
 from kiln.core.errors import BadInput
 from kiln.core.files import atomic_write_json, atomic_write_text
 from kiln.core.gate.base import CheckResult, Evidence, Verdict
@@ -139,11 +140,6 @@ def _cost(v: float | None) -> str:
     return "—" if v is None else f"{v:.3g}"
 
 
-def _per_million(price_per_hour: float | None, tok_s: float | None) -> float | None:
-    """A machine's price per 1M output tokens when it decodes `tok_s` one request at a time."""
-    return price_per_hour / (tok_s * 3600) * 1e6 if price_per_hour and tok_s else None
-
-
 def search_record(arms: list[Any], winner: Any, policy: Any) -> dict[str, Any]:
     """search.json: what the report's search tables and the Pareto plot are drawn from."""
     from kiln.pipeline.evidence import evidence_from_run
@@ -166,11 +162,11 @@ def search_record(arms: list[Any], winner: Any, policy: Any) -> dict[str, Any]:
         rows.append({"name": arm.name, "engine": _serving(arm.ctx.recipe.engine, arm.ctx.recipe.optimize), "optimize": arm.ctx.recipe.optimize.method,
                      "verdict": arm.outcome.verdict.value if arm.outcome else None, "eliminated": arm.eliminated,
                      "reached": arm.reached, "screened": arm.screened, "confirmed": arm.confirmed,
-                     "perplexity": ppl, "decode_tok_s": tok_s, "contention": busy, "cost_per_1m": _per_million(price, tok_s),
+                     "perplexity": ppl, "decode_tok_s": tok_s, "contention": busy, "cost_per_1m": cost_per_million(price, tok_s),
                      "serving_bytes": serving_bytes(arm)})
     base_rate = median(base_tok_s) if base_tok_s else None  # over every benchmark it ran in
     baseline = {"engine": _serving(arms[0].ctx.recipe.engine_for("baseline")), "decode_tok_s": base_rate,
-                "cost_per_1m": _per_million(price, base_rate)}
+                "cost_per_1m": cost_per_million(price, base_rate)}
     won = winner is not None and winner.eliminated is None
     best = winner.confirmed or winner.screened if won else None
     why = (f"the highest {objective} speed-up over the baseline among the candidates that passed every check: "

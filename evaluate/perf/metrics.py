@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.evaluate.capacity import cost_per_million
 from kiln.evaluate.perf.client import RequestRecord
 from kiln.evaluate.perf.rules import SLO, SaturationRule
 
@@ -49,10 +50,6 @@ def describe_ms(values_s: Sequence[float]) -> dict[str, float]:
         return {"mean": float("nan"), **{f"p{p}": float("nan") for p in PERCENTILES}}
     a = np.asarray(values_s, dtype=float) * 1000
     return {"mean": float(a.mean()), **{f"p{p}": float(np.percentile(a, p)) for p in PERCENTILES}}
-
-
-def cost_per_million(price_per_hour: float, tokens_per_second: float) -> float:
-    return price_per_hour / (tokens_per_second * 3600) * 1e6
 
 
 @dataclass
@@ -145,52 +142,70 @@ def summarize(
     (default: the config's default rule)."""
     w0, w1 = window
     span = max(w1 - w0, 1e-9)
-    f0, f1 = flow_window(records, window)
-    flow_span = max(f1 - f0, 1e-9)
     inside = [r for r in records if w0 <= r.scheduled < w1]
-    cancelled = [r for r in inside if r.error == "cancelled"]
     failed = [r for r in inside if r.error and r.error != "cancelled"]
     ok = [r for r in inside if r.ok]
-    ttft = [r.ttft for r in ok]
-    tpot = [r.tpot for r in ok if r.tpot is not None]
-    good = [r for r in ok if r.ttft * 1000 <= slo.ttft_p95_ms and (r.tpot is None or r.tpot * 1000 <= slo.tpot_p95_ms)]
-    tokens_per_s = sum(_tokens_in(r, f0, f1) for r in records) / flow_span
+    good = _within_slo(ok, slo)
+    flow = _flow(records, window)
+    latency = _latencies(inside, ok)
     lag = send_lag_ms(inside)
     tolerance_ms = (saturation or SaturationRule()).send_lag_tolerance_ms
-    summary = Summary(
+    return Summary(
         label=label,
         window_s=span,
         requests=len(inside),
         completed=len(ok),
         errors=len(failed),
-        cancelled=len(cancelled),
+        cancelled=sum(1 for r in inside if r.error == "cancelled"),
         target_rate=target_rate,
         concurrency=concurrency,
         achieved_rate=achieved_rate([r.sent for r in records if r.sent and w0 <= r.sent < w1]),
-        request_throughput=sum(1 for r in records if r.ok and r.done is not None and f0 <= r.done < f1) / flow_span,
-        output_token_throughput=tokens_per_s,
+        **flow,
         goodput=len(good) / span,
         slo_attainment=len(good) / len(ok) if ok else 0.0,
-        slo_met=False,
-        ttft_ms=describe_ms(ttft),
-        tpot_ms=describe_ms(tpot),
-        itl_ms=describe_ms([x for r in ok for x in r.itl]),
-        e2e_ms=describe_ms([r.e2e for r in ok]),
-        queue_ms=describe_ms([r.queue_time for r in inside if r.sent]),
-        cost_per_1m_output_tokens=cost_per_million(price_per_hour, tokens_per_s)
-        if price_per_hour and tokens_per_s
-        else None,
+        slo_met=_slo_met(latency, ok, slo),
+        **latency,
+        cost_per_1m_output_tokens=cost_per_million(price_per_hour, flow["output_token_throughput"]),
         stopped_early=stopped_early,
         error_summary=_most_common_error(failed),
         limited_by=limited_by(target_rate is not None, lag, stopped_early, tolerance_ms),
         send_lag_ms=lag,
     )
-    summary.slo_met = (
+
+
+def _flow(records: Sequence[RequestRecord], window: tuple[float, float]) -> dict[str, float]:
+    """Completions and output tokens per second, counted over the flow window (`flow_window`)."""
+    f0, f1 = flow_window(records, window)
+    flow_span = max(f1 - f0, 1e-9)
+    completed = sum(1 for r in records if r.ok and r.done is not None and f0 <= r.done < f1)
+    return {"request_throughput": completed / flow_span,
+            "output_token_throughput": sum(_tokens_in(r, f0, f1) for r in records) / flow_span}
+
+
+def _latencies(inside: list[RequestRecord], ok: list[RequestRecord]) -> dict[str, dict[str, float]]:
+    """Mean and percentiles (ms) of the requests that completed; queue time of every one sent."""
+    return {
+        "ttft_ms": describe_ms([r.ttft for r in ok]),
+        "tpot_ms": describe_ms([r.tpot for r in ok if r.tpot is not None]),
+        "itl_ms": describe_ms([x for r in ok for x in r.itl]),
+        "e2e_ms": describe_ms([r.e2e for r in ok]),
+        "queue_ms": describe_ms([r.queue_time for r in inside if r.sent]),
+    }
+
+
+def _within_slo(ok: list[RequestRecord], slo: SLO) -> list[RequestRecord]:
+    """The requests that met the SLO on both TTFT and TPOT: what goodput counts."""
+    return [r for r in ok if r.ttft * 1000 <= slo.ttft_p95_ms and (r.tpot is None or r.tpot * 1000 <= slo.tpot_p95_ms)]
+
+
+def _slo_met(latency: Mapping[str, Mapping[str, float]], ok: list[RequestRecord], slo: SLO) -> bool:
+    """The stage's p95 TTFT and TPOT (when any request had one) within the SLO."""
+    has_tpot = any(r.tpot is not None for r in ok)
+    return (
         bool(ok)
-        and summary.ttft_ms["p95"] <= slo.ttft_p95_ms
-        and (not tpot or summary.tpot_ms["p95"] <= slo.tpot_p95_ms)
+        and latency["ttft_ms"]["p95"] <= slo.ttft_p95_ms
+        and (not has_tpot or latency["tpot_ms"]["p95"] <= slo.tpot_p95_ms)
     )
-    return summary
 
 
 def achieved_rate(sent: Sequence[float]) -> float:
