@@ -283,35 +283,42 @@ def paired_log_ratio(base_nll: Any, cand_nll: Any, tokens: Any, *, relative: boo
     w = _check_bootstrap(base, tokens, "mean", confidence, iterations)
     if w is None:
         raise BadInput("tokens: needs one positive token count per document, as long as base/cand.")
-    n, alpha, delta = base.size, 1 - confidence, cand - base
+    n, delta = base.size, cand - base
     r = float(delta.sum() / w.sum())
     resid = delta - r * w
     se = math.sqrt(float((resid ** 2).sum()) * n / (n - 1)) / float(w.sum())
-    t_q = float(stats.t.ppf(1 - alpha / 2, n - 1))
-    if se == 0:  # every document moved by exactly the same amount (identical arms: none at all)
-        low = high = r
-        p = 1.0 if r == 0 else 0.0
-    else:
-        u = resid / w.mean()  # each document's share of R - mu, on the per-token scale
-        skew = float(np.mean(u ** 3) / np.mean(u ** 2) ** 1.5)
-        t_star = _bootstrap_t(delta, w, r, iterations, seed)
-        q_low, q_high = np.quantile(t_star, [alpha / 2, 1 - alpha / 2])
-        allowance = SKEWNESS_ALLOWANCE * _skewness_se(n)
-        skew_high, skew_low = skew + allowance, skew - allowance  # the skewness each end faces
-        h_low, h_high = _hall_inverse(-t_q, skew_high, n), _hall_inverse(t_q, skew_low, n)
-        low = min(r - t_q * se, r - q_high * se, r - h_high * se)
-        high = max(r + t_q * se, r - q_low * se, r - h_low * se)
-        t_obs = r / se
-        p_boot = 2 * min(np.sum(t_star >= t_obs) + 1, np.sum(t_star <= t_obs) + 1) / (iterations + 1)
-        p_hall = 2 * min(stats.t.sf(_hall_t(t_obs, skew_low, n), n - 1), stats.t.cdf(_hall_t(t_obs, skew_high, n), n - 1))
-        p = min(1.0, max(p_boot, float(2 * stats.t.sf(abs(t_obs), n - 1)), float(p_hall)))
+    low, high, p, skew = _log_ratio_interval(delta, w, r, resid, se, confidence, iterations, seed)
     b_ppl, c_ppl = math.exp(base.sum() / w.sum()), math.exp(cand.sum() / w.sum())
     scale = 1.0 if relative else b_ppl
     d0, lo, hi = (scale * math.expm1(v) for v in (r, low, high))
     return Comparison(metric, b_ppl, c_ppl, d0, lo, hi, p, n,
                       f"paired log-ratio, widest of Student-t, Hall's skew-corrected t and bootstrap-t({iterations}, "
-                      f"seed={seed})", confidence, relative,
-                      extra={"log_ratio": r, "log_ratio_se": se, "skewness": 0.0 if se == 0 else skew})
+                      f"seed={seed})", confidence, relative, extra={"log_ratio": r, "log_ratio_se": se, "skewness": skew})
+
+
+def _log_ratio_interval(delta: np.ndarray, w: np.ndarray, r: float, resid: np.ndarray, se: float, confidence: float,
+                        iterations: int, seed: int) -> tuple[float, float, float, float]:
+    """(low, high, p-value, skewness) of the corpus log-ratio `r` with standard error `se`: at each
+    end the widest of the Student-t, bootstrap-t and Hall intervals; p the largest of their tests
+    (see paired_log_ratio)."""
+    n, alpha = delta.size, 1 - confidence
+    t_q = float(stats.t.ppf(1 - alpha / 2, n - 1))
+    if se == 0:  # every document moved by exactly the same amount (identical arms: none at all)
+        return r, r, 1.0 if r == 0 else 0.0, 0.0
+    u = resid / w.mean()  # each document's share of R - mu, on the per-token scale
+    skew = float(np.mean(u ** 3) / np.mean(u ** 2) ** 1.5)
+    t_star = _bootstrap_t(delta, w, r, iterations, seed)
+    q_low, q_high = np.quantile(t_star, [alpha / 2, 1 - alpha / 2])
+    allowance = SKEWNESS_ALLOWANCE * _skewness_se(n)
+    skew_high, skew_low = skew + allowance, skew - allowance  # the skewness each end faces
+    h_low, h_high = _hall_inverse(-t_q, skew_high, n), _hall_inverse(t_q, skew_low, n)
+    low = min(r - t_q * se, r - q_high * se, r - h_high * se)
+    high = max(r + t_q * se, r - q_low * se, r - h_low * se)
+    t_obs = r / se
+    p_boot = 2 * min(np.sum(t_star >= t_obs) + 1, np.sum(t_star <= t_obs) + 1) / (iterations + 1)
+    p_hall = 2 * min(stats.t.sf(_hall_t(t_obs, skew_low, n), n - 1), stats.t.cdf(_hall_t(t_obs, skew_high, n), n - 1))
+    p = min(1.0, max(p_boot, float(2 * stats.t.sf(abs(t_obs), n - 1)), float(p_hall)))
+    return low, high, p, skew
 
 
 def unpaired_test(base: Any, cand: Any, confidence: float = 0.95, metric: str = "mean") -> Comparison:
