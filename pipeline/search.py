@@ -22,11 +22,16 @@ from typing import Any
 
 import numpy as np
 
-from kiln.optimize.base import QUANTIZERS, ModelArtifact
 from kiln.core.errors import BadInput, ExitCode, KilnError
+from kiln.core.files import atomic_write_json, read_json, sha256_tree
 from kiln.core.gate.base import CheckResult, Evidence, Verdict
+from kiln.core.gate.performance import t_interval
 from kiln.core.gate.policy import GateOutcome, GateSection, judge
-from kiln.core.metrics import LOAD_PREFIX, METRICS
+from kiln.core.metrics import METRICS
+from kiln.optimize.base import QUANTIZERS, ModelArtifact
+from kiln.pipeline import stage_impl
+from kiln.pipeline.evidence import evidence_from_run
+from kiln.pipeline.phases import PHASES, for_family, objective_phase, up_to
 from kiln.pipeline.stages import RunContext, run_stage, run_tags
 
 
@@ -41,51 +46,6 @@ class NotJudged(KilnError):
     """The search budget ran out before any candidate could be built: nothing was judged (exit 3)."""
 
     exit_code = ExitCode.GATE_INCONCLUSIVE
-
-
-def family_confidence(confidence: float, candidates: int) -> float:
-    """The confidence each of `candidates` must be judged at for the family to keep `confidence`:
-    the error rate 1 - confidence shared equally (Bonferroni)."""
-    if candidates < 1:
-        raise ValueError(f"a search judges at least one candidate, not {candidates}")
-    return 1 - (1 - confidence) / candidates
-
-
-def for_family(policy: GateSection, candidates: int) -> GateSection:
-    """`policy` with the gate's and every check's own confidence corrected for `candidates` judged."""
-    checks = [c.model_copy(update={"confidence": family_confidence(c.confidence, candidates)})
-              if c.confidence is not None else c for c in policy.checks]
-    return policy.model_copy(update={"confidence": family_confidence(policy.confidence, candidates),
-                                     "checks": checks})
-
-
-# Cheap checks first; a candidate that failed one stops there. Perplexity comes before token agreement:
-# agreement scores every position against the baseline's full distributions and generates from both
-# arms, so it costs 1.5-2x perplexity (demo: 63 s against 40 s for GGUF q5_K_M, which then failed
-# perplexity at +12.5% and had no use for its agreement).
-PHASES = ("build", "quality", "agreement", "speed", "rest")
-
-
-def phase_of(check: Any) -> str:
-    """The phase whose stages decide `check`: the build (size), perplexity (quality), token agreement
-    (agreement), the decode benchmark (speed), or the served text, lm-eval tasks and the load stage (rest)."""
-    kind, name = check.kind, check.metric
-    if kind == "size":
-        return "build"
-    if kind == "quality":
-        return "quality" if name == "perplexity" else "rest"
-    if kind == "agreement":
-        return "rest" if name.startswith("served_") else "agreement"
-    if kind == "performance":
-        return "rest" if name.startswith(LOAD_PREFIX) else "speed"
-    return "rest"
-
-
-def up_to(policy: GateSection, phase: str) -> GateSection | None:
-    """The checks decided by `phase` and the phases before it; None when there is none yet."""
-    done = PHASES[: PHASES.index(phase) + 1]
-    checks = [c for c in policy.checks if phase_of(c) in done]
-    return policy.model_copy(update={"checks": checks}) if checks else None
 
 
 @dataclass
@@ -141,17 +101,10 @@ def find_champion(ctx: RunContext) -> Champion | None:
                     json.loads(mv.tags[SERVING]))
 
 
-def objective_phase(objective: str) -> str:
-    """The phase whose stage measures `objective`: the decode benchmark (speed), or the load stage (rest)."""
-    return "rest" if objective.startswith(LOAD_PREFIX) else "speed"
-
-
 def speedup(evidence: dict[str, Evidence], objective: str, confidence: float) -> dict[str, float] | None:
     """The candidate's speed-up over the baseline on `objective`: the geometric mean of the paired
     per-repeat ratios with its t-interval at `confidence`, the one the verdict is taken at
     (ttft_ms inverted, so higher is always better)."""
-    from kiln.core.gate.performance import t_interval
-
     cand = np.asarray(evidence["candidate"].repeats.get(objective, []), dtype=float)
     base = np.asarray(evidence["baseline"].repeats.get(objective, []), dtype=float)
     n = min(len(cand), len(base))
@@ -167,10 +120,29 @@ def speedup(evidence: dict[str, Evidence], objective: str, confidence: float) ->
 def run_search(ctx: RunContext, model: Any) -> tuple[Arm | None, list[Arm], GateSection]:
     """Every candidate through the phases, breadth first (all builds, then all cheap checks, …),
     each judged at the family's confidence; the winner's speed measured again, fresh."""
-    from kiln.pipeline import stage_impl
-    from kiln.pipeline.evidence import evidence_from_run
-
     started = time.monotonic()
+    recipe, arms, policy = _arms(ctx)
+    shared = stage_impl.LazyEngines({}, _load)
+    try:
+        for phase in PHASES:
+            for arm in (a for a in arms if a.eliminated is None):
+                if recipe.search.budget_s is not None and time.monotonic() - started > recipe.search.budget_s:
+                    arm.eliminated = f"the search budget ({recipe.search.budget_s:g} s) ran out before its {phase} stages"
+                    arm.budget = True
+                    continue
+                _screen(arm, phase, model, shared, policy, recipe.search.objective)
+                ctx.console.print(f"  {arm.name}: {arm.eliminated or 'passes every check so far'}", markup=False)
+        winner = _final(arms, shared, policy)
+    finally:
+        shared.close()
+    for arm in arms:
+        _close_arm(ctx, arm, winner)
+    return winner, arms, policy
+
+
+def _arms(ctx: RunContext) -> tuple[Any, list[Arm], GateSection]:
+    """The recipe with the registry's champion in it (if it lists one), an arm per candidate, and
+    the family's policy each is judged at."""
     champion = find_champion(ctx)
     recipe = ctx.recipe.with_champion(champion.serving if champion else None)
     views = recipe.arms()
@@ -182,42 +154,40 @@ def run_search(ctx: RunContext, model: Any) -> tuple[Arm | None, list[Arm], Gate
     ctx.console.print(f"[bold]search[/bold]: {len(arms)} candidates against the baseline, each judged at "
                       f"{policy.confidence:.2%} confidence (the family's {recipe.gate.confidence:.0%} shared by "
                       f"{len(arms)}), best {recipe.search.objective} among those that pass every check")
-    shared = stage_impl.LazyEngines({}, _load)
-    try:
-        for phase in PHASES:
-            for arm in (a for a in arms if a.eliminated is None):
-                if recipe.search.budget_s is not None and time.monotonic() - started > recipe.search.budget_s:
-                    arm.eliminated = f"the search budget ({recipe.search.budget_s:g} s) ran out before its {phase} stages"
-                    arm.budget = True
-                    continue
-                _run_phase(arm, phase, model, shared)
-                arm.reached = phase
-                evidence = evidence_from_run(arm.ctx.run_dir) if arm.eliminated is None else None
-                if phase == objective_phase(recipe.search.objective) and evidence:  # for every candidate that ran it
-                    arm.screened = speedup(evidence, recipe.search.objective, policy.confidence)
-                if evidence and (partial := up_to(policy, phase)) is not None:
-                    arm.outcome = judge(partial, evidence["candidate"], evidence["baseline"])
-                    # Inconclusive stops a candidate unless the policy accepts it, as in a single run.
-                    # The champion is never stopped: it is the bar the winner must beat.
-                    if arm.outcome.exit_code is not ExitCode.PASSED and arm.champion is None:
-                        failed = [r.name for r in arm.outcome.results if r.verdict is not Verdict.SUCCESSFUL]
-                        arm.eliminated = f"{arm.outcome.verdict.value} after its {phase} stages: {', '.join(failed)}"
-                        bench = arm.ctx.outcomes.get("benchmark:pair")
-                        if phase == "speed" and bench and (cut := bench.result.get("stopped")):
-                            arm.eliminated += f" (benchmark stopped after round {cut['after_round']} of {cut['of']})"
-                ctx.console.print(f"  {arm.name}: {arm.eliminated or 'passes every check so far'}", markup=False)
-        passing = [a for a in arms if a.eliminated is None and a.screened is not None and a.champion is None]
-        winner = max(passing, key=lambda a: a.screened["ratio"]) if passing else None
-        if winner is not None and len(arms) > 1:
-            _confirm(winner, shared, policy)
-        held = next((a for a in arms if a.champion), None)
-        if winner is not None and winner.eliminated is None and held is not None:
-            _duel(winner, held, shared, policy)
-    finally:
-        shared.close()
-    for arm in arms:
-        _close_arm(ctx, arm, winner)
-    return winner, arms, policy
+    return recipe, arms, policy
+
+
+def _screen(arm: Arm, phase: str, model: Any, shared: Any, policy: GateSection, objective: str) -> None:
+    """One phase of one candidate, then the checks decided so far: a candidate that does not pass
+    them stops here (`arm.eliminated` says why)."""
+    _run_phase(arm, phase, model, shared)
+    arm.reached = phase
+    evidence = evidence_from_run(arm.ctx.run_dir) if arm.eliminated is None else None
+    if phase == objective_phase(objective) and evidence:  # for every candidate that ran it
+        arm.screened = speedup(evidence, objective, policy.confidence)
+    if evidence and (partial := up_to(policy, phase)) is not None:
+        arm.outcome = judge(partial, evidence["candidate"], evidence["baseline"])
+        # Inconclusive stops a candidate unless the policy accepts it, as in a single run.
+        # The champion is never stopped: it is the bar the winner must beat.
+        if arm.outcome.exit_code is not ExitCode.PASSED and arm.champion is None:
+            failed = [r.name for r in arm.outcome.results if r.verdict is not Verdict.SUCCESSFUL]
+            arm.eliminated = f"{arm.outcome.verdict.value} after its {phase} stages: {', '.join(failed)}"
+            bench = arm.ctx.outcomes.get("benchmark:pair")
+            if phase == "speed" and bench and (cut := bench.result.get("stopped")):
+                arm.eliminated += f" (benchmark stopped after round {cut['after_round']} of {cut['of']})"
+
+
+def _final(arms: list[Arm], shared: Any, policy: GateSection) -> Arm | None:
+    """The fastest candidate that passed every check, measured again and, when the registry has a
+    champion, set against it; None when none passed."""
+    passing = [a for a in arms if a.eliminated is None and a.screened is not None and a.champion is None]
+    winner = max(passing, key=lambda a: a.screened["ratio"]) if passing else None
+    if winner is not None and len(arms) > 1:
+        _confirm(winner, shared, policy)
+    held = next((a for a in arms if a.champion), None)
+    if winner is not None and winner.eliminated is None and held is not None:
+        _duel(winner, held, shared, policy)
+    return winner
 
 
 def _arm(ctx: RunContext, name: str, view: Any, policy: GateSection) -> Arm:
@@ -238,7 +208,6 @@ def _load(engine_dir: Path) -> Any:
 def _run_phase(arm: Arm, phase: str, model: Any, shared: Any) -> None:
     """One phase of one candidate; a build the candidate cannot get (it does not fit, its engine
     refuses the parity check) eliminates it, not the search."""
-    from kiln.pipeline import stage_impl
 
     ctx = arm.ctx
     if phase == "build":
@@ -262,7 +231,6 @@ def champion_artifact(ctx: RunContext, champion: Champion) -> ModelArtifact:
     its hash) and checked against the hash the registry recorded."""
     import mlflow.artifacts
 
-    from kiln.core.files import read_json, sha256_tree
 
     def compute(out: Path) -> dict[str, Any]:
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=champion.source, dst_path=str(out),
@@ -275,7 +243,7 @@ def champion_artifact(ctx: RunContext, champion: Champion) -> ModelArtifact:
         if got != champion.sha256:
             raise KilnError(f"{champion.name} v{champion.version}: the artifact downloaded from {champion.source} "
                             f"hashes to {got[:12]}, not the {champion.sha256[:12]} the registry recorded")
-        (out / "model" / "kiln-artifact.json").write_text(json.dumps(manifest))
+        atomic_write_json(out / "model" / "kiln-artifact.json", manifest)
         return {"metrics": {"size_bytes": manifest["size_bytes"]}, "manifest": manifest}
 
     o = run_stage(ctx, "optimize", "candidate", {"champion": {"name": champion.name, "version": champion.version,
@@ -288,7 +256,6 @@ def champion_artifact(ctx: RunContext, champion: Champion) -> ModelArtifact:
 def _engines(arm: Arm, shared: Any) -> Iterator[Any]:
     """The arm's engines for the stages: the one baseline engine all arms share, and its own,
     closed on the way out (one candidate in memory at a time; the baseline stays loaded)."""
-    from kiln.pipeline import stage_impl
 
     shared.dirs["baseline"] = arm.engines["baseline"]
     loaded = stage_impl.LazyEngines(arm.engines,
@@ -303,8 +270,6 @@ def _engines(arm: Arm, shared: Any) -> Iterator[Any]:
 def _confirm(winner: Arm, shared: Any, policy: GateSection) -> None:
     """The winner's decode benchmark again, as a new stage: the maximum of N screening measurements
     is biased upward; this one was not picked for being high. The verdict reads it."""
-    from kiln.pipeline import stage_impl
-    from kiln.pipeline.evidence import evidence_from_run
 
     load = objective_phase(winner.ctx.recipe.search.objective) == "rest"
     winner.ctx.console.print(f"[bold]confirm[/bold] {winner.name}: a fresh {'load stage' if load else 'decode benchmark'}"
@@ -324,8 +289,6 @@ def _duel(winner: Arm, held: Arm, shared: Any, policy: GateSection) -> None:
     paired and interleaved in a fresh stage of this run, at the family's confidence, and every
     quality check against the champion's records by that check's margin. Unless the winner is
     shown faster and no worse, the champion stays (`winner.eliminated` says why)."""
-    from kiln.pipeline import stage_impl
-    from kiln.pipeline.evidence import evidence_from_run
 
     champ = held.champion
     objective = winner.ctx.recipe.search.objective
@@ -358,7 +321,6 @@ def _duel(winner: Arm, held: Arm, shared: Any, policy: GateSection) -> None:
 def _versus(paired: dict[str, Evidence], winner: Arm, held: Arm, policy: GateSection,
             result: CheckResult) -> CheckResult:
     """The verdict of the winner against the champion from the paired stage and both arms' quality records."""
-    from kiln.pipeline.evidence import evidence_from_run
 
     objective = winner.ctx.recipe.search.objective
     fig = speedup(paired, objective, policy.confidence)

@@ -16,6 +16,7 @@ from kiln.core.gate.base import Evidence, Verdict
 from kiln.core.gate.policy import GateOutcome, judge
 from kiln.core.metrics import LOAD_PREFIX
 from kiln.pipeline.model_source import ResolvedModel
+from kiln.pipeline.phases import for_family, phase_of
 from kiln.pipeline.stages import RunContext, StageOutcome, peak_rss_bytes, run_stage, run_tags
 from kiln.core.versions import library_versions
 
@@ -452,8 +453,6 @@ def futility_policy(ctx: RunContext, rounds: int) -> Any:
     final verdict on the same pairs is Failed too, and a candidate that truly meets the bound is
     stopped at most the check's own error rate. Only Failed stops it (a pass is measured in full).
     None: nothing to decide early."""
-    from kiln.pipeline.search import for_family, phase_of
-
     policy = ctx.gate or ctx.recipe.gate
     checks = [c for c in policy.checks if phase_of(c) == "speed"]
     if not checks or rounds < 2:

@@ -14,7 +14,7 @@ import yaml
 
 from kiln.core.gate.policy import GateSection, judge
 from kiln.pipeline.recipe import Recipe
-from kiln.pipeline.search import PHASES, family_confidence, for_family, phase_of, up_to
+from kiln.pipeline.phases import PHASES, family_confidence, for_family, phase_of, up_to
 from tests.pipeline.conftest import TINY_RECIPE, kiln
 
 CANDIDATES = [
