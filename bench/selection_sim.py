@@ -34,7 +34,7 @@ from kiln.core.files import atomic_write_json
 from kiln.core.gate.base import Evidence, Verdict
 from kiln.core.gate.policy import GateSection, judge
 from kiln.core.gate.quality import min_perplexity_documents
-from kiln.pipeline.search import family_confidence, for_family
+from kiln.pipeline.phases import family_confidence, for_family
 
 OUT = Path(__file__).parent / "results" / "selection_sim.json"
 MARGIN = 0.05

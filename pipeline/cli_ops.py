@@ -249,6 +249,7 @@ def deploy_canary(run: Annotated[str, typer.Argument(metavar="RUN")], runs: Runs
     that did not pass its gate is refused (exit 2) unless --force --reason TEXT.
     """
     from kiln.deploy.run import deploy_local, kiln_serve
+    from kiln.pipeline.canary_journal import canary_journal
     from kiln.core.files import read_json
 
     d = run_dir(run, runs)
@@ -268,11 +269,11 @@ def deploy_canary(run: Annotated[str, typer.Argument(metavar="RUN")], runs: Runs
                        "kiln deploys only a run that passed its gate. Pass --force --reason TEXT to override.")
     if reason:
         client.set_model_version_tag(registry["name"], str(registry["version"]), FORCED, reason)
+    journal = canary_journal(recipe.tracking.uri, recipe.tracking.experiment, registry["name"],
+                             str(registry["version"]), state["mlflow_parent"])
     result = deploy_local(recipe.gate, recipe.deploy, kiln_serve(engine_dir(str(d), "baseline", runs)),
                           kiln_serve(engine_dir(str(d), "candidate", runs)), port=port, api_key=_key(api_key_env),
-                          tracking_uri=recipe.tracking.uri, experiment=recipe.tracking.experiment,
-                          model=registry["name"], version=str(registry["version"]),
-                          parent_run_id=state["mlflow_parent"], keep_serving=keep_serving, log=console.print,
+                          journal=journal, keep_serving=keep_serving, log=console.print,
                           state_path=d / "deploy-state.json")
     console.print(f"canary {result.status}: {result.reason}")
     raise typer.Exit(result.exit_code)
