@@ -236,11 +236,20 @@ class Admission:
     async def middleware(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         if request.path not in self.paths:
             return await handler(request)
-        cfg = self.config
         request[ARRIVAL] = arrival = time.perf_counter()
         if self._slots is None:  # created on the serving loop
             self._slots, self._idle = asyncio.Semaphore(self.slots), asyncio.Event()
         tenant = tenant_of(request)
+        refusal = self._refuse_at_once(request, tenant)
+        if refusal is None:
+            refusal, estimate = await self._take_slot(request, tenant)
+        if refusal is not None:
+            return refusal
+        return await self._serve(request, handler, tenant, arrival, estimate)
+
+    def _refuse_at_once(self, request: web.Request, tenant: str) -> web.Response | None:
+        """The refusals that need no slot to judge: a draining server, a tenant over its rate limit."""
+        cfg = self.config
         if self.draining:
             return self._refuse(request, tenant, "draining", 503,
                                 "server is draining (shutting down); retry on another replica", 1)
@@ -249,22 +258,33 @@ class Admission:
             if wait := bucket.take():
                 return self._refuse(request, tenant, "rate_limited", 429,
                                     f"rate limit of {cfg.rate_limit_rps:g} requests/s exceeded", wait)
-        estimate = None
+        return None
+
+    async def _take_slot(self, request: web.Request, tenant: str) -> tuple[web.Response | None, float | None]:
+        """A running slot, at once or after a wait in the queue: (None, the wait it was told to expect, None
+        when it did not queue), or (the refusal, None) when the queue is full, over budget or timed out."""
+        cfg = self.config
         if not self._slots.locked():
             await self._slots.acquire()  # a free slot: returns at once, no other request can slip in
-        elif refusal := self._queue_refusal():
+            return None, None
+        if refusal := self._queue_refusal():
             message, retry_after, wait = refusal
-            return self._refuse(request, tenant, "queue_full", 429, message, retry_after, wait)
-        else:
-            estimate = self.estimated_wait(self.waiting + 1)
-            self.waiting += 1
-            try:
-                await asyncio.wait_for(self._slots.acquire(), cfg.queue_timeout_s)
-            except TimeoutError:
-                return self._refuse(request, tenant, "queue_timeout", 429,
-                                    f"waited {cfg.queue_timeout_s:g} s for a slot", cfg.retry_after_s)
-            finally:
-                self.waiting -= 1
+            return self._refuse(request, tenant, "queue_full", 429, message, retry_after, wait), None
+        estimate = self.estimated_wait(self.waiting + 1)
+        self.waiting += 1
+        try:
+            await asyncio.wait_for(self._slots.acquire(), cfg.queue_timeout_s)
+        except TimeoutError:
+            return self._refuse(request, tenant, "queue_timeout", 429,
+                                f"waited {cfg.queue_timeout_s:g} s for a slot", cfg.retry_after_s), None
+        finally:
+            self.waiting -= 1
+        return None, estimate
+
+    async def _serve(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+                     tenant: str, arrival: float, estimate: float | None) -> web.StreamResponse:
+        """Run an admitted request in its slot; then free the slot and record its time and outcome."""
+        cfg = self.config
         self.running += 1
         self._idle.clear()  # type: ignore[union-attr]
         admitted = time.perf_counter()

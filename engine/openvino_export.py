@@ -52,17 +52,6 @@ def _graph(hf):
     heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
 
-    def rms(x, norm):
-        return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
-
-    def rotate(x):
-        a, b = x.chunk(2, dim=-1)
-        return torch.cat([-b, a], dim=-1)
-
-    def repeat(x):  # GQA: [b, kv, n, d] -> [b, heads, n, d]
-        b, kv, n, d = x.shape
-        return x[:, :, None].expand(b, kv, heads // kv, n, d).reshape(b, heads, n, d)
-
     class Graph(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -77,26 +66,53 @@ def _graph(hf):
             emb = torch.cat([freqs, freqs], -1)
             cos, sin = (emb.cos() * self.rope_scale)[:, None], (emb.sin() * self.rope_scale)[:, None]
             b, q = input_ids.shape
-            kv_len = attention_mask.shape[1]
-            causal = torch.arange(kv_len)[None, :] <= (torch.arange(q) + (kv_len - q))[:, None]
-            allowed = causal[None, None] & attention_mask[:, None, None, :].bool()
-            mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+            mask = _additive_mask(attention_mask, q)
             presents = []
             for i, layer in enumerate(m.layers):
-                a, h = layer.self_attn, rms(x, layer.input_layernorm)
+                a, h = layer.self_attn, _rms(x, layer.input_layernorm)
                 qs = a.q_proj(h).view(b, q, heads, head_dim).transpose(1, 2)
                 ks = a.k_proj(h).view(b, q, kv_heads, head_dim).transpose(1, 2)
                 vs = a.v_proj(h).view(b, q, kv_heads, head_dim).transpose(1, 2)
-                qs, ks = qs * cos + rotate(qs) * sin, ks * cos + rotate(ks) * sin
+                qs, ks = qs * cos + _rotate(qs) * sin, ks * cos + _rotate(ks) * sin
                 ks, vs = torch.cat([past[2 * i], ks], 2), torch.cat([past[2 * i + 1], vs], 2)
                 presents += [ks, vs]
-                o = F.scaled_dot_product_attention(qs, repeat(ks), repeat(vs), attn_mask=mask, scale=a.scaling)
+                o = F.scaled_dot_product_attention(qs, _repeat(ks, heads), _repeat(vs, heads), attn_mask=mask,
+                                                   scale=a.scaling)
                 x = x + a.o_proj(o.transpose(1, 2).reshape(b, q, heads * head_dim))
-                h = rms(x, layer.post_attention_layernorm)
+                h = _rms(x, layer.post_attention_layernorm)
                 x = x + layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(h)) * layer.mlp.up_proj(h))
-            return (self.hf.lm_head(rms(x, m.norm)), *presents)
+            return (self.hf.lm_head(_rms(x, m.norm)), *presents)
 
     return Graph().eval(), kv_heads, head_dim
+
+
+def _rms(x, norm):
+    import torch
+
+    return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+
+
+def _rotate(x):
+    import torch
+
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+def _repeat(x, heads: int):
+    """GQA: [b, kv, n, d] -> [b, heads, n, d]."""
+    b, kv, n, d = x.shape
+    return x[:, :, None].expand(b, kv, heads // kv, n, d).reshape(b, heads, n, d)
+
+
+def _additive_mask(attention_mask, q: int):
+    """0 where a query may attend (causal, and not padding), the float32 minimum elsewhere: [b, 1, q, kv_len]."""
+    import torch
+
+    kv_len = attention_mask.shape[1]
+    causal = torch.arange(kv_len)[None, :] <= (torch.arange(q) + (kv_len - q))[:, None]
+    allowed = causal[None, None] & attention_mask[:, None, None, :].bool()
+    return torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
 
 
 def _make_stateful(model, layers: int, kv_heads: int, head_dim: int) -> None:

@@ -26,7 +26,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -366,9 +366,33 @@ async def _stream(request, st: _State, prompts, per_prompt: list[Sampling], head
     """SSE, one event per token. Every choice's tokens go straight from the scheduler to one queue
     this handler reads (no task per choice in between: one task wake-up per token, not two), and
     the constant head of each event is JSON-encoded once."""
-    s = per_prompt[0]
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
+    send = _sender(resp, head, chat)
+    if chat:
+        await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+    merged: asyncio.Queue = asyncio.Queue()
+    texts = [TextStream(st.engine.tokenizer, p.stop) for p in per_prompt]
+    tickets = [st.scheduler.submit(_generation(ids, per_prompt[i]), _Tagged(merged, i)) for i, ids in enumerate(prompts)]
+    watcher = asyncio.create_task(_watch_cut(st, merged))
+    try:
+        generated = await _relay(st, merged, tickets, texts, per_prompt[0], chat, clock, send)
+        if per_prompt[0].include_usage:
+            await send([], usage=_usage(prompts, generated))
+    except ConnectionResetError:  # the client left; nothing to report to
+        raise
+    except Exception as e:  # the 200 header is already sent: report in-band, like vLLM
+        await _send_error(request, resp, e)
+    finally:
+        watcher.cancel()
+        for ticket in tickets:
+            st.scheduler.cancel(ticket)
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+def _sender(resp: web.StreamResponse, head: dict, chat: bool) -> Callable[..., Awaitable[None]]:
+    """`send(choices, **extra)`: one SSE event of the stream, its constant head encoded once."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     opening = f"data: {json.dumps({**head, 'object': kind})[:-1]}, "  # what json.dumps of the whole event starts with
 
@@ -376,62 +400,57 @@ async def _stream(request, st: _State, prompts, per_prompt: list[Sampling], head
         rest = json.dumps({"choices": choices, **extra})[1:]
         await resp.write(f"{opening}{rest}\n\n".encode())
 
-    if chat:
-        await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
-    merged: asyncio.Queue = asyncio.Queue()
+    return send
 
-    async def watch_cut() -> None:
-        await st.admission.until_cut()
-        merged.put_nowait((-1, None))
 
-    texts = [TextStream(st.engine.tokenizer, p.stop) for p in per_prompt]
-    tickets = [st.scheduler.submit(_generation(ids, per_prompt[i]), _Tagged(merged, i)) for i, ids in enumerate(prompts)]
-    watcher = asyncio.create_task(watch_cut())
-    generated, open_streams, error = 0, set(range(len(prompts))), None
-    try:
-        while open_streams:
-            index, ev = await merged.get()
-            if index < 0:
-                raise DrainCut(_cut_message(st))
-            if index not in open_streams:  # ended by a stop string; its last tokens were in flight
-                continue
-            if isinstance(ev, Exception):  # the others carry on; the stream then ends with the error
-                open_streams.discard(index)
-                error = error or _raised(ev)
-                continue
-            text = texts[index]
-            delta = text.push(ev.token_id, final=ev.finish_reason is not None)
-            finish = "stop" if text.stopped else ev.finish_reason
-            if finish:
-                open_streams.discard(index)
-                st.scheduler.cancel(tickets[index])
-            clock.tick(index)
-            generated += 1
-            if chat:
-                await send([{"index": index, "delta": {"content": delta}, "finish_reason": finish}])
-            else:
-                choice = {"index": index, "text": delta, "finish_reason": finish, "logprobs": None}
-                if s.logprobs is not None:
-                    choice["logprobs"] = {"tokens": [token_text(st.engine.tokenizer, ev.token_id, s.token_ids_as_text)],
-                                          "token_logprobs": [ev.logprob], "top_logprobs": None}
-                await send([choice])
-        if error is not None:  # an engine error ends the stream with an error event, not as if complete
-            raise error
-        if s.include_usage:
-            await send([], usage=_usage(prompts, generated))
-    except ConnectionResetError:  # the client left; nothing to report to
-        raise
-    except Exception as e:  # the 200 header is already sent: report in-band, like vLLM
-        kind = ("invalid_request_error" if isinstance(e, BadInput) else
-                "service_unavailable" if isinstance(e, DrainCut) else "internal_error")
-        request[STATS]["error"] = f"{kind}: {e}"[:300]
-        await resp.write(f"data: {json.dumps({'error': {'message': str(e), 'type': kind}})}\n\n".encode())
-    finally:
-        watcher.cancel()
-        for ticket in tickets:
-            st.scheduler.cancel(ticket)
-    await resp.write(b"data: [DONE]\n\n")
-    return resp
+async def _watch_cut(st: _State, merged: asyncio.Queue) -> None:
+    """Wake the stream's reader when drain cuts the streams still open."""
+    await st.admission.until_cut()
+    merged.put_nowait((-1, None))
+
+
+async def _relay(st: _State, merged: asyncio.Queue, tickets: list, texts: list[TextStream], s: Sampling, chat: bool,
+                 clock: _Clock, send: Callable[..., Awaitable[None]]) -> int:
+    """Send each choice's tokens as they arrive until every choice has ended; returns the tokens sent.
+    Raises DrainCut when drain cuts the stream, and an engine's error once the other choices ended."""
+    generated, open_streams, error = 0, set(range(len(tickets))), None
+    while open_streams:
+        index, ev = await merged.get()
+        if index < 0:
+            raise DrainCut(_cut_message(st))
+        if index not in open_streams:  # ended by a stop string; its last tokens were in flight
+            continue
+        if isinstance(ev, Exception):  # the others carry on; the stream then ends with the error
+            open_streams.discard(index)
+            error = error or _raised(ev)
+            continue
+        text = texts[index]
+        delta = text.push(ev.token_id, final=ev.finish_reason is not None)
+        finish = "stop" if text.stopped else ev.finish_reason
+        if finish:
+            open_streams.discard(index)
+            st.scheduler.cancel(tickets[index])
+        clock.tick(index)
+        generated += 1
+        if chat:
+            await send([{"index": index, "delta": {"content": delta}, "finish_reason": finish}])
+        else:
+            choice = {"index": index, "text": delta, "finish_reason": finish, "logprobs": None}
+            if s.logprobs is not None:
+                choice["logprobs"] = {"tokens": [token_text(st.engine.tokenizer, ev.token_id, s.token_ids_as_text)],
+                                      "token_logprobs": [ev.logprob], "top_logprobs": None}
+            await send([choice])
+    if error is not None:  # an engine error ends the stream with an error event, not as if complete
+        raise error
+    return generated
+
+
+async def _send_error(request, resp: web.StreamResponse, e: Exception) -> None:
+    """An error after the 200 header went out: one `error` event, and the request's stats say why."""
+    kind = ("invalid_request_error" if isinstance(e, BadInput) else
+            "service_unavailable" if isinstance(e, DrainCut) else "internal_error")
+    request[STATS]["error"] = f"{kind}: {e}"[:300]
+    await resp.write(f"data: {json.dumps({'error': {'message': str(e), 'type': kind}})}\n\n".encode())
 
 
 def create_app(load: Callable[[], Engine], api_key: str | None = None, model_name: str | None = None,

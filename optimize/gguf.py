@@ -40,6 +40,7 @@ from kiln.optimize.base import QUANTIZERS, Calibration, Quantizer, QuantizerConf
 from kiln.optimize.checkpoint import copy_side_files, safetensors_files
 from kiln.optimize.memory import Component, MethodMemory, runtime, weights
 from kiln.core.errors import BadInput
+from kiln.core.files import atomic_write_bytes
 
 log = logging.getLogger("kiln")
 
@@ -129,7 +130,9 @@ def _stage(source: Path, stage: Path) -> None:
             and tok["model"].get("byte_fallback")):
         tok["model"]["byte_fallback"] = False
         tok["decoder"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
-    (stage / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False), encoding="utf-8")
+    # Atomic like every file kiln writes, but not scrubbed (atomic_write_text): this is the model's vocabulary,
+    # and a token holding a remembered credential (a short password, say) would be masked in the GGUF.
+    atomic_write_bytes(stage / "tokenizer.json", json.dumps(tok, ensure_ascii=False).encode("utf-8"))
 
 
 def convert(source: Path, target: Path, outtype: str) -> None:
