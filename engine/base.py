@@ -182,7 +182,7 @@ class EngineBackend(abc.ABC):
     @classmethod
     def refuses(cls, config: dict[str, Any]) -> str | None:
         """Why this backend cannot build a checkpoint whose config.json holds `config`, or None. Asked
-        before any stage runs (kiln.pipeline.stage_impl.check_inputs), without importing the backend's
+        before any stage runs (the pipeline's input check), without importing the backend's
         library: an architecture its converter cannot take is refused in seconds, naming the field."""
         return None
 

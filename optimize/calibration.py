@@ -43,7 +43,7 @@ def resolve_dataset(dataset: str) -> Path:
     to `build_calibration`: a quantizer knows no demo."""
     if dataset == "demo":
         raise BadInput(f"{FIELD}.dataset: 'demo' names the pipeline's demo text; resolve it first "
-                       "(kiln.pipeline.stage_impl does) and pass the file as build_calibration(text=...)")
+                       "(the pipeline's optimize stage does) and pass the file as build_calibration(text=...)")
     path = Path(dataset).expanduser()
     if not path.is_file():
         raise BadInput(f"{FIELD}.dataset: {dataset} is not a file. Give 'demo' or a local .txt / .jsonl file.")
