@@ -22,17 +22,22 @@ def rate_list(rate: float | list[float]) -> list[float]:
     return rates
 
 
-class ConstantConfig(BaseModel):
+class RatesConfig(BaseModel):
+    """Base of an open-loop shape's config: its `rate` field (one rate, or a list run one stage
+    per rate) holds only positive rates."""
+
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["constant"] = "constant"
-    rate: float | list[float] = Field(..., description="requests/s; a list runs one stage per rate")
-
-    @field_validator("rate")
+    @field_validator("rate", check_fields=False)
     @classmethod
     def _positive(cls, v: float | list[float]) -> float | list[float]:
         rate_list(v)
         return v
+
+
+class ConstantConfig(RatesConfig):
+    kind: Literal["constant"] = "constant"
+    rate: float | list[float] = Field(..., description="requests/s; a list runs one stage per rate")
 
 
 def constant_arrivals(rate: float) -> Iterator[float]:

@@ -76,57 +76,55 @@ def _launch(client: StreamClient, rec: RequestRecord, body: dict, state: _State)
     task.add_done_callback(state.in_flight.discard)
 
 
-async def _open_loop(
-    client: StreamClient,
-    stage: Stage,
-    work: Workload,
-    cfg: PerformanceConfig,
-    salt: str,
-    t0: float,
-    records: list[RequestRecord],
-    state: _State,
-) -> float:
+@dataclass
+class _Drive:
+    """One stage being driven: who sends, the stage and its requests, what was sent so far."""
+
+    client: StreamClient
+    stage: Stage
+    work: Workload
+    cfg: PerformanceConfig
+    salt: str
+    t0: float
+    records: list[RequestRecord]
+    state: _State
+
+
+async def _open_loop(d: _Drive) -> float:
     """Send on schedule; returns when sending ended (perf_counter)."""
-    assert stage.arrivals is not None
-    for i, offset in enumerate(stage.arrivals):
+    cfg, records, t0 = d.cfg, d.records, d.t0
+    assert d.stage.arrivals is not None
+    for i, offset in enumerate(d.stage.arrivals):
         if offset >= cfg.duration_s or (cfg.max_requests and i >= cfg.max_requests):
             return t0 + cfg.duration_s if offset >= cfg.duration_s else records[-1].scheduled
-        body, n_in = work.request(i, salt)
+        body, n_in = d.work.request(i, d.salt)
         await _sleep_until(t0 + offset)
-        if state.stop_reason:
+        if d.state.stop_reason:
             return time.perf_counter()
-        rec = RequestRecord(f"{salt}-{i}", scheduled=t0 + offset, input_tokens=n_in)
+        rec = RequestRecord(f"{d.salt}-{i}", scheduled=t0 + offset, input_tokens=n_in)
         records.append(rec)
-        _launch(client, rec, body, state)
+        _launch(d.client, rec, body, d.state)
     raise RuntimeError("arrivals ran out before the stage ended")  # shapes yield endless arrivals
 
 
-async def _closed_loop(
-    client: StreamClient,
-    stage: Stage,
-    work: Workload,
-    cfg: PerformanceConfig,
-    salt: str,
-    t0: float,
-    records: list[RequestRecord],
-    state: _State,
-) -> float:
+async def _closed_loop(d: _Drive) -> float:
     """`concurrency` users, each sending its next request when the last one ends."""
+    cfg, records = d.cfg, d.records
     counter = itertools.count()
     limit = cfg.max_requests or float("inf")
 
     async def user() -> None:
-        while (i := next(counter)) < limit and time.perf_counter() < t0 + cfg.duration_s:
-            body, n_in = work.request(i, salt)
-            rec = RequestRecord(f"{salt}-{i}", scheduled=time.perf_counter(), input_tokens=n_in)
+        while (i := next(counter)) < limit and time.perf_counter() < d.t0 + cfg.duration_s:
+            body, n_in = d.work.request(i, d.salt)
+            rec = RequestRecord(f"{d.salt}-{i}", scheduled=time.perf_counter(), input_tokens=n_in)
             records.append(rec)
-            await client.send(rec, body)
+            await d.client.send(rec, body)
 
-    await _sleep_until(t0)
-    for _ in range(stage.concurrency or 1):
-        state.in_flight.add(asyncio.get_running_loop().create_task(user()))
-    done, _ = await asyncio.wait(set(state.in_flight), timeout=cfg.duration_s + 0.05)
-    sent_until = min(t0 + cfg.duration_s, time.perf_counter())
+    await _sleep_until(d.t0)
+    for _ in range(d.stage.concurrency or 1):
+        d.state.in_flight.add(asyncio.get_running_loop().create_task(user()))
+    done, _ = await asyncio.wait(set(d.state.in_flight), timeout=cfg.duration_s + 0.05)
+    sent_until = min(d.t0 + cfg.duration_s, time.perf_counter())
     if cfg.max_requests and len(records) >= cfg.max_requests:
         sent_until = min(sent_until, records[-1].scheduled)
     return sent_until
@@ -189,7 +187,7 @@ async def run_stage(
             _watch(cfg.saturation, t0 + cfg.warmup.seconds, records, state)
         )
     drive = _open_loop if stage.open_loop else _closed_loop
-    end = await drive(client, stage, work, cfg, salt, t0, records, state)
+    end = await drive(_Drive(client, stage, work, cfg, salt, t0, records, state))
     if state.stop_reason:
         end = time.perf_counter()
         for task in list(state.in_flight):

@@ -11,23 +11,15 @@ import random
 from collections.abc import Iterator
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field
 
 from kiln.evaluate.perf.base import SHAPES, LoadShape, Stage, StageGenerator
-from kiln.evaluate.perf.constant import rate_list
+from kiln.evaluate.perf.constant import RatesConfig, rate_list
 
 
-class PoissonConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class PoissonConfig(RatesConfig):
     kind: Literal["poisson"] = "poisson"
     rate: float | list[float] = Field(..., description="mean requests/s; a list runs one stage per rate")
-
-    @field_validator("rate")
-    @classmethod
-    def _positive(cls, v: float | list[float]) -> float | list[float]:
-        rate_list(v)
-        return v
 
 
 def poisson_arrivals(rate: float, seed: int) -> Iterator[float]:
