@@ -170,6 +170,16 @@ def group_size_problem(shapes: DecoderShapes, skip: list[str], group_size: int) 
     return None
 
 
+def checked_shapes(model_config: dict[str, Any], skip: list[str], group_size: int | None = None) -> DecoderShapes:
+    """The decoder's shapes, once `skip` (the method's skip_modules) and, for a method that quantizes in
+    groups, `group_size` are found to fit them: what a quantizer's `check` refuses up front."""
+    shapes = DecoderShapes.from_config(model_config)
+    check_skip_modules(shapes, skip)
+    if group_size is not None and (problem := group_size_problem(shapes, skip, group_size)):
+        raise BadInput(f"optimize.group_size: {problem}")
+    return shapes
+
+
 def check_skip_modules(shapes: DecoderShapes, skip: list[str]) -> None:
     """Refuse skip entries that select no module: a typo would silently quantize what it meant to keep."""
     names = shapes.module_names()

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from kiln.optimize.architecture import DecoderShapes, check_skip_modules, group_size_problem
+from kiln.optimize.architecture import DecoderShapes, checked_shapes
 from kiln.optimize.base import QUANTIZERS, Calibration, Quantizer, QuantizerConfig
 from kiln.optimize.calibration import CalibrationConfig
 from kiln.optimize.checkpoint import (
@@ -73,11 +73,8 @@ class GPTQ(Quantizer):
     config: GPTQConfig
 
     def check(self, model_config: dict[str, Any]) -> None:
-        shapes = DecoderShapes.from_config(model_config)
         c = self.config
-        check_skip_modules(shapes, c.skip_modules)
-        if problem := group_size_problem(shapes, c.skip_modules, c.group_size):
-            raise BadInput(f"optimize.group_size: {problem}")
+        shapes = checked_shapes(model_config, c.skip_modules, c.group_size)
         if "lm_head" not in c.skip_modules and shapes.tied_embeddings:
             raise BadInput("optimize.skip_modules: lm_head shares its weights with embed_tokens "
                            "(tie_word_embeddings), so quantizing it would untie them. Keep 'lm_head' in skip_modules.")

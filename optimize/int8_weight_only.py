@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from kiln.optimize.architecture import DecoderShapes, check_skip_modules, matches
+from kiln.optimize.architecture import DecoderShapes, checked_shapes, matches
 from kiln.optimize.base import QUANTIZERS, Calibration, Quantizer, QuantizerConfig
 from kiln.optimize.checkpoint import (
     bits_per_weight,
@@ -42,7 +42,7 @@ class Int8WeightOnly(Quantizer):
     config: Int8WeightOnlyConfig
 
     def check(self, model_config: dict[str, Any]) -> None:
-        check_skip_modules(DecoderShapes.from_config(model_config), self.config.skip_modules)
+        checked_shapes(model_config, self.config.skip_modules)
 
     def ao_config(self) -> Any:
         """The torchao config applied to every quantized Linear (subclasses change only this)."""

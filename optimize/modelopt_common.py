@@ -20,15 +20,27 @@ from __future__ import annotations
 import copy
 import importlib.util
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field
 
 from kiln.optimize.architecture import DecoderShapes
-from kiln.optimize.base import Calibration
+from kiln.optimize.base import Calibration, QuantizerConfig
+from kiln.optimize.calibration import CalibrationConfig
 from kiln.optimize.checkpoint import bits_per_weight, copy_side_files, linear_names, param_count, read_config
 from kiln.core.errors import BadInput
 from kiln.core.files import read_json
 
 MODELOPT_PIN = "nvidia-modelopt==0.47.0"
+
+
+class ModelOptConfig(QuantizerConfig):
+    """The options both ModelOpt methods take (each adds its own)."""
+
+    skip_modules: list[str] = Field(default_factory=list, description="modules kept in high precision, besides "
+                                    "ModelOpt's defaults (lm_head, embeddings, routers)")
+    dtype: Literal["bfloat16", "float16"] = Field("bfloat16", description="dtype of the unquantized tensors")
+    calibration: CalibrationConfig = CalibrationConfig()
 
 
 def cuda_capability() -> tuple[int, int] | None:

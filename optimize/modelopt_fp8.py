@@ -14,22 +14,17 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from kiln.optimize.architecture import DecoderShapes, check_skip_modules
-from kiln.optimize.base import QUANTIZERS, Calibration, Quantizer, QuantizerConfig
-from kiln.optimize.calibration import CalibrationConfig
+from kiln.optimize.architecture import DecoderShapes, checked_shapes
+from kiln.optimize.base import QUANTIZERS, Calibration, Quantizer
 from kiln.optimize.memory import MethodMemory, quantized_weights, weights
-from kiln.optimize.modelopt_common import build_config, quantize_and_export, require_gpu
+from kiln.optimize.modelopt_common import ModelOptConfig, build_config, quantize_and_export, require_gpu
 
 FP8_CAPABILITY = (8, 9)
 
 
-class FP8Config(QuantizerConfig):
+class FP8Config(ModelOptConfig):
     method: Literal["fp8"] = "fp8"
     kv_cache_fp8: bool = Field(False, description="also quantize the KV cache to FP8 (halves it vs bf16)")
-    skip_modules: list[str] = Field(default_factory=list, description="modules kept in high precision, besides "
-                                    "ModelOpt's defaults (lm_head, embeddings, routers)")
-    dtype: Literal["bfloat16", "float16"] = Field("bfloat16", description="dtype of the unquantized tensors")
-    calibration: CalibrationConfig = CalibrationConfig()
 
 
 @QUANTIZERS.register("fp8", FP8Config)
@@ -38,7 +33,7 @@ class FP8(Quantizer):
     config: FP8Config
 
     def check(self, model_config: dict[str, Any]) -> None:
-        check_skip_modules(DecoderShapes.from_config(model_config), self.config.skip_modules)
+        checked_shapes(model_config, self.config.skip_modules)
         require_gpu("fp8", FP8_CAPABILITY, "Hopper or newer for FP8: compute capability 8.9+")
 
     def quantize(self, source: Path, out_dir: Path, calibration: Calibration | None) -> dict[str, Any]:

@@ -15,22 +15,16 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from kiln.optimize.architecture import DecoderShapes, check_skip_modules, group_size_problem
-from kiln.optimize.base import QUANTIZERS, Calibration, Quantizer, QuantizerConfig
-from kiln.optimize.calibration import CalibrationConfig
+from kiln.optimize.architecture import DecoderShapes, checked_shapes
+from kiln.optimize.base import QUANTIZERS, Calibration, Quantizer
 from kiln.optimize.memory import Component, MethodMemory, quantized_weights, weights
-from kiln.optimize.modelopt_common import build_config, quantize_and_export, require_gpu
-from kiln.core.errors import BadInput
+from kiln.optimize.modelopt_common import ModelOptConfig, build_config, quantize_and_export, require_gpu
 
 
-class Int4AWQConfig(QuantizerConfig):
+class Int4AWQConfig(ModelOptConfig):
     method: Literal["int4_awq"] = "int4_awq"
     group_size: Literal[64, 128] = Field(128, description="weights per scale along the input dimension")
     kv_cache_fp8: bool = Field(False, description="also quantize the KV cache to FP8 (needs compute capability 8.9+)")
-    skip_modules: list[str] = Field(default_factory=list, description="modules kept in high precision, besides "
-                                    "ModelOpt's defaults (lm_head, embeddings, routers)")
-    dtype: Literal["bfloat16", "float16"] = Field("bfloat16", description="dtype of the unquantized tensors")
-    calibration: CalibrationConfig = CalibrationConfig()
 
 
 @QUANTIZERS.register("int4_awq", Int4AWQConfig)
@@ -39,10 +33,7 @@ class Int4AWQ(Quantizer):
     config: Int4AWQConfig
 
     def check(self, model_config: dict[str, Any]) -> None:
-        shapes = DecoderShapes.from_config(model_config)
-        check_skip_modules(shapes, self.config.skip_modules)
-        if problem := group_size_problem(shapes, self.config.skip_modules, self.config.group_size):
-            raise BadInput(f"optimize.group_size: {problem}")
+        checked_shapes(model_config, self.config.skip_modules, self.config.group_size)
         if self.config.kv_cache_fp8:
             require_gpu("int4_awq", (8, 9), "with kv_cache_fp8: compute capability 8.9+, Ada or Hopper")
         else:
