@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kiln.engine import metric_names as names
 from kiln.engine.admission import key_matches
+from kiln.engine.remote import stop_process
 
 _TOKEN = " tok"
 _READY = "KILN_FAKE_READY"
@@ -409,13 +410,7 @@ class FakeServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 10)
 
     @property
     def pid(self) -> int:

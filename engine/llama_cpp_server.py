@@ -35,7 +35,7 @@ from kiln.engine.base import GenerationRequest, TokenEvent, check_request
 from kiln.engine.llama_cpp_config import LlamaCppConfig
 from kiln.engine.llama_cpp_scoring import LlamaCppEngine
 from kiln.engine.llama_cpp_stream import Completion
-from kiln.engine.remote import free_port, wait_healthy
+from kiln.engine.remote import free_port, stop_process, wait_healthy
 
 _HOST = "127.0.0.1"
 _SILENCE_S = 600.0  # a stream that sends nothing this long fails (the remote backend's request timeout)
@@ -222,13 +222,7 @@ class LlamaServerEngine(LlamaCppEngine):
             self.cancel(seq_id)
         self._selector.close()
         self._close_scorer()
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=30)
+        stop_process(self.process, 30)
         if self.server_log is not None:
             self.server_log.close()
 

@@ -36,6 +36,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process(process: subprocess.Popen | None, grace_s: float) -> None:
+    """Stop a server kiln started: SIGTERM, then SIGKILL if it has not exited within `grace_s` seconds."""
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=grace_s)
+
+
 def wait_healthy(url: str, timeout_s: float, process: subprocess.Popen | None = None, name: str = "server",
                  log: Any = None, poll_s: float = 0.2) -> None:
     """Return once GET `url`/health answers 200. KilnError if `process` exits first (with the

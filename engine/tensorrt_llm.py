@@ -25,7 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kiln.engine.base import BACKENDS, EngineBackend, EngineConfig
-from kiln.engine.remote import RemoteEngine, RemoteEngineConfig, free_port, wait_healthy
+from kiln.engine.remote import RemoteEngine, RemoteEngineConfig, free_port, stop_process, wait_healthy
 from kiln.core.errors import BadInput
 from kiln.core.files import atomic_write_text
 
@@ -143,9 +143,4 @@ class TrtllmServeEngine(RemoteEngine):
 
     def close(self) -> None:
         super().close()
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+        stop_process(self.process, 60)
