@@ -31,6 +31,7 @@ from kiln.core.metrics import METRICS
 from kiln.optimize.base import QUANTIZERS, ModelArtifact
 from kiln.pipeline import stage_impl
 from kiln.pipeline.evidence import evidence_from_run
+from kiln.pipeline.executor import CONFIRM, Executor, create as create_executor
 from kiln.pipeline.phases import PHASES, for_family, objective_phase, up_to
 from kiln.pipeline.stages import RunContext, run_stage, run_tags
 
@@ -58,6 +59,7 @@ class Arm:
     mlflow_run: str
     artifact: ModelArtifact | None = None
     engines: dict[str, Path] = field(default_factory=dict)
+    nodes: dict[str, str | None] = field(default_factory=dict)  # timed stage -> the node its figures came from (ray)
     outcome: GateOutcome | None = None
     eliminated: str | None = None  # why it stopped, in the report's words
     budget: bool = False  # the search budget stopped it before it was judged
@@ -121,20 +123,28 @@ def run_search(ctx: RunContext, model: Any) -> tuple[Arm | None, list[Arm], Gate
     """Every candidate through the phases, breadth first (all builds, then all cheap checks, …),
     each judged at the family's confidence; the winner's speed measured again, fresh."""
     started = time.monotonic()
-    recipe, arms, policy = _arms(ctx)
     shared = stage_impl.LazyEngines({}, _load)
+    # Where each candidate's phase runs (search.executor); an unreachable cluster fails here, before any work.
+    executor = create_executor(ctx, lambda arm, phase: _run_phase(arm, phase, model, shared), run_on_node)
     try:
+        recipe, arms, policy = _arms(ctx)
         for phase in PHASES:
+            jobs = []
             for arm in (a for a in arms if a.eliminated is None):
                 if recipe.search.budget_s is not None and time.monotonic() - started > recipe.search.budget_s:
                     arm.eliminated = f"the search budget ({recipe.search.budget_s:g} s) ran out before its {phase} stages"
                     arm.budget = True
                     continue
-                _screen(arm, phase, model, shared, policy, recipe.search.objective)
+                jobs.append((arm, executor.start(arm, phase)))  # local: it runs now; ray: side by side
+            for arm, job in jobs:
+                executor.finish(arm, job)
+                _screen(arm, phase, policy, recipe.search.objective)
                 ctx.console.print(f"  {arm.name}: {arm.eliminated or 'passes every check so far'}", markup=False)
-        winner = _final(arms, shared, policy)
+        winner = _final(arms, shared, executor, policy)
+        executor.bring_back(shown(arms, winner))  # the report registers its artifact
     finally:
         shared.close()
+        executor.close()
     for arm in arms:
         _close_arm(ctx, arm, winner)
     return winner, arms, policy
@@ -157,10 +167,9 @@ def _arms(ctx: RunContext) -> tuple[Any, list[Arm], GateSection]:
     return recipe, arms, policy
 
 
-def _screen(arm: Arm, phase: str, model: Any, shared: Any, policy: GateSection, objective: str) -> None:
-    """One phase of one candidate, then the checks decided so far: a candidate that does not pass
+def _screen(arm: Arm, phase: str, policy: GateSection, objective: str) -> None:
+    """The checks decided so far, once a candidate's phase ran: a candidate that does not pass
     them stops here (`arm.eliminated` says why)."""
-    _run_phase(arm, phase, model, shared)
     arm.reached = phase
     evidence = evidence_from_run(arm.ctx.run_dir) if arm.eliminated is None else None
     if phase == objective_phase(objective) and evidence:  # for every candidate that ran it
@@ -177,13 +186,13 @@ def _screen(arm: Arm, phase: str, model: Any, shared: Any, policy: GateSection, 
                 arm.eliminated += f" (benchmark stopped after round {cut['after_round']} of {cut['of']})"
 
 
-def _final(arms: list[Arm], shared: Any, policy: GateSection) -> Arm | None:
+def _final(arms: list[Arm], shared: Any, executor: Executor, policy: GateSection) -> Arm | None:
     """The fastest candidate that passed every check, measured again and, when the registry has a
     champion, set against it; None when none passed."""
     passing = [a for a in arms if a.eliminated is None and a.screened is not None and a.champion is None]
     winner = max(passing, key=lambda a: a.screened["ratio"]) if passing else None
     if winner is not None and len(arms) > 1:
-        _confirm(winner, shared, policy)
+        _confirm(winner, executor, policy)
     held = next((a for a in arms if a.champion), None)
     if winner is not None and winner.eliminated is None and held is not None:
         _duel(winner, held, shared, policy)
@@ -223,7 +232,23 @@ def _run_phase(arm: Arm, phase: str, model: Any, shared: Any) -> None:
             arm.eliminated = f"its build was refused: {e}"
         return
     with _engines(arm, shared) as loaded:
-        stage_impl.evaluate(ctx, arm.engines, phases=(phase,), loaded=loaded)
+        if phase == CONFIRM:  # the winner's fresh, held-out measurement (`_confirm`)
+            load = objective_phase(ctx.recipe.search.objective) == "rest"
+            (stage_impl.load_stage if load else stage_impl.benchmark)(ctx, loaded, arm.engines, confirmation=True)
+        else:
+            stage_impl.evaluate(ctx, arm.engines, phases=(phase,), loaded=loaded)
+
+
+def run_on_node(arm: Arm, phases: tuple[str, ...], model: Any) -> None:
+    """A candidate's `phases` where a Ray task runs them (kiln.pipeline.ray_executor): the build
+    first (reused where the node has it), each later phase only while the candidate stands."""
+    shared = stage_impl.LazyEngines({}, _load)
+    try:
+        for phase in phases:
+            if arm.eliminated is None:
+                _run_phase(arm, phase, model, shared)
+    finally:
+        shared.close()
 
 
 def champion_artifact(ctx: RunContext, champion: Champion) -> ModelArtifact:
@@ -267,15 +292,14 @@ def _engines(arm: Arm, shared: Any) -> Iterator[Any]:
             loaded.pop("candidate").close()
 
 
-def _confirm(winner: Arm, shared: Any, policy: GateSection) -> None:
+def _confirm(winner: Arm, executor: Executor, policy: GateSection) -> None:
     """The winner's decode benchmark again, as a new stage: the maximum of N screening measurements
     is biased upward; this one was not picked for being high. The verdict reads it."""
 
     load = objective_phase(winner.ctx.recipe.search.objective) == "rest"
     winner.ctx.console.print(f"[bold]confirm[/bold] {winner.name}: a fresh {'load stage' if load else 'decode benchmark'}"
                              ", the screening one was the best of several")
-    with _engines(winner, shared) as loaded:
-        (stage_impl.load_stage if load else stage_impl.benchmark)(winner.ctx, loaded, winner.engines, confirmation=True)
+    executor.finish(winner, executor.start(winner, CONFIRM))
     evidence = evidence_from_run(winner.ctx.run_dir)
     winner.confirmed = speedup(evidence, winner.ctx.recipe.search.objective, policy.confidence)
     winner.outcome = judge(policy, evidence["candidate"], evidence["baseline"])
@@ -351,7 +375,8 @@ def _close_arm(ctx: RunContext, arm: Arm, winner: Arm | None) -> None:
     status = "winner" if arm is winner and arm.eliminated is None else (
         "champion" if arm.champion else "eliminated" if arm.eliminated else "passed")
     tags = {"kiln.search": status, **({"kiln.eliminated": arm.eliminated[:4000]} if arm.eliminated else {}),
-            **({"kiln.verdict": arm.outcome.verdict.value} if arm.outcome else {})}
+            **({"kiln.verdict": arm.outcome.verdict.value} if arm.outcome else {}),
+            **{f"kiln.node.{stage}": node for stage, node in arm.nodes.items() if node}}
     metrics = {f"{k}.{part}": v for k, fig in (("screening_speedup", arm.screened), ("confirmed_speedup", arm.confirmed))
                if fig for part, v in fig.items()}
     ctx.tracker.log(arm.mlflow_run, metrics=metrics, tags=tags)

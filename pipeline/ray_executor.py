@@ -1,0 +1,345 @@
+"""`search.executor: ray`: each candidate's stages of a phase run as a Ray task on a node of a cluster.
+
+On its node a task opens the same tracking server, takes that node's own kiln cache ($KILN_CACHE
+there: nodes share nothing but the tracking server), runs the candidate's build stages again (reused
+where the node has them, rebuilt content-addressed where it has not: the same keys) and then the
+phase's stages, which log their results and files to the tracking server as every stage does. The
+driver reads each stage back from there into its run folder: the search then judges exactly what a
+local run would, with no shared filesystem.
+
+Ray's resource counts are bookkeeping only. A task asks for the CPUs its engines' threads use (a GPU
+where the engine runs on one); a timed phase (the decode benchmark, its confirmation, a load stage)
+also takes the one unit of `kiln_timed` every node declares, so no two timed stages share a node,
+and runs only on nodes whose hardware fingerprint (the one engines are keyed on) is the search's
+target: `search.ray.hardware`, else the node the first candidate's build ran on. A paired benchmark
+is one stage: both arms on one node. A task whose node dies is retried on another (Ray's retries;
+a stage's folder becomes final only once written whole, so a half stage is never read).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kiln.core.errors import BadInput, KilnError
+from kiln.core.files import atomic_dir, atomic_write_json, hash_of, read_json
+from kiln.optimize.base import ModelArtifact
+from kiln.pipeline.executor import CONFIRM
+from kiln.pipeline.github_changes import GPU_BACKENDS
+from kiln.pipeline.stages import RESULT, RunContext, StageOutcome
+from kiln.pipeline.tracking import STAGE_KEY, Tracker, redact_uri
+
+TIMED = "kiln_timed"  # the custom resource every node declares once: {"kiln_timed": 1}
+NODE_TAG, HARDWARE_TAG = "kiln.node", "kiln.hardware"  # on every stage run a node computed
+UPLOAD = "upload"  # a task's last step that sends the candidate's artifact to its MLflow run
+RETRIES = 3  # a task whose node or worker dies runs again elsewhere, up to this many times
+PROBE_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Node:
+    """A node of the cluster, as the report names it."""
+
+    id: str
+    address: str
+    cpus: float
+    timed: bool
+    hardware: str = ""  # hash of engine.cache.hardware_fingerprint() there
+
+    @property
+    def name(self) -> str:
+        return f"{self.address} ({self.id[:8]})"
+
+
+@dataclass(frozen=True)
+class Task:
+    """What a node needs to run one candidate's phases: sent to it by Ray, so nothing here is live."""
+
+    phases: tuple[str, ...]
+    arm: str
+    mlflow_run: str
+    recipe: Any
+    recipe_path: str
+    gate: Any
+    fresh: frozenset[str]
+    tracking_uri: str
+    experiment: str
+    arm_cls: Any  # the search's Arm and the function that runs phases on it, sent by reference
+    run: Any
+    champion: Any = None
+
+
+@dataclass
+class RayExecutor:
+    """Connects on creation (an unreachable cluster is exit 2 in seconds) and surveys the nodes."""
+
+    ctx: RunContext
+    run_on_node: Any
+    nodes: dict[str, Node] = field(default_factory=dict)
+    hardware: str | None = None
+
+    def __post_init__(self) -> None:
+        section = self.ctx.recipe.search.ray
+        self.address = section.address
+        self.hardware = section.hardware
+        if any(c.champion for c in self.ctx.recipe.candidates or []):
+            raise BadInput("search.executor: ray does not yet serve the registry's champion on a node; run a search "
+                           "with a `champion: true` candidate with search.executor local")
+        connect(self.address)
+        self.nodes = survey(self.address)
+        self._task = _remote(_on_node)
+        shown = ", ".join(f"{n.name}: {n.cpus:g} CPU, hardware {n.hardware[:12]}" + ("" if n.timed else ", untimed")
+                          for n in self.nodes.values())
+        self.ctx.console.print(f"[bold]ray[/bold]: {len(self.nodes)} nodes at {redact_uri(self.address)} ({shown})",
+                               markup=True)
+
+    def start(self, arm: Any, phase: str) -> Any:
+        phases = ("build",) if phase == "build" else ("build", phase)
+        task = Task(phases, arm.name, arm.mlflow_run, arm.ctx.recipe, str(arm.ctx.recipe_path), arm.ctx.gate,
+                    frozenset(arm.ctx.fresh), self.ctx.tracker.uri, self.ctx.recipe.tracking.experiment,
+                    type(arm), self.run_on_node, arm.champion)
+        return self._task.options(**self.options(arm, phase)).remote(task)
+
+    def options(self, arm: Any, phase: str) -> dict[str, Any]:
+        """Ray's resource request for `arm`'s `phase` (see the module's docstring)."""
+        cpus, gpus = engine_resources(arm.ctx.recipe, self.nodes.values())
+        largest = max(n.cpus for n in self.nodes.values())
+        if cpus > largest:
+            raise BadInput(f"candidate {arm.name}: its engines use {cpus:g} threads, but no node of the Ray cluster at "
+                           f"{redact_uri(self.address)} has more than {largest:g} CPUs; lower its engine.threads")
+        opts: dict[str, Any] = {"num_cpus": cpus, "num_gpus": gpus, "max_retries": RETRIES,
+                                "name": f"kiln {arm.name} {phase}"}
+        if phase in timed_phases(arm.ctx.recipe):
+            opts["resources"] = {TIMED: 1}
+            opts["label_selector"] = {"ray.io/node-id": f"in({','.join(self.timed_nodes())})"}
+        return opts
+
+    def timed_nodes(self) -> list[str]:
+        """The nodes a timed stage may run on: they declare `kiln_timed` and have the target hardware."""
+        timed = [n for n in self.nodes.values() if n.timed]
+        if not timed:
+            raise BadInput(f"search.ray.address: no node of the Ray cluster at {redact_uri(self.address)} declares the "
+                           f"resource {TIMED}; start each node with --resources '{{\"{TIMED}\": 1}}' (docs/search.md)")
+        matching = [n.id for n in timed if self.hardware is None or n.hardware.startswith(self.hardware)]
+        if not matching:
+            raise BadInput(f"search.ray.hardware: no node with {TIMED} has hardware {self.hardware}; the nodes have "
+                           + ", ".join(sorted({n.hardware[:12] for n in timed})))
+        return matching
+
+    def finish(self, arm: Any, job: Any) -> None:
+        report = wait(job)
+        node = Node(**report["node"])
+        if self.hardware is None:  # the first candidate's build sets the hardware speed is measured on
+            self.hardware = node.hardware
+        arm.engines = {role: Path(p) for role, p in report["engines"].items()}
+        if report["artifact"]:
+            arm.artifact = ModelArtifact(path=Path(report["artifact"]["path"]), manifest=report["artifact"]["manifest"])
+        if report["eliminated"] and arm.eliminated is None:
+            arm.eliminated = report["eliminated"]
+        arm.nodes.update(report["timed"])
+        for record in report["records"]:
+            fetch_stage(arm.ctx, record)
+
+    def bring_back(self, arm: Any) -> None:
+        """The arm's artifact from the tracking server: a node uploads it to the arm's MLflow run."""
+        if arm.artifact is None or arm.artifact.path.exists():
+            return
+        task = Task(("build", UPLOAD), arm.name, arm.mlflow_run, arm.ctx.recipe, str(arm.ctx.recipe_path),
+                    arm.ctx.gate, frozenset(arm.ctx.fresh), self.ctx.tracker.uri, self.ctx.recipe.tracking.experiment,
+                    type(arm), self.run_on_node, arm.champion)
+        wait(self._task.options(num_cpus=1, max_retries=RETRIES, name=f"kiln {arm.name} upload").remote(task))
+        local = arm.ctx.run_dir / "artifact"
+        with atomic_dir(local) as tmp:
+            self.ctx.tracker.download(arm.mlflow_run, "model", tmp)
+        arm.artifact = ModelArtifact(path=local, manifest=arm.artifact.manifest)
+
+    def close(self) -> None:
+        import ray
+
+        ray.shutdown()
+
+
+def _remote(fn: Any) -> Any:
+    import ray
+
+    return ray.remote(fn)
+
+
+def timed_phases(recipe: Any) -> set[str]:
+    """The phases whose stages time something: the decode benchmark and its confirmation, and the
+    last phase when it holds a load stage."""
+    return {"speed", CONFIRM} | ({"rest"} if recipe.evaluate.load else set())
+
+
+def engine_resources(recipe: Any, nodes: Any) -> tuple[float, float]:
+    """(CPUs, GPUs) a candidate's phase asks for: the most threads either arm's engine uses (an engine
+    left to all cores asks for the smallest node's count), and a GPU for an engine that runs on one."""
+    cpus, gpus = 1.0, 0.0
+    smallest = min((n.cpus for n in nodes), default=1.0)
+    for role in ("baseline", "candidate"):
+        cfg = recipe.engine_for(role)
+        threads = getattr(cfg, "threads", None)
+        cpus = max(cpus, float(threads) if threads else smallest)
+        if cfg.backend in GPU_BACKENDS or str(getattr(cfg, "device", "") or "").startswith("cuda"):
+            gpus = 1.0
+    return cpus, gpus
+
+
+def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """Fail in seconds when the cluster's head cannot be reached: ray.init retries an unreachable
+    GCS for minutes before it says so. `auto` with nothing to find fails in ray.init at once."""
+    target = os.environ.get("RAY_ADDRESS", "") if address == "auto" else address
+    if not target or target == "auto":
+        return
+    parsed = urllib.parse.urlsplit(target if "://" in target else f"gcs://{target}")
+    try:
+        socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 6379), timeout_s).close()
+    except (OSError, ValueError) as e:
+        raise unreachable(address, e) from None
+
+
+def unreachable(address: str, e: BaseException) -> BadInput:
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0] if str(e) else type(e).__name__
+    return BadInput(f"search.ray.address: cannot reach the Ray cluster at {redact_uri(address)} ({reason.lower()}). "
+                    "Check that its head is running and the address is right (host:port of the head's GCS, "
+                    "ray://head:10001, or auto on a node of the cluster), or set search.executor: local.")
+
+
+def connect(address: str) -> None:
+    import ray
+
+    probe(address)
+    try:
+        ray.init(address=address, namespace="kiln", log_to_driver=True, logging_level="WARNING",
+                 configure_logging=True)
+    except (ConnectionError, RuntimeError, TimeoutError, ValueError) as e:
+        raise unreachable(address, e) from None
+
+
+def survey(address: str) -> dict[str, Node]:
+    """Every alive node with its CPUs, whether it declares `kiln_timed`, and its hardware fingerprint."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    if not alive:
+        raise BadInput(f"search.ray.address: the Ray cluster at {redact_uri(address)} has no alive node")
+    fingerprint = _remote(_hardware)
+    refs = [fingerprint.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+            .remote() for n in alive]
+    hashes = ray.get(refs)
+    return {n["NodeID"]: Node(n["NodeID"], n["NodeManagerAddress"], float(n["Resources"].get("CPU", 0)),
+                              n["Resources"].get(TIMED, 0) >= 1, h) for n, h in zip(alive, hashes, strict=True)}
+
+
+def _hardware() -> str:
+    from kiln.engine.cache import hardware_fingerprint
+
+    return hash_of(hardware_fingerprint())
+
+
+def wait(job: Any) -> dict[str, Any]:
+    """The task's report; a kiln error raised on the node is raised here as itself (its exit code holds)."""
+    import ray
+    from ray.exceptions import RayTaskError
+
+    try:
+        return ray.get(job)
+    except RayTaskError as e:
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, KilnError):
+            raise cause from None
+        raise
+    except ray.exceptions.RayError as e:  # the node died more often than RETRIES allows, the cluster went away
+        raise KilnError(f"the Ray cluster lost a candidate's task: {str(e).splitlines()[0]}") from None
+
+
+def fetch_stage(ctx: RunContext, record: dict[str, Any]) -> None:
+    """A stage a node ran, read back from the tracking server into this run's folder (never into the
+    cache: a build stage's files there would be its result without its model), and recorded as a
+    stage of `ctx`'s run, as run_stage records one it ran here."""
+    name = f"{record['stage']}-{record['role']}"
+    mine = ctx.run_dir / "stages" / f"{name}.json"
+    if mine.exists() and read_json(mine)["key"] == record["key"]:
+        return
+    local = ctx.run_dir / "from-nodes" / record["stage"] / record["key"]
+    if not (local / RESULT).exists():
+        with atomic_dir(local) as tmp:
+            ctx.tracker.download(record["mlflow_run"], "stage", tmp)
+    result = read_json(local / RESULT)
+    ctx.outcomes[f"{record['stage']}:{record['role']}"] = StageOutcome(
+        record["stage"], record["role"], record["key"], local, result, record["reused"], record["mlflow_run"])
+    atomic_write_json(mine, {**record, "path": str(local), "node": record.get("node")})
+
+
+# --- on the node ---
+
+
+def _on_node(task: Task) -> dict[str, Any]:
+    """Run `task.phases` of one candidate here; what the driver needs back (small: the files went to
+    the tracking server)."""
+    from kiln.pipeline.model_source import resolve_model
+
+    ctx = _node_context(task)
+    try:
+        model = resolve_model(task.recipe.model.path, ctx.cache)
+        arm = task.arm_cls(task.arm, ctx, task.mlflow_run, champion=task.champion)
+        task.run(arm, tuple(p for p in task.phases if p != UPLOAD), model)
+        if UPLOAD in task.phases and arm.artifact is not None:  # for the driver: the report registers it
+            ctx.tracker.log_artifacts(task.mlflow_run, arm.artifact.path, "model")
+        return _node_report(arm, ctx)
+    finally:
+        shutil.rmtree(ctx.run_dir, ignore_errors=True)
+
+
+def _node_context(task: Task) -> RunContext:
+    from rich.console import Console
+
+    from kiln.pipeline.model_source import cache_root
+
+    cache = cache_root()
+    (cache / "ray-tasks").mkdir(parents=True, exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{task.arm}-", dir=cache / "ray-tasks"))
+    (run_dir / "stages").mkdir()
+    return RunContext(recipe=task.recipe, recipe_path=Path(task.recipe_path), run_dir=run_dir, cache=cache,
+                      tracker=Tracker(task.tracking_uri, task.experiment), parent_run=task.mlflow_run,
+                      console=Console(), fresh=set(task.fresh), arm=task.arm, gate=task.gate)
+
+
+def this_node() -> Node:
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    return Node(node_id, ray.util.get_node_ip_address(), 0.0, True, _hardware())
+
+
+def _node_report(arm: Any, ctx: RunContext) -> dict[str, Any]:
+    """The stage records of this task, each computed stage's MLflow run tagged with this node, and
+    for each timed stage the node its figures came from (where a reused one was computed)."""
+    node = this_node()
+    records, timed = [], {}
+    for path in sorted((ctx.run_dir / "stages").glob("*.json")):
+        record = read_json(path)
+        if not record["reused"]:
+            ctx.tracker.log(record["mlflow_run"], tags={NODE_TAG: node.name, HARDWARE_TAG: node.hardware})
+        record["node"] = node.name if not record["reused"] else computed_on(ctx.tracker, record["key"])
+        if record["stage"] in ("benchmark", "load"):
+            timed[record["stage"]] = record["node"]
+        records.append(record)
+    return {"node": node.__dict__, "records": records, "timed": timed, "eliminated": arm.eliminated,
+            "engines": {role: str(p) for role, p in arm.engines.items()},
+            "artifact": {"path": str(arm.artifact.path), "manifest": arm.artifact.manifest} if arm.artifact else None}
+
+
+def computed_on(tracker: Tracker, key: str) -> str | None:
+    """The node that computed the stage `key` (its first run that was not a reuse), if a node did."""
+    runs = tracker.client.search_runs(
+        [tracker.experiment_id], f"tags.`{STAGE_KEY}` = '{key}' and tags.`kiln.reused` = 'false'",
+        max_results=1, order_by=["attributes.start_time ASC"])
+    return runs[0].data.tags.get(NODE_TAG) if runs else None

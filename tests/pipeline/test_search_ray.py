@@ -1,0 +1,145 @@
+"""The search on a real Ray cluster (`search.executor: ray`): a head and a worker node on this host
+(one CPU each, each its own kiln cache), the real `mlflow server` on PostgreSQL with S3 artifacts
+(SeaweedFS) as the only thing they share. A three-candidate search across it ends as the same search
+run here does (winner, verdict, exit code, stage keys); a worker node killed in the middle of a stage
+costs a rerun elsewhere, not the verdict; an address nothing answers on fails in seconds (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from tests.pipeline.conftest import TINY_RECIPE, fresh_cache, kiln
+from tests.pipeline.test_search import CANDIDATES, CHECKS
+from tests.ray_cluster import ray_cluster
+from tests.tracking_servers import free_port, tracking_setup
+
+# One thread each: every node has one CPU, and a stage asks Ray for the CPUs its engine's threads use.
+ONE_THREAD = [{**c, "engine": {**c["engine"], "threads": 1}} for c in CANDIDATES]
+WINNER = "fp32-copy"
+
+
+def _recipe(path: Path, model_dir: Path, address: str, experiment: str) -> Path:
+    raw = yaml.safe_load(yaml.safe_dump(TINY_RECIPE))
+    del raw["optimize"], raw["engine"]
+    raw.update(name="ray-search", model={"path": str(model_dir)}, candidates=ONE_THREAD,
+               search={"executor": "ray", "ray": {"address": address}},
+               baseline={"engine": {"backend": "torch", "threads": 1}})
+    raw["evaluate"]["quality"]["lmeval"] = None
+    raw["evaluate"]["quality"]["served"] = {"num_prompts": 4, "max_new_tokens": 6, "concurrency": 2}
+    raw["evaluate"]["quality"]["perplexity"]["max_documents"] = 24
+    raw["tracking"]["experiment"] = experiment
+    raw["gate"]["checks"] = CHECKS
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _outcome(work: Path, proc) -> dict:
+    run_dir = max((work / "runs").iterdir(), key=lambda p: p.stat().st_mtime)
+    record = json.loads((run_dir / "search.json").read_text())
+    keys = {c.name: {p.stem: json.loads(p.read_text())["key"] for p in (c / "stages").glob("*.json")}
+            for c in (run_dir / "candidates").iterdir()}
+    # The winner's benchmark record is its confirmation's: keyed by this run, measured afresh by every run.
+    keys.get(record["winner"], {}).pop("benchmark-pair", None)
+    verdict = json.loads((run_dir / "verdict.json").read_text())
+    return {"exit": proc.returncode, "winner": record["winner"], "verdict": verdict["verdict"], "keys": keys,
+            "eliminated": {c["name"]: (c["eliminated"] or "").split(":")[0] for c in record["candidates"]},
+            "run_dir": run_dir, "record": record}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    with tracking_setup("postgres-s3", tmp_path_factory.mktemp("ray-store")) as setup:
+        yield setup
+
+
+@pytest.fixture(scope="module")
+def local_search(tmp_path_factory, tiny_model_dir, store):
+    """The same recipe with search.executor local: the reference every cluster run must match."""
+    work = tmp_path_factory.mktemp("local")
+    recipe = _recipe(work / "search.yaml", tiny_model_dir, "auto", "ray-local")
+    proc = kiln("run", str(recipe), "--set", "search.executor=local", cwd=work,
+                env={**store.env, "MLFLOW_TRACKING_URI": store.uri, "KILN_CACHE": str(fresh_cache(work / "cache"))})
+    assert proc.returncode in (0, 1, 3), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return _outcome(work, proc)
+
+
+def _cluster_run(work: Path, model_dir: Path, store, address: str, experiment: str, **popen):
+    recipe = _recipe(work / "search.yaml", model_dir, address, experiment)
+    env = {**store.env, "MLFLOW_TRACKING_URI": store.uri, "KILN_CACHE": str(fresh_cache(work / "driver-cache"))}
+    return subprocess.Popen([sys.executable, "-m", "kiln.pipeline", "run", str(recipe)], cwd=work, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**__import__("os").environ, **env},
+                            **popen)
+
+
+def test_a_search_across_two_nodes_ends_as_the_local_one(tmp_path, tiny_model_dir, store, local_search):
+    with ray_cluster(tmp_path / "cluster", 2, store.env) as cluster:
+        proc = _cluster_run(tmp_path, tiny_model_dir, store, cluster.address, "ray-cluster")
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode in (0, 1, 3), out[-4000:]
+        ray_run = _outcome(tmp_path, proc)
+        # Nothing was computed on the driver: its cache holds no stage, every stage came back through MLflow.
+        assert not (tmp_path / "driver-cache" / "stages").exists()
+        computed = {node: list((cache / "stages").glob("*/*")) for node, cache in cluster.caches.items()}
+    assert {k: ray_run[k] for k in ("exit", "winner", "verdict", "eliminated", "keys")} == \
+        {k: local_search[k] for k in ("exit", "winner", "verdict", "eliminated", "keys")}, out[-4000:]
+    assert ray_run["winner"] == WINNER
+    assert all(computed.values()), computed  # both nodes ran stages
+    # Each speed figure names the node it came from, one of the cluster's; MLflow's stage runs say the same.
+    client = MlflowClient(store.uri)
+    arm_runs = client.search_runs([client.get_experiment_by_name("ray-cluster").experiment_id],
+                                  "tags.`kiln.stage` = 'candidate'")
+    nodes = {r.data.tags["kiln.candidate"]: r.data.tags.get("kiln.node.benchmark") for r in arm_runs}
+    assert nodes[WINNER] and any(nodes[WINNER].endswith(f"({n[:8]})") for n in computed), nodes
+
+
+def _wait_for_stage_on(cache: Path, proc, timeout_s: float = 400) -> str:
+    """The first stage the node starts computing after its build: a `.partial` folder under its cache."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        for partial in (cache / "stages").glob("*/*.partial"):
+            if partial.parent.name in ("quality", "agreement", "benchmark", "served"):
+                return f"{partial.parent.name}/{partial.name.removesuffix('.partial')}"
+        time.sleep(0.2)
+    raise AssertionError(f"no evaluation stage started on the worker node (kiln exit {proc.poll()})")
+
+
+def test_a_worker_killed_mid_stage_costs_a_rerun_not_the_verdict(tmp_path, tiny_model_dir, store, local_search):
+    with ray_cluster(tmp_path / "cluster", 2, store.env) as cluster:
+        worker = list(cluster.caches)[1]
+        proc = _cluster_run(tmp_path, tiny_model_dir, store, cluster.address, "ray-kill")
+        stage, key = _wait_for_stage_on(cluster.caches[worker], proc).split("/")
+        cluster.kill(worker)
+        out, _ = proc.communicate(timeout=600)
+        head_cache = next(iter(cluster.caches.values()))
+        assert proc.returncode in (0, 1, 3), out[-4000:]
+        killed_run = _outcome(tmp_path, proc)
+        rerun_here = (head_cache / "stages" / stage / key / "result.json").exists()
+    assert {k: killed_run[k] for k in ("exit", "winner", "verdict", "eliminated")} == \
+        {k: local_search[k] for k in ("exit", "winner", "verdict", "eliminated")}, out[-4000:]
+    # The stage the dead node was computing was computed again, whole, on the node left; the dead node's
+    # MLflow run of it never finished, so no half result can be found by its key.
+    assert rerun_here, (stage, key)
+    client = MlflowClient(store.uri)
+    runs = client.search_runs([client.get_experiment_by_name("ray-kill").experiment_id],
+                              f"tags.`kiln.stage_key` = '{key}' and tags.`kiln.reused` = 'false'")
+    finished = [r for r in runs if r.info.status == "FINISHED"]
+    assert finished and all(not r.data.tags.get("kiln.node", "").endswith(f"({worker[:8]})") for r in finished)
+
+
+def test_an_unreachable_cluster_fails_in_seconds_naming_the_address(tmp_path, tiny_model_dir, store):
+    address = f"127.0.0.1:{free_port()}"
+    recipe = _recipe(tmp_path / "search.yaml", tiny_model_dir, address, "ray-unreachable")
+    started = time.monotonic()
+    proc = kiln("run", str(recipe), cwd=tmp_path, env={**store.env, "MLFLOW_TRACKING_URI": store.uri})
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"cannot reach the Ray cluster at {address}" in proc.stdout + proc.stderr
+    assert "search.ray.address" in proc.stdout + proc.stderr
+    assert time.monotonic() - started < 60
