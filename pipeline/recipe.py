@@ -127,6 +127,18 @@ class CandidateSection(Section):
 
 
 
+class RaySection(Section):
+    """The cluster a search fans its candidates out on (`search.executor: ray`)."""
+
+    address: str = Field("auto", min_length=1,
+                         description="what ray.init connects to: auto (the cluster this machine belongs to, or "
+                                     "$RAY_ADDRESS), host:port of a head's GCS, or ray://head:10001 (Ray Client)")
+    hardware: str | None = Field(
+        None, pattern=r"^[0-9a-f]{12,64}$",
+        description="the hardware fingerprint (its hash, as `kiln run` prints each node's) that timed stages must run "
+                    "on; default: the node the first candidate's build ran on")
+
+
 class SearchSection(Section):
     """How `kiln run` picks among `candidates`: the best objective among those every check passes."""
 
@@ -139,6 +151,14 @@ class SearchSection(Section):
     price_per_hour: float | None = Field(
         None, gt=0, description="what the machine costs per hour (any currency): the candidates table then shows each "
                                 "one's cost per 1M output tokens at batch 1, from its decode benchmark")
+    # Where the candidates run, not what is judged: left at their defaults they stay out of the resolved
+    # recipe, so every recipe written before them keeps its digest.
+    executor: Literal["local", "ray"] = Field(
+        "local", exclude_if=lambda v: v == "local",
+        description="where each candidate's stages of a phase run: local (this process, one after another) or ray "
+                    "(Ray tasks on the cluster at search.ray.address; docs/search.md)")
+    ray: RaySection = Field(default_factory=lambda: RaySection(), exclude_if=lambda v: v == RaySection(),
+                            description="the Ray cluster of search.executor ray")
 
 
 class Recipe(Section):
