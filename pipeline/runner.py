@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import replace
@@ -17,17 +18,25 @@ from typing import Any
 
 import yaml
 
+from kiln.core.credentials import ScrubFilter
 from kiln.core.errors import BadInput
 from kiln.core.files import atomic_write_json, atomic_write_text, read_json
 from kiln.core.gate.base import Verdict
 from kiln.core.gate.policy import GateOutcome, judge
-from kiln.pipeline.outcomes import not_judged
+from kiln.core.versions import environment, git_commit
+from kiln.pipeline import report, search
+from kiln.pipeline.evidence import evidence_from_run
 from kiln.pipeline.model_source import cache_root, resolve_model
+from kiln.pipeline.outcomes import Ending, not_judged
+from kiln.pipeline.phases import up_to
 from kiln.pipeline.recipe import Recipe
-from kiln.core.credentials import ScrubFilter
+from kiln.pipeline.stage_evaluate import evaluate
+from kiln.pipeline.stage_gate import gate
+from kiln.pipeline.stage_inputs import check_inputs
+from kiln.pipeline.stage_optimize import engine, optimize_both
 from kiln.pipeline.stages import RunContext
 from kiln.pipeline.tracking import Tracker, flatten, redact_uri, source_tags
-from kiln.core.versions import environment, git_commit
+from kiln.pipeline.tracking import _alive as alive
 
 
 def new_run_dir(root: Path, recipe: Recipe) -> Path:
@@ -93,17 +102,15 @@ def start_run(recipe: Recipe, recipe_path: Path, runs_root: Path, console: Any, 
 
 def run_pipeline(recipe: Recipe, recipe_path: Path, runs_root: Path, console: Any,
                  fresh: set[str] = frozenset()) -> tuple[GateOutcome, Path]:
-    from kiln.pipeline import report, stage_impl
-
     ctx = start_run(recipe, recipe_path, runs_root, console, set(fresh))
     try:
         model = resolve_model(recipe.model.path, ctx.cache)
-        stage_impl.check_inputs(ctx, model)
+        check_inputs(ctx, model)
         if recipe.candidates is None:
-            arts = stage_impl.optimize_both(ctx, model)
-            engines = {role: stage_impl.engine(ctx, role, art) for role, art in arts.items()}
-            stage_impl.evaluate(ctx, engines)
-            outcome, evidence = stage_impl.gate(ctx)
+            arts = optimize_both(ctx, model)
+            engines = {role: engine(ctx, role, art) for role, art in arts.items()}
+            evaluate(ctx, engines)
+            outcome, evidence = gate(ctx)
             report.publish(ctx, outcome, evidence, arts["candidate"])
         else:
             outcome = _search(ctx, model)
@@ -119,11 +126,6 @@ def _search(ctx: RunContext, model: Any) -> GateOutcome:
     the run folder as a single-candidate run is, so `kiln show`, `kiln serve RUN` and the report
     read it the same way; each candidate keeps its own folder under candidates/. How the run ends
     is a row of kiln.pipeline.outcomes."""
-    import shutil
-
-    from kiln.pipeline import report, search, stage_impl
-    from kiln.pipeline.outcomes import Ending
-
     winner, arms, policy = search.run_search(ctx, model)
     top = search.shown(arms, winner)
     stopped = [a.name for a in arms if a.budget]
@@ -142,28 +144,26 @@ def _search(ctx: RunContext, model: Any) -> GateOutcome:
         kept = winner.versus_champion is not None and winner.versus_champion.verdict is Verdict.FAILED  # Error: exit 4
         extra = [winner.versus_champion] if winner.versus_champion else []
         subject = winner.name if not winner.eliminated or kept else f"{winner.name} (won the screening, then {winner.eliminated})"
-        outcome, evidence = stage_impl.gate(
+        outcome, evidence = gate(
             winner_ctx, policy, results=judge(policy, *_arms(winner_ctx)).results + extra,
             ending=Ending.CHAMPION_KEPT if kept else Ending.JUDGED, subject=subject,
             detail=winner.eliminated or "")
     else:
         # No winner: the candidate that got furthest, on the checks its phases decided; every other
         # check of the policy is there too, not judged, so nothing that never ran can pass.
-        decided = search.up_to(policy, top.reached or "build")
+        decided = up_to(policy, top.reached or "build")
         judged = judge(decided, *_arms(winner_ctx)).results if decided else []
         rest = [not_judged(c, top.eliminated or "") for c in policy.checks if decided is None or c not in decided.checks]
         detail = (f"the search budget ({ctx.recipe.search.budget_s:g} s) ran out before every check of "
                   + ", ".join(stopped) + " ran") if stopped else ""
-        outcome, evidence = stage_impl.gate(winner_ctx, policy, results=judged + rest,
-                                            ending=Ending.BUDGET if stopped else Ending.NO_WINNER,
-                                            subject=top.name, detail=detail)
+        outcome, evidence = gate(winner_ctx, policy, results=judged + rest,
+                                 ending=Ending.BUDGET if stopped else Ending.NO_WINNER,
+                                 subject=top.name, detail=detail)
     report.publish(winner_ctx, outcome, evidence, top.artifact, search=(arms, winner, policy))
     return outcome
 
 
 def _arms(ctx: RunContext) -> tuple[Any, Any]:
-    from kiln.pipeline.evidence import evidence_from_run
-
     evidence = evidence_from_run(ctx.run_dir)
     return evidence["candidate"], evidence["baseline"]
 
@@ -173,9 +173,7 @@ def _finish(ctx: RunContext, status: str, outcome: GateOutcome | None) -> None:
     state.update(status="done" if outcome else status.lower(), finished_at=time.time())
     if outcome:
         state.update(verdict=outcome.verdict.value, exit_code=int(outcome.exit_code))
-        from kiln.pipeline.report import ICON
-
-        ctx.tracker.show_verdict(ctx.parent_run, f"{ICON[outcome.verdict]} {outcome.verdict.value} · {ctx.run_dir.name}",
+        ctx.tracker.show_verdict(ctx.parent_run, f"{report.ICON[outcome.verdict]} {outcome.verdict.value} · {ctx.run_dir.name}",
                                  outcome.verdict.value, passed=int(outcome.exit_code) == 0)
     atomic_write_json(ctx.run_dir / "state.json", state)
     ctx.tracker.end(ctx.parent_run, status)
@@ -193,8 +191,6 @@ def list_runs(runs_root: Path) -> list[dict[str, Any]]:
 
 
 def _alive(pid: int) -> bool:
-    from kiln.pipeline.tracking import _alive as alive
-
     return bool(pid) and alive(pid)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from rich.markup import escape
 
 from kiln.core.files import atomic_dir, atomic_write_json, file_lock, hash_of, read_json
-from kiln.pipeline.rss import StageMemory, peak_rss_bytes  # noqa: F401 - peak_rss_bytes: stage_impl and bench import it from here
+from kiln.pipeline.rss import StageMemory, peak_rss_bytes  # noqa: F401 - peak_rss_bytes: stage_optimize and bench import it from here
 from kiln.pipeline.tracking import STAGE_KEY, Tracker, flatten
 from kiln.core.versions import environment
 
@@ -131,17 +131,7 @@ def run_stage(ctx: RunContext, stage: str, role: str, inputs: dict[str, Any],
             else:
                 _compute(ctx, label, key, inputs, compute, path)
             ctx.holds.hold(stage_use(ctx.cache, stage, key))  # before the lock goes: no prune in between
-        result, manifest = read_json(path / RESULT), read_json(path / MANIFEST)
-        ctx.tracker.log(run_id, metrics={**_memory_of_older_stage(stage, manifest), **result.get("metrics", {}),
-                                         "wall_s": manifest.get("wall_s", 0.0)},
-                        params=flatten(inputs),
-                        tags={"kiln.reused": str(reused).lower(), **({"kiln.reused_from": source_run} if source_run else {})})
-        if portable:  # all of it: another machine reuses the stage from these files alone
-            ctx.tracker.log_artifacts(run_id, path, "stage")
-        else:
-            for name in (RESULT, MANIFEST, *artifacts):
-                if (path / name).exists():
-                    ctx.tracker.log_artifacts(run_id, path / name, "stage")
+        result = _log_stage(ctx, run_id, stage, inputs, path, reused, source_run, None if portable else artifacts)
         ctx.tracker.end(run_id)
     except BaseException:
         ctx.tracker.end(run_id, "FAILED")
@@ -152,6 +142,25 @@ def run_stage(ctx: RunContext, stage: str, role: str, inputs: dict[str, Any],
                       {"stage": stage, "role": role, "key": key, "path": str(path), "reused": reused,
                        "mlflow_run": run_id, "metrics": result.get("metrics", {})})
     return outcome
+
+
+def _log_stage(ctx: RunContext, run_id: str, stage: str, inputs: dict[str, Any], path: Path,
+               reused: bool, source_run: str | None, artifacts: tuple[str, ...] | None) -> dict[str, Any]:
+    """The stage's MLflow run: its metrics, inputs as params, whether and whence it was reused, and
+    its files (all of them when `artifacts` is None: a portable stage, which another machine reuses
+    from these files alone). Returns the stage's result."""
+    result, manifest = read_json(path / RESULT), read_json(path / MANIFEST)
+    ctx.tracker.log(run_id, metrics={**_memory_of_older_stage(stage, manifest), **result.get("metrics", {}),
+                                     "wall_s": manifest.get("wall_s", 0.0)},
+                    params=flatten(inputs),
+                    tags={"kiln.reused": str(reused).lower(), **({"kiln.reused_from": source_run} if source_run else {})})
+    if artifacts is None:
+        ctx.tracker.log_artifacts(run_id, path, "stage")
+    else:
+        for name in (RESULT, MANIFEST, *artifacts):
+            if (path / name).exists():
+                ctx.tracker.log_artifacts(run_id, path / name, "stage")
+    return result
 
 
 def _memory_of_older_stage(stage: str, manifest: dict[str, Any]) -> dict[str, Any]:

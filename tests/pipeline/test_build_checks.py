@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kiln.core.errors import BadInput
-from kiln.pipeline.stage_impl import read_prompts
+from kiln.pipeline.stage_inputs import read_prompts
 from tests.pipeline.conftest import kiln, write_recipe
 
 
@@ -100,7 +100,7 @@ def test_a_gguf_build_is_checked_against_the_runs_own_copy_of_its_source(tmp_pat
     from types import SimpleNamespace
 
     from kiln.optimize.base import ModelArtifact
-    from kiln.pipeline.stage_impl import _unquantized_sources
+    from kiln.pipeline.stage_optimize import _unquantized_sources
 
     baseline = SimpleNamespace(path=tmp_path / "optimize-baseline", result={"manifest": {"source_sha256": "abc"}})
     art = ModelArtifact(path=tmp_path / "gguf", manifest={"source": "/tmp/gone", "source_sha256": "abc"})

@@ -168,7 +168,7 @@ def test_the_benchmark_stops_on_the_speed_checks_only_each_at_a_share_of_the_con
     from types import SimpleNamespace
 
     from kiln.core.gate.base import Evidence, Verdict
-    from kiln.pipeline.stage_impl import futility_policy
+    from kiln.pipeline.stage_benchmark import futility_policy
 
     family = for_family(GateSection.model_validate({"confidence": 0.95, "checks": CHECKS}), 3)
     looks = futility_policy(SimpleNamespace(gate=family, recipe=None), rounds=4)
