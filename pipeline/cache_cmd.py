@@ -1,6 +1,6 @@
 """`kiln cache`: what kiln's cache ($KILN_CACHE, else ~/.cache/kiln) holds, and pruning what no
 run needs. The rules (what is needed, what last used means, how deleting stays atomic) are in
-kiln.pipeline.cache_index. Registered on the one `kiln` app by `cli.py`."""
+kiln.pipeline.cache_index. Registered on the one `kiln` app (cli_app.py) when `cli.py` imports it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from kiln.pipeline.cli import app, console
+from kiln.pipeline.cli_app import app, console
 from kiln.pipeline.cli_ops import TrackingOpt
 from kiln.core.errors import BadInput
 

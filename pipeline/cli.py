@@ -12,21 +12,12 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kiln.core.errors import BadInput, ExitCode, KilnError
 from kiln.core.credentials import guard_streams
-
-app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
-                  help="kiln: take an LLM checkpoint to production safely — optimize, evaluate, track, gate, deploy.")
-console = Console(stderr=False)
-err = Console(stderr=True)
-
-RecipeArg = Annotated[Path, typer.Argument(help="recipe YAML file", show_default=False)]
-SetOpt = Annotated[list[str], typer.Option("--set", help="override a recipe field: --set optimize.bits=8 (repeatable)")]
-RunsOpt = Annotated[Path, typer.Option(help="where run directories go")]
+from kiln.core.errors import BadInput, ExitCode, KilnError
+from kiln.pipeline.cli_app import RecipeArg, RunsOpt, SetOpt, app, console, err
 
 
 def _env() -> None:
@@ -186,5 +177,7 @@ def main() -> None:
     sys.exit(code if isinstance(code, int) else 0)
 
 
+# After this file's commands, so `kiln --help` lists them first. cli_ops and cache_cmd import the app from
+# cli_app, never from here: the arrow runs one way.
 from kiln.pipeline import cli_ops  # noqa: E402,F401 - registers the serving, deploy and planning commands
 from kiln.pipeline import cache_cmd  # noqa: E402,F401 - registers `kiln cache`

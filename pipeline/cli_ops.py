@@ -1,5 +1,5 @@
 """`kiln` commands around a finished run: serve it, route to it, walk a canary, move aliases,
-compare runs, plan memory and capacity. Registered on the one `kiln` app by `cli.py`."""
+compare runs, plan memory and capacity. Registered on the one `kiln` app (cli_app.py) when `cli.py` imports it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from kiln.engine.admission import SERVE_ADMISSION
-from kiln.pipeline.cli import RecipeArg, RunsOpt, SetOpt, app, console
+from kiln.pipeline.cli_app import RecipeArg, RunsOpt, SetOpt, app, console
 from kiln.core.errors import BadInput
 
 HostOpt = Annotated[str, typer.Option(help="bind address; loopback unless you mean otherwise (any other address "
@@ -90,39 +90,39 @@ def _queue_wait(value: str) -> float | str | None:
     return seconds
 
 
+ApiKeyEnvOpt = Annotated[str, typer.Option(help="env var holding the API key clients must send; several "
+                                               "comma-separated keys = several tenants (unset: no key)")]
+MaxRunningOpt = Annotated[int | None, typer.Option(min=1, show_default="the engine's max_batch_size",
+                                                   help="requests admitted at once (more than the engine "
+                                                   "batches would wait inside it, unseen by --queue-wait)")]
+MaxQueueOpt = Annotated[int | None, typer.Option(min=0, show_default="--max-running",
+                                                 help="most requests waiting beyond --max-running")]
+QueueWaitOpt = Annotated[str, typer.Option(help="queue a request only if its estimated wait for a slot fits: "
+                                           "'auto' (half the median slot-to-first-token time, so admitted "
+                                           "TTFT stays within 1.5x of at-capacity; with --ttft-slo-ms, what "
+                                           "that leaves), seconds, or 'off' (--max-queue alone). Otherwise "
+                                           "an immediate 429 whose Retry-After is the estimated wait")]
+TtftSloOpt = Annotated[float | None, typer.Option(min=0, help="TTFT objective for --queue-wait auto "
+                                                  "(`kiln deploy render` passes the recipe's)")]
+RateLimitOpt = Annotated[float, typer.Option(min=0, help="requests/s per API key (token bucket); 0 = off")]
+RateBurstOpt = Annotated[int, typer.Option(min=1, help="requests an API key may send at once before "
+                                           "--rate-limit applies")]
+DrainTimeoutOpt = Annotated[float, typer.Option(min=0, help="on SIGTERM: stop admitting, let in-flight "
+                                                "requests finish for up to this many seconds, exit 0")]
+RequestLogOpt = Annotated[str, typer.Option(help="one JSON line per request (queue time, TTFT, TPOT, tokens "
+                                            "in/out): 'stderr', 'stdout', a file (appended) or 'off'")]
+
+
 @app.command()
 def serve(target: Annotated[str, typer.Argument(metavar="ENGINE_DIR|RUN")],
           role: Annotated[str, typer.Option(help="with a RUN: which arm to serve")] = "candidate",
-          host: HostOpt = "127.0.0.1", port: int = 8000,
-          api_key_env: Annotated[str, typer.Option(help="env var holding the API key clients must send; several "
-                                                        "comma-separated keys = several tenants (unset: no key)")]
-          = "KILN_API_KEY",
+          host: HostOpt = "127.0.0.1", port: int = 8000, api_key_env: ApiKeyEnvOpt = "KILN_API_KEY",
           model_name: Annotated[str | None, typer.Option(help="name in /v1/models")] = None,
-          max_running: Annotated[int | None, typer.Option(min=1, show_default="the engine's max_batch_size",
-                                                          help="requests admitted at once (more than the engine "
-                                                          "batches would wait inside it, unseen by --queue-wait)")]
-          = None,
-          max_queue: Annotated[int | None, typer.Option(min=0, show_default="--max-running",
-                                                        help="most requests waiting beyond --max-running")] = None,
-          queue_wait: Annotated[str, typer.Option(help="queue a request only if its estimated wait for a slot fits: "
-                                                  "'auto' (half the median slot-to-first-token time, so admitted "
-                                                  "TTFT stays within 1.5x of at-capacity; with --ttft-slo-ms, what "
-                                                  "that leaves), seconds, or 'off' (--max-queue alone). Otherwise "
-                                                  "an immediate 429 whose Retry-After is the estimated wait")]
-          = "auto",
-          ttft_slo_ms: Annotated[float | None, typer.Option(min=0, help="TTFT objective for --queue-wait auto "
-                                                            "(`kiln deploy render` passes the recipe's)")] = None,
-          rate_limit: Annotated[float, typer.Option(min=0, help="requests/s per API key (token bucket); 0 = off")] = 0,
-          rate_burst: Annotated[int, typer.Option(min=1, help="requests an API key may send at once before "
-                                                  "--rate-limit applies")] = SERVE_ADMISSION.rate_limit_burst,
-          drain_timeout: Annotated[float, typer.Option(min=0, help="on SIGTERM: stop admitting, let in-flight "
-                                                       "requests finish for up to this many seconds, exit 0")]
-          = SERVE_ADMISSION.drain_timeout_s,
-          request_log: Annotated[str, typer.Option(help="one JSON line per request (queue time, TTFT, TPOT, tokens "
-                                                   "in/out): 'stderr', 'stdout', a file (appended) or 'off'")]
-          = "stderr",
-          insecure_no_api_key: InsecureOpt = False,
-          runs: RunsOpt = Path("runs")) -> None:
+          max_running: MaxRunningOpt = None, max_queue: MaxQueueOpt = None, queue_wait: QueueWaitOpt = "auto",
+          ttft_slo_ms: TtftSloOpt = None, rate_limit: RateLimitOpt = 0,
+          rate_burst: RateBurstOpt = SERVE_ADMISSION.rate_limit_burst,
+          drain_timeout: DrainTimeoutOpt = SERVE_ADMISSION.drain_timeout_s, request_log: RequestLogOpt = "stderr",
+          insecure_no_api_key: InsecureOpt = False, runs: RunsOpt = Path("runs")) -> None:
     """Serve an engine behind an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /health, /metrics).
 
     A full queue answers 429 at once; SIGTERM drains (in-flight requests finish) and exits 0.
@@ -179,7 +179,7 @@ def tune(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
     from kiln.pipeline.model_source import resolve_model
     from kiln.pipeline.recipe import load_recipe
     from kiln.pipeline.runner import _finish, start_run
-    from kiln.pipeline.stage_impl import quantize, tune_engine
+    from kiln.pipeline.stage_optimize import quantize, tune_engine
 
     r = load_recipe(recipe, set_).single("kiln tune")
     if r.tune is None:

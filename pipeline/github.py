@@ -21,7 +21,6 @@ import json
 import os
 import re
 import sys
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,8 @@ from urllib.parse import urlsplit
 
 from kiln.core.errors import BadInput
 from kiln.core.files import atomic_write_text, read_json
+from kiln.pipeline.github_actions import in_github_actions, output_line  # noqa: F401 - in_github_actions: `kiln run` asks here
+from kiln.pipeline.github_changes import add_cli as add_changes_cli
 
 COMMENT_FILE = "pr-comment.md"
 MARKER = "<!-- kiln-report:{recipe} -->"
@@ -43,10 +44,6 @@ _SECRET_QUERY = re.compile(r"(?P<key>[?&](?:token|access_token|sig|signature|pas
 ICON = {"Successful": "✅", "Failed": "❌", "Inconclusive": "⚠️", "Error": "💥"}
 ORDER = {"Failed": 0, "Error": 1, "Inconclusive": 2, "Successful": 3}
 EXIT_MEANING = {0: "passed", 1: "gate failed", 2: "bad input", 3: "gate inconclusive", 4: "internal error"}
-
-
-def in_github_actions(env: Mapping[str, str] = os.environ) -> bool:
-    return env.get("GITHUB_ACTIONS") == "true"
 
 
 def redact(text: str, env: Mapping[str, str] = os.environ) -> str:
@@ -166,14 +163,6 @@ def _write_all(run_dir: Path, recipe: str, verdict: Mapping[str, Any], report_md
             f.write("".join(output_line(k, redact(v, env)) for k, v in outputs.items()))
 
 
-def output_line(name: str, value: str) -> str:
-    """One $GITHUB_OUTPUT entry; multi-line values use a delimiter that cannot occur in them."""
-    if "\n" not in value and "\r" not in value:
-        return f"{name}={value}\n"
-    delimiter = f"ghadelimiter_{uuid.uuid4()}"
-    return f"{name}<<{delimiter}\n{value}\n{delimiter}\n"
-
-
 def _annotate(recipe: str, checks: list[Mapping[str, Any]], env: Mapping[str, str]) -> None:
     level = {"Failed": "error", "Error": "error", "Inconclusive": "warning"}
     for c in checks:
@@ -277,8 +266,6 @@ def _truncate(text: str, limit: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kiln.pipeline.github_changes import add_cli as add_changes_cli
-
     parser = argparse.ArgumentParser(prog="python -m kiln.pipeline.github", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("publish", help="report a finished run directory (what `kiln run` does itself)")

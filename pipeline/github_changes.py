@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 
 from kiln.core.errors import BadInput
-from kiln.pipeline.github import in_github_actions, output_line
+from kiln.pipeline.github_actions import in_github_actions, output_line
 
 GPU_BACKENDS = frozenset({"tensorrt_llm", "vllm", "sglang"})
 RUNNERS = ("cpu", "gpu")
