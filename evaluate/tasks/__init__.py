@@ -88,7 +88,7 @@ def _data_files(names: list[str], data: TaskData, out: Path) -> dict[str, str]:
     for name in names:
         if not Path(getattr(data, NEEDS[name])).is_file():
             raise BadInput(f"lm-eval task {name}: data file {getattr(data, NEEDS[name])} not found. "
-                           "Run `kiln demo` (or kiln.pipeline.demo.prepare_demo_data()) to build the demo data.")
+                           "Run `kiln prepare-demo` to build the demo data.")
     files: dict[str, str] = {}
     if "heldout" in names:
         docs = heldout_documents(Path(data.eval_text).read_text(encoding="utf-8"))
