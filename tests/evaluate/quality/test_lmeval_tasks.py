@@ -69,7 +69,7 @@ def test_user_task_by_path(data, tmp_path):
 
 def test_missing_demo_data_is_a_clear_error(data, tmp_path):
     broken = type(data)(**{**vars(data), "word_swap": tmp_path / "absent.jsonl"})
-    with pytest.raises(BadInput, match="word_swap.*not found.*kiln demo"):
+    with pytest.raises(BadInput, match="word_swap.*not found.*kiln prepare-demo"):
         render_shipped(["word_swap"], broken, tmp_path / "t")
 
 
