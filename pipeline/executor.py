@@ -52,13 +52,3 @@ class LocalExecutor:
 
     def close(self) -> None:
         return None
-
-
-def create(ctx: Any, run_here: Callable[[Any, str], None], run_on_node: Callable[..., None]) -> Executor:
-    """The recipe's executor. `run_here(arm, phase)` runs a phase in this process; `run_on_node(arm,
-    phases, model)` is what a Ray task calls on its node (a module-level function: Ray sends it by name)."""
-    if ctx.recipe.search.executor == "local":
-        return LocalExecutor(run_here)
-    from kiln.pipeline.ray_executor import RayExecutor
-
-    return RayExecutor(ctx, run_on_node)

@@ -31,7 +31,7 @@ from kiln.core.metrics import METRICS
 from kiln.optimize.base import QUANTIZERS, ModelArtifact
 from kiln.pipeline import stage_impl
 from kiln.pipeline.evidence import evidence_from_run
-from kiln.pipeline.executor import CONFIRM, Executor, create as create_executor
+from kiln.pipeline.executor import CONFIRM, Executor, LocalExecutor
 from kiln.pipeline.phases import PHASES, for_family, objective_phase, up_to
 from kiln.pipeline.stages import RunContext, run_stage, run_tags
 
@@ -125,7 +125,7 @@ def run_search(ctx: RunContext, model: Any) -> tuple[Arm | None, list[Arm], Gate
     started = time.monotonic()
     shared = stage_impl.LazyEngines({}, _load)
     # Where each candidate's phase runs (search.executor); an unreachable cluster fails here, before any work.
-    executor = create_executor(ctx, lambda arm, phase: _run_phase(arm, phase, model, shared), run_on_node)
+    executor = _executor(ctx, lambda arm, phase: _run_phase(arm, phase, model, shared))
     try:
         recipe, arms, policy = _arms(ctx)
         for phase in PHASES:
@@ -148,6 +148,16 @@ def run_search(ctx: RunContext, model: Any) -> tuple[Arm | None, list[Arm], Gate
     for arm in arms:
         _close_arm(ctx, arm, winner)
     return winner, arms, policy
+
+
+def _executor(ctx: RunContext, run_here: Any) -> Executor:
+    """The recipe's executor (kiln.pipeline.executor): this process, or a Ray cluster whose tasks call
+    `run_on_node` (a module-level function: Ray sends it by name)."""
+    if ctx.recipe.search.executor == "local":
+        return LocalExecutor(run_here)
+    from kiln.pipeline.ray_executor import RayExecutor
+
+    return RayExecutor(ctx, run_on_node)
 
 
 def _arms(ctx: RunContext) -> tuple[Any, list[Arm], GateSection]:
