@@ -128,7 +128,7 @@ class LlamaLibraryEngine(LlamaCppEngine):
 
     def _decode(self, entries: list[tuple[_Seq, int, bool]]) -> None:
         rows = []
-        for seq, token, wants in entries:  # a sequence's tokens are consecutive: each takes the next position
+        for seq, token, wants in entries:  # each token takes its sequence's next position
             rows.append((token, seq.pos, seq.slot, wants))
             seq.pos += 1
         fill_batch(self.batch, rows)
