@@ -104,7 +104,7 @@ class RayExecutor:
         task = Task(phases, arm.name, arm.mlflow_run, arm.ctx.recipe, str(arm.ctx.recipe_path), arm.ctx.gate,
                     frozenset(arm.ctx.fresh), self.ctx.tracker.uri, self.ctx.recipe.tracking.experiment,
                     type(arm), self.run_on_node, arm.champion)
-        return self._task.options(**self.options(arm, phase)).remote(task)
+        return phase, self._task.options(**self.options(arm, phase)).remote(task)
 
     def options(self, arm: Any, phase: str) -> dict[str, Any]:
         """Ray's resource request for `arm`'s `phase` (see the module's docstring)."""
@@ -133,7 +133,8 @@ class RayExecutor:
         return matching
 
     def finish(self, arm: Any, job: Any) -> None:
-        report = wait(job)
+        phase, ref = job
+        report = wait(ref)
         node = Node(**report["node"])
         if self.hardware is None:  # the first candidate's build sets the hardware speed is measured on
             self.hardware = node.hardware
@@ -142,7 +143,8 @@ class RayExecutor:
             arm.artifact = ModelArtifact(path=Path(report["artifact"]["path"]), manifest=report["artifact"]["manifest"])
         if report["eliminated"] and arm.eliminated is None:
             arm.eliminated = report["eliminated"]
-        arm.nodes.update(report["timed"])
+        # the confirmation's figures beside the screening's: the report names the node of each
+        arm.nodes.update({("confirmation" if phase == CONFIRM else stage): node for stage, node in report["timed"].items()})
         for record in report["records"]:
             fetch_stage(arm.ctx, record)
 
