@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from kiln.pipeline.cli_app import app, console
+from kiln.pipeline.cli_app import app, console, size_option
 from kiln.pipeline.cli_ops import TrackingOpt
 from kiln.core.errors import BadInput
 
@@ -113,16 +113,13 @@ def prune_cmd(older_than: Annotated[str | None, typer.Option(help="prune what wa
     it prints what would go and what that frees. Never touches what a registered version's run
     or a running kiln run needs, nor the demo model, data or llama.cpp build; a prune killed
     half-way leaves no half stage (entries are renamed into trash/ first)."""
-    from kiln.optimize.memory import human, parse_bytes
+    from kiln.optimize.memory import human
     from kiln.pipeline.cache_index import plan_prune, prune
 
     if older_than is None and max_size is None:
         raise BadInput("kiln cache prune: say what to prune with --older-than AGE (7d) and/or --max-size SIZE (20G)")
     age = parse_age(older_than) if older_than is not None else None
-    try:
-        limit = parse_bytes(max_size) if max_size is not None else None
-    except ValueError as e:
-        raise BadInput(f"--max-size: {e}") from None
+    limit = size_option("--max-size", max_size)
     ix, note = _index(tracking_uri)
     doomed = plan_prune(ix, age, limit)
     freed = ix.freed({e.path for e in doomed})

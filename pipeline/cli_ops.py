@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from kiln.engine.admission import SERVE_ADMISSION
-from kiln.pipeline.cli_app import RecipeArg, RunsOpt, SetOpt, app, console
+from kiln.pipeline.cli_app import RecipeArg, RunsOpt, SetOpt, app, console, size_option
 from kiln.core.errors import BadInput
 
 HostOpt = Annotated[str, typer.Option(help="bind address; loopback unless you mean otherwise (any other address "
@@ -365,15 +365,12 @@ def plan_memory_cmd(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
                              "here now: the machine the run is for")] = None) -> None:
     """How much memory quantizing and serving each arm needs (the baseline and every candidate, one
     line each), against what is free. Exit 2 with the numbers and the change that fits if one does not."""
-    from kiln.optimize.memory import arms_table, check_arms, parse_bytes, plan_memory
+    from kiln.optimize.memory import arms_table, check_arms, plan_memory
     from kiln.pipeline.model_source import cache_root, resolve_model
     from kiln.pipeline.recipe import load_recipe
 
     r = load_recipe(recipe, set_)
-    try:
-        free = parse_bytes(available) if available is not None else None
-    except ValueError as e:
-        raise BadInput(f"--available: {e}") from None
+    free = size_option("--available", available)
     model = resolve_model(r.model.path, cache_root())
 
     def plan(method: object) -> object:
