@@ -4,7 +4,7 @@ For each GGUF type (f32, q8_0, q4_K_M of the demo model, made by the `gguf` meth
 held-out text is scored two ways:
 - `llama-perplexity -c 512 -b 512`: llama.cpp's own tool, on chunks of 512 tokens, each scored on
   its second half (tokens 257..511 given the ones before);
-- kiln: the llama_cpp engine's `score()` (in-process, engine/llama_cpp_logits.py) on the same
+- kiln: the llama_cpp engine's `score()` (in-process, engine/llama_cpp_scoring.py) on the same
   chunks, the same halves, from the HF tokenizer's ids (the gguf method checked they match);
 and, for reference, kiln's perplexity evaluator as the demo recipe runs it (24 windows of 256).
 What the gate uses is the ratio to f32, so the figure is |ratio(kiln) / ratio(llama-perplexity) - 1|.
