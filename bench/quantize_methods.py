@@ -50,7 +50,7 @@ def quantize_worker(model: Path, spec: dict, out: Path) -> dict:
     from kiln.optimize.checkpoint import read_config
     from kiln.optimize.memory import plan_memory
     from kiln.core.files import atomic_dir
-    from kiln.pipeline.stage_impl import calibration_text
+    from kiln.pipeline.stage_optimize import calibration_text
     from kiln.pipeline.stages import peak_rss_bytes
 
     config = TypeAdapter(QUANTIZERS.config_union()).validate_python(spec)

@@ -118,7 +118,7 @@ def test_a_setting_that_cannot_be_built_is_a_failed_trial(tmp_path):
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory, tiny_model_dir):
     """A real tuning run inside the pipeline: 3 trials on the tiny model, each served over HTTP."""
-    from kiln.pipeline import stage_impl
+    from kiln.pipeline import stage_optimize as stage_impl
     from kiln.pipeline.model_source import resolve_model
 
     work = tmp_path_factory.mktemp("tune")
@@ -190,7 +190,7 @@ def test_every_trial_is_a_child_run_in_mlflow(tuned):
 
 
 def test_rerun_reuses_the_tuning(tuned):
-    from kiln.pipeline import stage_impl
+    from kiln.pipeline import stage_optimize as stage_impl
 
     ctx = _context(tuned["recipe"], tuned["work"], "second")
     before = sorted(p.name for p in (tuned["work"] / "cache" / "engines").iterdir())
