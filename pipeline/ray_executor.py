@@ -83,6 +83,7 @@ class RayExecutor:
     run_on_node: Any
     nodes: dict[str, Node] = field(default_factory=dict)
     hardware: str | None = None
+    home: dict[str, str] = field(default_factory=dict)  # candidate -> the node its build ran on
 
     def __post_init__(self) -> None:
         section = self.ctx.recipe.search.ray
@@ -117,20 +118,13 @@ class RayExecutor:
                                 "name": f"kiln {arm.name} {phase}"}
         if phase in timed_phases(arm.ctx.recipe):
             opts["resources"] = {TIMED: 1}
-            opts["label_selector"] = {"ray.io/node-id": f"in({','.join(self.timed_nodes())})"}
-        return opts
+            allowed = timed_nodes(self.nodes, self.hardware, self.address)
+            opts["label_selector"] = {"ray.io/node-id": f"in({','.join(allowed)})"}
+        elif arm.name in self.home:  # where its build is: another node would build it again first
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    def timed_nodes(self) -> list[str]:
-        """The nodes a timed stage may run on: they declare `kiln_timed` and have the target hardware."""
-        timed = [n for n in self.nodes.values() if n.timed]
-        if not timed:
-            raise BadInput(f"search.ray.address: no node of the Ray cluster at {redact_uri(self.address)} declares the "
-                           f"resource {TIMED}; start each node with --resources '{{\"{TIMED}\": 1}}' (docs/search.md)")
-        matching = [n.id for n in timed if self.hardware is None or n.hardware.startswith(self.hardware)]
-        if not matching:
-            raise BadInput(f"search.ray.hardware: no node with {TIMED} has hardware {self.hardware}; the nodes have "
-                           + ", ".join(sorted({n.hardware[:12] for n in timed})))
-        return matching
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.home[arm.name], soft=True)
+        return opts
 
     def finish(self, arm: Any, job: Any) -> None:
         phase, ref = job
@@ -138,6 +132,8 @@ class RayExecutor:
         node = Node(**report["node"])
         if self.hardware is None:  # the first candidate's build sets the hardware speed is measured on
             self.hardware = node.hardware
+        if phase == "build":
+            self.home[arm.name] = node.id
         arm.engines = {role: Path(p) for role, p in report["engines"].items()}
         if report["artifact"]:
             arm.artifact = ModelArtifact(path=Path(report["artifact"]["path"]), manifest=report["artifact"]["manifest"])
@@ -171,6 +167,19 @@ def _remote(fn: Any) -> Any:
     import ray
 
     return ray.remote(fn)
+
+
+def timed_nodes(nodes: dict[str, Node], hardware: str | None, address: str) -> list[str]:
+    """The nodes a timed stage may run on: they declare `kiln_timed` and have the target hardware."""
+    timed = [n for n in nodes.values() if n.timed]
+    if not timed:
+        raise BadInput(f"search.ray.address: no node of the Ray cluster at {redact_uri(address)} declares the "
+                       f"resource {TIMED}; start each node with --resources '{{\"{TIMED}\": 1}}' (docs/search.md)")
+    matching = [n.id for n in timed if hardware is None or n.hardware.startswith(hardware)]
+    if not matching:
+        raise BadInput(f"search.ray.hardware: no node with {TIMED} has hardware {hardware}; the nodes have "
+                       + ", ".join(sorted({n.hardware[:12] for n in timed})))
+    return matching
 
 
 def timed_phases(recipe: Any) -> set[str]:

@@ -143,3 +143,40 @@ def test_an_unreachable_cluster_fails_in_seconds_naming_the_address(tmp_path, ti
     assert f"cannot reach the Ray cluster at {address}" in proc.stdout + proc.stderr
     assert "search.ray.address" in proc.stdout + proc.stderr
     assert time.monotonic() - started < 60
+
+
+# --- the executor's rules, without a cluster ---
+
+
+def _nodes(*specs):
+    from kiln.pipeline.ray_executor import Node
+
+    return {f"n{i}": Node(f"n{i}" + "0" * 20, "10.0.0.%d" % i, cpus, timed, hardware)
+            for i, (cpus, timed, hardware) in enumerate(specs)}
+
+
+def test_timed_stages_go_only_to_nodes_with_the_resource_and_the_target_hardware():
+    from kiln.core.errors import BadInput
+    from kiln.pipeline.ray_executor import timed_nodes
+
+    nodes = _nodes((2, True, "aaaa1111" * 8), (2, True, "bbbb2222" * 8), (2, False, "aaaa1111" * 8))
+    assert timed_nodes(nodes, None, "auto") == [nodes["n0"].id, nodes["n1"].id]
+    assert timed_nodes(nodes, "aaaa1111aaaa", "auto") == [nodes["n0"].id]  # n2 has no kiln_timed unit
+    with pytest.raises(BadInput, match="search.ray.hardware: no node with kiln_timed has hardware cccc"):
+        timed_nodes(nodes, "cccc3333cccc", "auto")
+    with pytest.raises(BadInput, match="declares the resource kiln_timed"):
+        timed_nodes(_nodes((2, False, "aaaa1111" * 8)), None, "ray://head:10001")
+
+
+def test_a_phase_asks_for_the_cpus_its_engines_threads_use(tiny_model_dir, tmp_path):
+    from kiln.pipeline.ray_executor import engine_resources
+    from kiln.pipeline.recipe import load_recipe
+
+    recipe = load_recipe(_recipe(tmp_path / "r.yaml", tiny_model_dir, "auto", "x"))
+    views = dict(recipe.arms())
+    nodes = _nodes((4, True, "a" * 64), (8, True, "a" * 64)).values()
+    assert engine_resources(views["ct2-int8"], nodes) == (1.0, 0.0)
+    more = load_recipe(tmp_path / "r.yaml", ["baseline.engine.threads=3"])
+    assert engine_resources(dict(more.arms())["ct2-int8"], nodes) == (3.0, 0.0)
+    unset = load_recipe(tmp_path / "r.yaml", ["baseline.engine.threads=null"])  # all cores: the smallest node's
+    assert engine_resources(dict(unset.arms())["ct2-int8"], nodes) == (4.0, 0.0)
