@@ -120,7 +120,8 @@ def _search_tables(record: dict[str, Any]) -> list[Table]:
         rows.append([("🏆 " if c["name"] == record["winner"] else "") + c["name"], c["engine"], c["optimize"],
                      c["verdict"] or "—", _speedup(c["confirmed"] or c["screened"]) + (" (confirmed)" if c["confirmed"] else ""),
                      "—" if not ppl else f"{ppl['change']:+.2%} [{ppl['low']:+.2%}, {ppl['high']:+.2%}]",
-                     _fmt(c.get("decode_tok_s")) + (f" ({c['contention']})" if c.get("contention") else ""),
+                     _fmt(c.get("decode_tok_s")) + (f" ({c['contention']})" if c.get("contention") else "")
+                     + _measured_on(c.get("nodes")),
                      _cost(c.get("cost_per_1m")), _amount("size_bytes", c["serving_bytes"]),
                      c["eliminated"] or ("winner" if c["name"] == record["winner"] else "passed every check")])
     summary = [["winner", record["winner"] or "none: no candidate passed every check"], ["why", record["why"]],
@@ -134,6 +135,12 @@ def _search_tables(record: dict[str, Any]) -> list[Table]:
     at = f" at {percent(record['confidence'])}"  # the intervals are at the confidence the verdicts were taken at
     header = [h.replace("[CI]", f"[CI{at}]") for h in SEARCH_HEADER]
     return [("Search", ["what", "result"], summary), ("Candidates", header, rows)]
+
+
+def _measured_on(nodes: dict[str, str] | None) -> str:
+    """Under a Ray executor, the node the decode figure came from (the confirmation's, else the screening's)."""
+    node = (nodes or {}).get("confirmation") or (nodes or {}).get("benchmark")
+    return f" on {node}" if node else ""
 
 
 def _cost(v: float | None) -> str:
@@ -163,7 +170,7 @@ def search_record(arms: list[Any], winner: Any, policy: Any) -> dict[str, Any]:
                      "verdict": arm.outcome.verdict.value if arm.outcome else None, "eliminated": arm.eliminated,
                      "reached": arm.reached, "screened": arm.screened, "confirmed": arm.confirmed,
                      "perplexity": ppl, "decode_tok_s": tok_s, "contention": busy, "cost_per_1m": cost_per_million(price, tok_s),
-                     "serving_bytes": serving_bytes(arm)})
+                     "serving_bytes": serving_bytes(arm), "nodes": arm.nodes})
     base_rate = median(base_tok_s) if base_tok_s else None  # over every benchmark it ran in
     baseline = {"engine": _serving(arms[0].ctx.recipe.engine_for("baseline")), "decode_tok_s": base_rate,
                 "cost_per_1m": cost_per_million(price, base_rate)}
