@@ -1,0 +1,490 @@
+"""kiln at the sizes its users run (issue 35): 135M, 1B, 3B and 8B checkpoints through one search.
+
+For each size, a random-weight checkpoint built from the published configuration (no download:
+the dicts below are the config.json values of Llama-3.2-1B, Qwen2.5-3B and Llama-3.1-8B), in bf16,
+sharded into 1 GiB safetensors files with a `model.safetensors.index.json`, with the demo model's
+tokenizer (its bos/eos/pad ids replace the published ones; the published vocab size is kept, so
+the embedding is the published size and rows past the tokenizer's 49,152 are never read). Weights
+are generated one shard at a time, so the generator holds at most one shard (1 GiB) and one
+tensor. 135M is the demo checkpoint itself (fp32, as kiln publishes it).
+
+Each size then runs through a search recipe this script writes: GGUF q8_0 and q4_K_M on llama.cpp
+(runtime: library) and OpenVINO int8, against the checkpoint as published (torch at its own dtype:
+bf16 for the three built ones). Small evaluate settings (24 perplexity documents of 64 tokens,
+4 prompts x 2 rounds of 16-token decodes) and a gate of perplexity (+5%) and speed (>= 1x): random
+weights say nothing about quality, so these runs measure memory, time and speed only. From the
+run's stage manifests: wall time and peak memory per stage (kiln's own VmHWM and its children's
+summed PSS), whether a stage exceeded 1.3 x the weight bytes it holds + 1 GiB; decode tok/s at batch
+1 per arm (the benchmark stage, prompt excluded), `llama-bench` tg64 of the q8_0 and q4_K_M GGUFs
+(bench/llama_cpp_runtimes.py's code) and MBU against the measured copy bandwidth; and
+`kiln plan-memory`'s prediction for each stage beside the measured peak.
+
+    flock /tmp/kiln-heavy.lock .venv/bin/python bench/scale.py --size 1b          # build, plan, run
+    .venv/bin/python bench/scale.py --size 8b --plan-only --available 20G         # build + plan only
+    .venv/bin/python bench/scale.py --table                                       # the table of every size run
+
+Writes bench/results/scale-<size>.json (one per size, so each size is one run under the lock) and
+prints the table of every scale-*.json. kiln runs from `--workdir` (outside the project: its
+mlflow.db and runs/ go there) with the default cache, as a user's run would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+import llama_cpp_runtimes
+
+from kiln.evaluate import contention
+
+RESULTS = Path(__file__).parent / "results"
+SHARD_BYTES = 1 << 30
+GIB = 1 << 30
+
+# The published config.json of each model (Hugging Face hub, as of 2026), every field that shapes
+# the weights or the rotary embedding; torch_dtype is what the checkpoints ship in.
+LLAMA_32_1B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "attention_dropout": 0.0,
+    "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 8192,
+    "max_position_embeddings": 131072, "mlp_bias": False, "num_attention_heads": 32, "num_hidden_layers": 16,
+    "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True,
+    "vocab_size": 128256,
+}
+QWEN_25_3B = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "attention_dropout": 0.0, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 11008, "max_position_embeddings": 32768,
+    "max_window_layers": 36, "num_attention_heads": 16, "num_hidden_layers": 36, "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16", "use_cache": True, "use_mrope": False, "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "attention_dropout": 0.0,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+    "max_position_embeddings": 131072, "mlp_bias": False, "num_attention_heads": 32, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "vocab_size": 128256,
+}
+SIZES = {"135m": ("SmolLM2-135M-Instruct (the demo checkpoint)", None),
+         "1b": ("Llama-3.2-1B", LLAMA_32_1B), "3b": ("Qwen2.5-3B", QWEN_25_3B), "8b": ("Llama-3.1-8B", LLAMA_31_8B)}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+CANDIDATES = [
+    {"name": "llama-q8_0", "optimize": {"method": "gguf", "type": "q8_0"},
+     "engine": {"backend": "llama_cpp", "runtime": "library", "threads": 2}},
+    {"name": "llama-q4_K_M", "optimize": {"method": "gguf", "type": "q4_K_M"},
+     "engine": {"backend": "llama_cpp", "runtime": "library", "threads": 2}},
+    {"name": "openvino-int8", "optimize": {"method": "none"},
+     "engine": {"backend": "openvino", "weights": "int8", "threads": 2}},
+]
+
+
+# ---------------------------------------------------------------- the checkpoint, shard by shard
+
+def tensor_shapes(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    """Every tensor of a Llama/Qwen2 checkpoint, in the order the published ones store them."""
+    h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    d = config.get("head_dim") or h // heads
+    bias = config["model_type"] == "qwen2"  # Qwen2 has q/k/v biases (no attention_bias field)
+    out = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", (h,)), (p + "self_attn.q_proj.weight", (heads * d, h)),
+                (p + "self_attn.k_proj.weight", (kv * d, h)), (p + "self_attn.v_proj.weight", (kv * d, h))]
+        if bias:
+            out += [(p + "self_attn.q_proj.bias", (heads * d,)), (p + "self_attn.k_proj.bias", (kv * d,)),
+                    (p + "self_attn.v_proj.bias", (kv * d,))]
+        out += [(p + "self_attn.o_proj.weight", (h, heads * d)), (p + "post_attention_layernorm.weight", (h,)),
+                (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+                (p + "mlp.down_proj.weight", (h, inter))]
+    out.append(("model.norm.weight", (h,)))
+    if not config["tie_word_embeddings"]:
+        out.append(("lm_head.weight", (vocab, h)))
+    return out
+
+
+def shard_plan(shapes: list[tuple[str, tuple[int, ...]]], limit: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """Tensors grouped into shards of at most `limit` bf16 bytes (a larger tensor gets its own)."""
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in shapes:
+        nbytes = 2 * math.prod(shape)
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += nbytes
+    return shards
+
+
+def build_checkpoint(config: dict[str, Any], tokenizer_dir: Path, out: Path) -> dict[str, Any]:
+    """Random bf16 weights (normal, sd = initializer_range; norms 1), one shard in memory at a time."""
+    import torch
+    from safetensors.torch import save_file
+
+    if (out / "model.safetensors.index.json").is_file():
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        return {"path": str(out), "weight_bytes": index["metadata"]["total_size"], "built_s": None,
+                "shards": len(set(index["weight_map"].values()))}
+    start = time.perf_counter()
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(0)
+    shards = shard_plan(tensor_shapes(config), SHARD_BYTES)
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for name, shape in shard:
+            t = torch.empty(shape, dtype=torch.bfloat16)
+            if name.endswith("norm.weight"):
+                t.fill_(1.0)
+            else:
+                t.normal_(0.0, config["initializer_range"], generator=gen)
+            tensors[name] = t
+            weight_map[name] = fname
+            total += t.numel() * 2
+        save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+        del tensors
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    _tokenizer_and_config(config, tokenizer_dir, tmp)
+    tmp.rename(out)
+    return {"path": str(out), "weight_bytes": total, "built_s": round(time.perf_counter() - start, 1),
+            "shards": len(shards)}
+
+
+def _tokenizer_and_config(config: dict[str, Any], tokenizer_dir: Path, out: Path) -> None:
+    """The demo tokenizer's files, and the published config with the demo tokenizer's special ids."""
+    demo = json.loads((tokenizer_dir / "config.json").read_text())
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copyfile(tokenizer_dir / name, out / name)
+    ids = {k: demo[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if demo.get(k) is not None}
+    (out / "config.json").write_text(json.dumps({**config, **ids}, indent=2))
+
+
+# ---------------------------------------------------------------- the recipe and the memory plan
+
+def recipe(size: str, checkpoint: Path, dtype: str, skip: list[str]) -> dict[str, Any]:
+    return {
+        "name": f"scale-{size}",
+        "description": f"bench/scale.py: {SIZES[size][0]}-shaped checkpoint (random weights) against itself "
+                       f"on torch {dtype}; GGUF q8_0/q4_K_M on llama.cpp, OpenVINO int8",
+        "model": {"path": str(checkpoint)},
+        "baseline": {"engine": {"backend": "torch", "dtype": dtype, "threads": 2}},
+        "candidates": [c for c in CANDIDATES if c["name"] not in skip],
+        "search": {"objective": "decode_tok_s"},
+        "evaluate": {"quality": {"perplexity": {"text": "demo", "max_documents": 24, "seq_len": 64},
+                                 "agreement": False},
+                     "benchmark": {"prompts": "demo", "num_prompts": 4, "max_new_tokens": 16, "repeats": 2}},
+        "gate": {"confidence": 0.95, "on_inconclusive": "fail", "checks": [
+            {"kind": "quality", "metric": "perplexity", "margin": 0.05, "relative": True},
+            {"kind": "performance", "metric": "decode_tok_s", "min_ratio": 1.0}]},
+        "tracking": {"experiment": "kiln-scale"},
+    }
+
+
+def plan(recipe_path: Path, available: int, workdir: Path) -> dict[str, Any]:
+    """`kiln plan-memory` as a user runs it (its text and exit code), and the same plans' numbers."""
+    from kiln.optimize.memory import plan_memory
+    from kiln.pipeline.model_source import cache_root, resolve_model
+    from kiln.pipeline.recipe import load_recipe
+    from kiln.pipeline.stage_optimize import _plan_memory  # noqa: F401  (the context the run plans with)
+
+    kiln = str(Path(sys.executable).with_name("kiln"))
+    cli = subprocess.run([kiln, "plan-memory", str(recipe_path), "--available", str(available)],
+                         capture_output=True, text=True, cwd=workdir, env={**os.environ, "COLUMNS": "200"})
+    r = load_recipe(recipe_path, [])
+    model = resolve_model(r.model.path, cache_root())
+    ev = r.evaluate
+    context = max(ev.quality.perplexity.seq_len, 512 + ev.benchmark.max_new_tokens)  # as stage_optimize plans
+    arms = {"baseline": None, **{name: arm.optimize for name, arm in r.arms()}}
+    plans = {name: plan_memory(model.config, m, context=context, batch=1, available_bytes=available).to_dict()
+             for name, m in arms.items()}
+    return {"cli_exit_code": cli.returncode, "cli_output": cli.stdout + cli.stderr, "context": context,
+            "available_bytes": available, "arms": plans}
+
+
+# ---------------------------------------------------------------- the run and what its stages recorded
+
+def run_kiln(recipe_path: Path, workdir: Path, timeout_s: int, floor: int) -> dict[str, Any]:
+    """`kiln run` from `workdir`, stopped (its whole process group) if it runs past `timeout_s` or the
+    machine's available memory falls under `floor` bytes: the machine is shared, and a stage that
+    outgrows it must not make the kernel's OOM killer pick someone else's process."""
+    import psutil
+
+    kiln = str(Path(sys.executable).with_name("kiln"))
+    start = time.perf_counter()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    stopped, lowest = None, psutil.virtual_memory().available
+    with open(workdir / "kiln-run.log", "w") as log:
+        proc = subprocess.Popen([kiln, "run", str(recipe_path), "--runs", str(workdir / "runs")], cwd=workdir,
+                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        while proc.poll() is None:
+            time.sleep(0.25)
+            lowest = min(lowest, psutil.virtual_memory().available)
+            over = time.perf_counter() - start > timeout_s
+            if over or lowest < floor:
+                stopped = "timeout" if over else f"available memory fell to {lowest / GIB:.2f} GiB"
+                os.killpg(proc.pid, 9)
+                proc.wait()
+    runs = sorted((workdir / "runs").glob(f"{recipe_path.stem}*"), key=lambda p: p.stat().st_mtime)
+    state = json.loads((runs[-1] / "state.json").read_text()) if runs else {}
+    return {"exit_code": proc.returncode, "wall_s": round(time.perf_counter() - start, 1), "stopped": stopped,
+            "lowest_available_bytes": lowest, "run_dir": str(runs[-1]) if runs else None,
+            "verdict": state.get("verdict"), "log_tail": (workdir / "kiln-run.log").read_text().splitlines()[-15:]}
+
+
+def finished(run_dir: Path) -> dict[str, Any]:
+    """A run this script started earlier (its state.json), read instead of run again."""
+    state = json.loads((run_dir / "state.json").read_text())
+    return {"exit_code": state.get("exit_code"), "wall_s": round(state["finished_at"] - state["started_at"], 1),
+            "run_dir": str(run_dir), "verdict": state.get("verdict"), "log_tail": []}
+
+
+def stage_records(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """Every stage any arm ran (keyed `<candidate>/<stage>-<role>`), from its cache manifest."""
+    out = {}
+    for record in sorted(run_dir.glob("candidates/*/stages/*.json")):
+        r = json.loads(record.read_text())
+        manifest = json.loads((Path(r["path"]) / "manifest.json").read_text())
+        own, kids = manifest.get("peak_rss_bytes", 0), manifest.get("children_peak_pss_bytes", 0)
+        out[f"{record.parent.parent.name}/{record.stem}"] = {
+            "stage": r["stage"], "role": r["role"], "key": r["key"], "reused": r["reused"], "path": r["path"],
+            "wall_s": round(manifest.get("wall_s", 0.0), 1), "peak_rss_bytes": own, "children_peak_pss_bytes": kids,
+            "peak_bytes": own + kids, "peak_rss_reset": manifest.get("peak_rss_reset"),
+            "children": [(c["name"], c["peak_rss_bytes"]) for c in manifest.get("children", [])],
+            "metrics": {k: v for k, v in r["metrics"].items() if "decode_tok_s" in k or "size_bytes" in k}}
+    return out
+
+
+def bench_gguf(stages: dict[str, dict[str, Any]], threads: int = 2, n: int = 64, depth: int = 16) -> dict[str, Any]:
+    """`llama-bench` tg64 at depth 16 (the positions kiln's decodes cover) of each GGUF the run made."""
+    out = {}
+    for arm in ("llama-q8_0", "llama-q4_K_M"):
+        opt = stages.get(f"{arm}/optimize-candidate")
+        gguf = next((Path(opt["path"]) / "model").glob("*.gguf"), None) if opt else None
+        if gguf is None:
+            continue
+        runs = [llama_cpp_runtimes.cpu_engines.llama_bench(gguf, threads, n, depth, prefill=False) for _ in range(3)]
+        out[arm] = {"gguf": str(gguf), "gguf_bytes": gguf.stat().st_size,
+                    "tg_tok_s": llama_cpp_runtimes._spread([r["bench_tg_tok_s"] for r in runs]),
+                    "tg_d0_tok_s": llama_cpp_runtimes._spread([r["bench_tg_d0_tok_s"] for r in runs])}
+    return out
+
+
+def measure_size(size: str, args: argparse.Namespace) -> None:
+    """Build (or find) the checkpoint, plan it, run it, and write bench/results/scale-<size>.json."""
+    import yaml
+    from kiln.core.files import atomic_write_json, atomic_write_text
+    from kiln.evaluate.roofline import measure_bandwidth
+    from kiln.optimize.memory import available_memory, parse_bytes
+    from kiln.pipeline.demo import demo_model_dir
+
+    name, config = SIZES[size]
+    work = args.workdir / size
+    work.mkdir(parents=True, exist_ok=True)
+    demo = demo_model_dir()
+    if config is None:
+        checkpoint = {"path": str(demo), "weight_bytes": (demo / "model.safetensors").stat().st_size,
+                      "built_s": None, "shards": 1}
+    else:
+        checkpoint = build_checkpoint(config, demo, args.workdir / "models" / size)
+    ckpt = Path(checkpoint["path"])
+    dtype = json.loads((ckpt / "config.json").read_text()).get("torch_dtype") or "float32"
+    recipe_path = work / f"scale-{size}.yaml"
+    atomic_write_text(recipe_path, yaml.safe_dump(recipe(size, ckpt, dtype, args.skip), sort_keys=False))
+    available = parse_bytes(args.available) if args.available else available_memory()
+    result: dict[str, Any] = {"size": size, "shape_of": name, "checkpoint": checkpoint, "baseline_dtype": dtype, "left_out": args.skip,
+                              "recipe": str(recipe_path), "plan": plan(recipe_path, available, work),
+                              **machine()}
+    print(result["plan"]["cli_output"])
+    if not args.plan_only and result["plan"]["cli_exit_code"] == 0:
+        load0, busy0 = os.getloadavg(), contention.read()
+        result["run"] = run_kiln(recipe_path, work, args.timeout_s, parse_bytes(args.floor)) if not args.from_run else finished(args.from_run)
+        if result["run"]["run_dir"]:
+            result["stages"] = stage_records(Path(result["run"]["run_dir"]))
+            result["llama_bench"] = bench_gguf(result["stages"])
+        result["bandwidth_gb_s"] = round(measure_bandwidth(), 1)
+        result["load_average_start"], result["load_average_end"] = load0, os.getloadavg()
+        result["contention"] = contention.between(busy0, contention.read())
+        atomic_write_json(RESULTS / f"scale-{size}.json", result)  # the raw figures, whatever analyse does
+        result["analysis"] = analyse(result)
+    atomic_write_json(RESULTS / f"scale-{size}.json", result)
+    if args.delete_checkpoint and config is not None:
+        shutil.rmtree(ckpt)
+
+
+def machine() -> dict[str, Any]:
+    import psutil
+
+    return {"machine": platform.platform(), "cpu": llama_cpp_runtimes.cpu_engines.cpu_identity(),
+            "cpus": os.cpu_count(), "memory_total_bytes": psutil.virtual_memory().total,
+            "memory_available_bytes_start": psutil.virtual_memory().available,
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def held_bytes(result: dict[str, Any]) -> dict[str, int]:
+    """The weight bytes each arm's engine must hold, in the dtype it serves them: the checkpoint at the
+    baseline's dtype, each GGUF file, the OpenVINO int8 IR's .bin."""
+    per_param = {"float32": 4, "bfloat16": 2, "float16": 2}
+    stored = {"float32": 4}.get(json.loads((Path(result["checkpoint"]["path"]) / "config.json").read_text())
+                                .get("torch_dtype") or "float32", 2)
+    held = {"baseline": result["checkpoint"]["weight_bytes"] * per_param[result["baseline_dtype"]] // stored}
+    for key, st in result.get("stages", {}).items():
+        arm, stage = key.split("/")
+        if stage == "engine-candidate":
+            engine = Path(json.loads((Path(st["path"]) / "result.json").read_text())["engine_dir"])
+            files = [f for f in engine.rglob("*") if f.suffix in (".gguf", ".bin") and f.is_file()]
+            held[arm] = sum(f.stat().st_size for f in files)
+    return held
+
+
+def planned(result: dict[str, Any], arm: str, stage: str) -> float | None:
+    """What the memory plan predicts for a stage: optimize = the arm's quantize step; an engine's
+    quality stage = its serve step; the benchmark holds both arms (their serve steps). None where
+    the plan has no step for it (building an engine)."""
+    arms = result["plan"]["arms"]
+
+    def step(a: str, name: str) -> float | None:
+        s = arms.get(a, {}).get("steps", {}).get(name)
+        return s["total_bytes"] if s else None
+    if stage == "optimize-candidate":
+        return step(arm, "quantize")
+    if stage in ("quality-candidate", "quality-baseline"):
+        return step("baseline" if stage.endswith("baseline") else arm, "serve")
+    if stage == "benchmark-pair":
+        return (step("baseline", "serve") or 0) + (step(arm, "serve") or 0)
+    return None
+
+
+def analyse(result: dict[str, Any]) -> dict[str, Any]:
+    """Per stage: wall, peak, the bound 1.3 x held weights + 1 GiB, the plan and measured/plan."""
+    held = held_bytes(result)
+    rows = {}
+    for key, st in sorted(result.get("stages", {}).items(), key=lambda kv: kv[1]["reused"]):
+        arm, stage = key.split("/")
+        if any(r["key"] == st["key"] for r in rows.values()):
+            continue  # the same stage (the baseline's, shared by every arm) counted once
+        if stage in ("quality-baseline", "engine-baseline", "optimize-baseline"):
+            holds = held["baseline"] if stage != "optimize-baseline" else 0
+        elif stage == "benchmark-pair":
+            holds = held["baseline"] + held.get(arm, 0)
+        elif stage == "optimize-candidate":
+            holds = result["checkpoint"]["weight_bytes"] if CANDIDATE_METHOD[arm] != "none" else 0
+        elif stage == "engine-candidate" and CANDIDATE_METHOD[arm] == "none":  # OpenVINO exports the checkpoint
+            holds = result["checkpoint"]["weight_bytes"]
+        else:
+            holds = held.get(arm, 0)
+        bound = 1.3 * holds + GIB
+        plan_b = planned(result, arm, stage)
+        rows[key] = {"key": st["key"], "wall_s": st["wall_s"], "peak_bytes": st["peak_bytes"], "holds_bytes": holds,
+                     "bound_bytes": bound, "over_bound": st["peak_bytes"] > bound, "plan_bytes": plan_b,
+                     "measured_over_plan": round(st["peak_bytes"] / plan_b, 3) if plan_b else None,
+                     "reused": st["reused"]}
+    return {"held_bytes": held, "stages": dict(sorted(rows.items())), "decode": decode(result)}
+
+
+def decode(result: dict[str, Any]) -> dict[str, Any]:
+    """Batch-1 decode tok/s per arm (the benchmark stage's, each pair's median), beside llama-bench of
+    the same GGUF and the arm's MBU (weight bytes read per token x tok/s / copy bandwidth)."""
+    bw, held = result.get("bandwidth_gb_s"), held_bytes(result)
+    out: dict[str, Any] = {}
+    for key, st in result.get("stages", {}).items():
+        arm, stage = key.split("/")
+        if stage != "benchmark-pair":
+            continue
+        m = st["metrics"]
+        out.setdefault("baseline", []).append(m.get("baseline.decode_tok_s"))
+        out[arm] = {"tok_s": m.get("candidate.decode_tok_s"), "weight_bytes": held.get(arm)}
+    base = [x for x in out.pop("baseline", []) if x]
+    if base:
+        out["baseline"] = {"tok_s": statistics.median(base), "tok_s_each_pair": base, "weight_bytes": held["baseline"]}
+    for arm, d in out.items():
+        if bw and d.get("tok_s") and d.get("weight_bytes"):
+            d["mbu"] = round(d["weight_bytes"] / 1e9 * d["tok_s"] / bw, 3)
+        lb = result.get("llama_bench", {}).get(arm)
+        if lb and d.get("tok_s"):
+            d["over_llama_bench_same_file"] = round(d["tok_s"] / lb["tg_tok_s"][0], 3)
+        q8 = result.get("llama_bench", {}).get("llama-q8_0")
+        if q8 and d.get("tok_s"):
+            d["over_llama_bench_q8_0"] = round(d["tok_s"] / q8["tg_tok_s"][0], 3)
+    return out
+
+
+def _gb(n: float | None) -> str:
+    return "-" if n is None else f"{n / GIB:.2f}"
+
+
+def print_table(paths: list[Path]) -> None:
+    """Per size: the run, each stage's wall and peak beside its bound and plan; decode per arm."""
+    for path in paths:
+        r = json.loads(path.read_text())
+        run = r.get("run")
+        head = (f"\n{r['size']} ({r['shape_of']}, {r['checkpoint']['weight_bytes'] / 1e9:.2f} GB, "
+                f"{r['checkpoint']['shards']} shard(s), baseline torch {r['baseline_dtype']}) on {r['cpu'].get('name')}")
+        print(head)
+        if not run:
+            print(f"  not run: plan-memory exit {r['plan']['cli_exit_code']} at {_gb(r['plan']['available_bytes'])} GiB")
+            continue
+        r["analysis"] = analyse(r)
+        print(f"  kiln run: exit {run['exit_code']} in {run['wall_s']:.0f} s; load average "
+              f"{r['load_average_start'][0]:.2f} -> {r['load_average_end'][0]:.2f}; copy bandwidth {r['bandwidth_gb_s']} GB/s")
+        print(f"  {'arm/stage':<36}{'wall s':>8}{'peak GiB':>10}{'bound':>8}{'plan':>8}{'meas/plan':>10}")
+        for key, st in r["analysis"]["stages"].items():
+            flag = " OVER" if st["over_bound"] else ""
+            ratio = "-" if st["measured_over_plan"] is None else f"{st['measured_over_plan']:.2f}"
+            print(f"  {key:<36}{st['wall_s']:>8.1f}{_gb(st['peak_bytes']):>10}{_gb(st['bound_bytes']):>8}"
+                  f"{_gb(st['plan_bytes']):>8}{ratio:>10}{flag}")
+        print(f"  {'arm':<16}{'tok/s b1':>10}{'MBU':>7}{'/llama-bench same':>19}{'/llama-bench q8_0':>19}")
+        for arm, d in r["analysis"]["decode"].items():
+            cells = [f"{d[k]:.3f}" if d.get(k) is not None else "-" for k in
+                     ("mbu", "over_llama_bench_same_file", "over_llama_bench_q8_0")]
+            print(f"  {arm:<16}{d.get('tok_s') or 0:>10.2f}{cells[0]:>7}{cells[1]:>19}{cells[2]:>19}")
+        for arm, lb in r.get("llama_bench", {}).items():
+            print(f"  llama-bench {arm}: tg64 @16 {lb['tg_tok_s'][0]:.2f} tok/s [{lb['tg_tok_s'][1]}, {lb['tg_tok_s'][2]}]")
+
+
+CANDIDATE_METHOD = {c["name"]: c["optimize"]["method"] for c in CANDIDATES}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", choices=list(SIZES), action="append", default=[])
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/kiln-scale"), help="checkpoints, recipes, kiln's runs")
+    p.add_argument("--available", default=None, help="memory to plan against (24G); default: free now")
+    p.add_argument("--plan-only", action="store_true", help="build the checkpoint and plan it; run nothing")
+    p.add_argument("--timeout-s", type=int, default=660, help="stop kiln run after this long")
+    p.add_argument("--delete-checkpoint", action="store_true", help="remove the built checkpoint afterwards")
+    p.add_argument("--floor", default="1.5G", help="stop kiln run if the machine's available memory falls under this")
+    p.add_argument("--skip", action="append", default=[], choices=[c["name"] for c in CANDIDATES],
+                   help="leave this candidate out of the recipe (repeatable); the JSON says so")
+    p.add_argument("--from-run", type=Path, default=None, help="read this finished run folder instead of running")
+    p.add_argument("--table", action="store_true", help="only print the table of every scale-*.json")
+    args = p.parse_args()
+    for size in args.size if not args.table else []:
+        measure_size(size, args)
+    print_table(sorted(RESULTS.glob("scale-*.json")))
+
+
+if __name__ == "__main__":
+    main()
