@@ -105,10 +105,13 @@ class RayExecutor:
         task = Task(phases, arm.name, arm.mlflow_run, arm.ctx.recipe, str(arm.ctx.recipe_path), arm.ctx.gate,
                     frozenset(arm.ctx.fresh), self.ctx.tracker.uri, self.ctx.recipe.tracking.experiment,
                     type(arm), self.run_on_node, arm.champion)
-        return phase, self._task.options(**self.options(arm, phase)).remote(task)
+        return phase, task, self._task.options(**self.options(arm, phase)).remote(task)
 
-    def options(self, arm: Any, phase: str) -> dict[str, Any]:
-        """Ray's resource request for `arm`'s `phase` (see the module's docstring)."""
+    def options(self, arm: Any, phase: str, strict: bool = False) -> dict[str, Any]:
+        """Ray's resource request for `arm`'s `phase` (see the module's docstring). Each phase goes
+        back to the node the candidate's build ran on, where it is (another node would first build it
+        again: minutes for a real checkpoint), unless a timed phase may not run there; `strict`: a
+        timed phase only on the nodes it may run on, with no preference."""
         cpus, gpus = engine_resources(arm.ctx.recipe, self.nodes.values())
         largest = max(n.cpus for n in self.nodes.values())
         if cpus > largest:
@@ -116,19 +119,26 @@ class RayExecutor:
                            f"{redact_uri(self.address)} has more than {largest:g} CPUs; lower its engine.threads")
         opts: dict[str, Any] = {"num_cpus": cpus, "num_gpus": gpus, "max_retries": RETRIES,
                                 "name": f"kiln {arm.name} {phase}"}
-        if phase in timed_phases(arm.ctx.recipe):
+        timed = phase in timed_phases(arm.ctx.recipe)
+        allowed = timed_nodes(self.nodes, self.hardware, self.address) if timed else []
+        home = self.home.get(arm.name)
+        if timed:
             opts["resources"] = {TIMED: 1}
-            allowed = timed_nodes(self.nodes, self.hardware, self.address)
-            opts["label_selector"] = {"ray.io/node-id": f"in({','.join(allowed)})"}
-        elif arm.name in self.home:  # where its build is: another node would build it again first
+        if home and not strict and (not timed or home in allowed):
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.home[arm.name], soft=True)
+            # soft: should the node be gone, anywhere else (`finish` checks where a timed phase ran)
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(home, soft=True)
+        elif timed:
+            opts["label_selector"] = {"ray.io/node-id": f"in({','.join(allowed)})"}
         return opts
 
     def finish(self, arm: Any, job: Any) -> None:
-        phase, ref = job
+        phase, task, ref = job
         report = wait(ref)
+        if phase in timed_phases(arm.ctx.recipe) and not report["node"]["hardware"].startswith(self.hardware or ""):
+            # its build's node went away and Ray's fallback took a node of other hardware: measure where it may be
+            report = wait(self._task.options(**self.options(arm, phase, strict=True)).remote(task))
         node = Node(**report["node"])
         if self.hardware is None:  # the first candidate's build sets the hardware speed is measured on
             self.hardware = node.hardware
