@@ -94,3 +94,20 @@ def test_gpt2_shapes_are_read_from_its_own_fields():
     assert shapes.module_names()[0] == "transformer.h.0.attn.c_attn"
     plan = plan_memory(tiny.to_dict(), None, context=512, available_bytes=1 << 34)
     assert plan.steps[-1].components[1].bytes == 2 * 2 * 2 * 32 * 4 * 512  # KV: layers × heads × head dim
+
+
+def test_gguf_plan_holds_the_largest_tensor_not_the_model():
+    """convert_hf_to_gguf.py reads lazily and writes one tensor at a time, and llama-quantize works
+    tensor by tensor: the quantize step is kiln's and the converter's libraries plus the largest
+    tensor as stored and in float32. An 8B bf16 checkpoint then plans ~3.9 GiB (it planned 60 GiB,
+    the model twice in float32, and refused every GGUF candidate at 3B and 8B on a 24 GiB machine)."""
+    from kiln.optimize.gguf import GgufConfig
+    from kiln.optimize.memory import RUNTIME_BYTES
+
+    plan = plan_memory(LLAMA_31_8B, GgufConfig(type="q8_0"), available_bytes=24 << 30)
+    quantize, _ = plan.steps
+    largest = 128256 * 4096  # the embedding (and the untied lm_head), bigger than any layer's projection
+    assert quantize.total == 2 * RUNTIME_BYTES["torch + transformers"] + largest * (2 + 4)
+    assert plan.fits()
+    small = plan_memory(SMOLLM2_135M, GgufConfig(type="q4_1"), available_bytes=24 << 30).steps[0]
+    assert small.components[-1].bytes == 49152 * 576 * (4 + 4)  # an fp32 checkpoint: 4 B as stored

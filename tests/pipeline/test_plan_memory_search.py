@@ -62,12 +62,13 @@ def test_a_candidate_that_does_not_fit_is_refused_with_numbers_and_the_change(se
     assert proc.returncode == 2, proc.stdout + proc.stderr
     rows = _rows(proc.stdout)
     assert rows["baseline"].rstrip(" │").endswith("yes") and rows["ov"].rstrip(" │").endswith("yes")
-    assert rows["q8"].rstrip(" │").endswith("no") and rows["int8"].rstrip(" │").endswith("no")
+    # GGUF converts one tensor at a time (3.85 GiB at 8B); int8_weight_only loads the model in float32
+    assert rows["q8"].rstrip(" │").endswith("yes") and rows["int8"].rstrip(" │").endswith("no")
     err = " ".join(proc.stderr.split())
-    assert "2 of 4 arms do not fit" in err
-    assert "q8: the quantize step needs 60.29 GiB but 24.00 GiB is available on cpu" in err
-    assert "remove it from `candidates` (candidates.0)" in err and "(candidates.1)" in err
-    assert "ov:" not in err and "baseline:" not in err
+    assert "1 of 4 arms do not fit" in err
+    assert "int8: the quantize step needs 32.34 GiB but 24.00 GiB is available on cpu" in err
+    assert "remove it from `candidates` (candidates.1)" in err
+    assert "q8:" not in err and "ov:" not in err and "baseline:" not in err
 
 
 def test_an_arm_that_fits_with_a_shorter_context_is_told_which(search):
