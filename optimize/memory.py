@@ -13,7 +13,7 @@ Free memory is `psutil.virtual_memory().available` on CPU, CUDA's free memory on
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kiln.optimize.architecture import DecoderShapes, quantized_linears
@@ -22,6 +22,8 @@ from kiln.core.errors import DoesNotFit
 # Resident size of the libraries alone, measured on import (Python 3.11, torch 2.13 CPU): every
 # CPU step pays this before it loads a byte of model.
 RUNTIME_BYTES = {"torch + transformers": 467 << 20, "torch + transformers + gptqmodel": 595 << 20}
+# engine/hf_torch.py TorchEngineConfig.score_batch_tokens' default: padded tokens per scoring pass.
+SCORE_BATCH_TOKENS = 4096
 DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0, "fp8": 1.0, "float8_e4m3fn": 1.0, "int8": 1.0}
 
 
@@ -89,9 +91,9 @@ class MemoryPlan:
     def fitting_context(self) -> int | None:
         """The longest serving context (tokens) that fits with everything else as planned; None
         when the plan has no KV cache, or something other than the KV cache already does not fit."""
-        serve = self.steps[-1]
+        serve = next(s for s in self.steps if s.step == "serve")
         kv = next((c for c in serve.components if c.per_token), None)
-        if kv is None or any(s.total > self.available_bytes for s in self.steps[:-1]):
+        if kv is None or any(s.total > self.available_bytes for s in self.steps if s is not serve):
             return None
         tokens = int((self.available_bytes - (serve.total - kv.bytes)) // kv.per_token)
         return tokens if tokens > 0 else None
@@ -166,12 +168,14 @@ def source_dtype(model_config: dict[str, Any]) -> str:
 
 def plan_memory(model_config: dict[str, Any], method_config: Any = None, *, context: int = 0, batch: int = 1,
                 kv_dtype: str | None = None, device: str | None = None,
-                available_bytes: int | None = None) -> MemoryPlan:
+                available_bytes: int | None = None, engine_dtype: str | None = None) -> MemoryPlan:
     """Plan the quantize and serve steps of `method_config` (None: the unquantized model).
 
     `context` tokens × `batch` sequences size the KV cache (0: weights only). `kv_dtype` defaults
     to the dtype the method serves in, `device` to where the method works (CPU, or GPU 0 for
-    the ModelOpt methods), `available_bytes` to what is free there now.
+    the ModelOpt methods), `available_bytes` to what is free there now. `engine_dtype`: the dtype a
+    torch engine loads an unquantized checkpoint in (its engine.dtype: float32 unless set), which
+    is what it holds, whatever the checkpoint stores.
     """
     from kiln.optimize.base import QUANTIZERS
 
@@ -179,6 +183,9 @@ def plan_memory(model_config: dict[str, Any], method_config: Any = None, *, cont
     src = source_dtype(model_config)
     method = QUANTIZERS.get(method_config.method if method_config is not None else "none")
     mem: MethodMemory = method.memory(shapes, method_config, src)  # type: ignore[attr-defined]
+    if engine_dtype in DTYPE_BYTES and getattr(method_config, "method", "none") == "none":  # the checkpoint as it is
+        mem = replace(mem, serving_weights=weights(shapes, DTYPE_BYTES[engine_dtype], engine_dtype),
+                      serving_dtype=engine_dtype)
     steps = []
     if mem.working_set:
         steps.append(StepPlan("quantize", tuple(mem.working_set)))
@@ -197,6 +204,47 @@ def plan_memory(model_config: dict[str, Any], method_config: Any = None, *, cont
     if available_bytes is None:
         available_bytes = available_memory(device)
     return MemoryPlan(device=device, available_bytes=int(available_bytes), steps=tuple(steps))
+
+
+def with_pipeline_steps(plan: MemoryPlan, model_config: dict[str, Any], baseline: MemoryPlan | None, *,
+                        reference: bool, reference_reads: bool = True, export_fp32: bool = False,
+                        torch_dtype: str | None = None) -> MemoryPlan:
+    """`plan` (one arm's quantize and serve steps) with the two steps a `kiln run` adds, which hold
+    more than serving does (bench/scale.py measured both, at 135M and 1B):
+
+    - engine: the built engine beside the float32 torch reference its parity smoke check loads at
+      the same time (`reference`: every engine but torch float32, its own reference), and while it
+      loads, the checkpoint's pages as stored (`reference_reads`; not when the engine is torch at the
+      stored dtype, which holds those pages already); an engine
+      exported from the checkpoint in float32 (`export_fp32`: OpenVINO traces the torch model and
+      converts it) holds the checkpoint twice more while it builds;
+    - evaluate: the quality and benchmark stages hold the baseline's engine and this arm's in one
+      process, and a torch engine (`torch_dtype`) scores SCORE_BATCH_TOKENS positions per pass,
+      whose logits it holds in its dtype and again in float32.
+    """
+    shapes = DecoderShapes.from_config(model_config)
+    serve = next(s for s in plan.steps if s.step == "serve").components[0]
+    fp32 = shapes.param_count * 4.0
+    engine = [runtime("torch + transformers"), Component(f"engine: {serve.name}", serve.bytes, serve.formula)]
+    if export_fp32:
+        engine.append(Component("export: the checkpoint in float32, twice", 2 * fp32,
+                                "the traced torch model and the converted graph, while it builds"))
+    if reference:
+        engine.append(Component("parity reference (torch float32)", fp32,
+                                f"{shapes.param_count / 1e6:.1f}M params × 4 B, loaded beside the engine"))
+    if reference and reference_reads:
+        stored = DTYPE_BYTES.get(source_dtype(model_config), 4.0)
+        engine.append(Component("checkpoint pages the reference reads", shapes.param_count * stored,
+                                f"{shapes.param_count / 1e6:.1f}M params × {stored:g} B, mapped while it loads"))
+    evaluate = [runtime("torch + transformers"), Component(f"this arm: {serve.name}", serve.bytes, serve.formula)]
+    if baseline is not None:
+        base = next(s for s in baseline.steps if s.step == "serve").components[0]
+        evaluate.append(Component(f"baseline: {base.name}", base.bytes, base.formula))
+    if torch_dtype:
+        per = DTYPE_BYTES.get(torch_dtype, 4.0) + 4.0
+        evaluate.append(Component("scoring logits (torch)", SCORE_BATCH_TOKENS * shapes.vocab * per,
+                                  f"{SCORE_BATCH_TOKENS} tokens × {shapes.vocab} vocab × ({per - 4:g} + 4) B"))
+    return replace(plan, steps=(*plan.steps, StepPlan("engine", tuple(engine)), StepPlan("evaluate", tuple(evaluate))))
 
 
 def parse_bytes(text: str) -> int:
@@ -237,6 +285,9 @@ def check_arms(plans: dict[str, tuple[str, MemoryPlan]], fields: dict[str, str])
         worst, tokens = plan.worst(), plan.fitting_context()
         if tokens:
             fix = f"fits with a serving context of at most {tokens} tokens (--context {tokens})"
+        elif worst.step == "engine" and any(c.name.startswith("parity reference") for c in worst.components):
+            fix = (f"the engine's parity check loads the checkpoint in float32 beside the engine: no recipe change "
+                   f"fits it in {human(plan.available_bytes)} (kiln would need {human(worst.total)})")
         elif name == "baseline":
             fix = "the checkpoint itself does not fit: a machine with more memory, or a smaller model"
         else:

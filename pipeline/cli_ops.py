@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -363,23 +363,37 @@ def plan_memory_cmd(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
                     available: Annotated[str | None, typer.Option(
                         help="plan against this much memory (24G, 512M: powers of 1024) instead of what is free "
                              "here now: the machine the run is for")] = None) -> None:
-    """How much memory quantizing and serving each arm needs (the baseline and every candidate, one
-    line each), against what is free. Exit 2 with the numbers and the change that fits if one does not."""
-    from kiln.optimize.memory import arms_table, check_arms, plan_memory
+    """How much memory each arm needs (the baseline and every candidate, one line each) to quantize, to
+    serve, to build its engine (beside the float32 reference the parity check loads) and to be evaluated
+    (both arms' engines in one process), against what is free. Exit 2 with the numbers and the change
+    that fits if one does not."""
+    from kiln.optimize.memory import arms_table, check_arms, plan_memory, source_dtype, with_pipeline_steps
     from kiln.pipeline.model_source import cache_root, resolve_model
     from kiln.pipeline.recipe import load_recipe
 
     r = load_recipe(recipe, set_)
     free = size_option("--available", available)
     model = resolve_model(r.model.path, cache_root())
-
-    def plan(method: object) -> object:
-        return plan_memory(model.config, method, context=context, batch=batch, kv_dtype=kv_dtype, available_bytes=free)
-
     arms = r.arms()
-    base_engine = (arms[0][1] if arms else r).engine_for("baseline").backend
-    plans = {"baseline": (f"none → {base_engine}", plan(None))}
-    plans |= {name: (f"{arm.optimize.method} → {arm.engine.backend}", plan(arm.optimize)) for name, arm in arms}
+    base_engine = (arms[0][1] if arms else r).engine_for("baseline")
+
+    def torch_dtype(engine: Any) -> str | None:  # what a torch engine loads the checkpoint in (auto: as stored)
+        dtype = getattr(engine, "dtype", None) if engine.backend == "torch" else None
+        return source_dtype(model.config) if dtype == "auto" else dtype
+
+    def plan(method: object, engine: Any, baseline: Any = None) -> Any:
+        dtype = torch_dtype(engine)
+        p = plan_memory(model.config, method, context=context, batch=batch, kv_dtype=kv_dtype, available_bytes=free,
+                        engine_dtype=dtype)
+        return with_pipeline_steps(p, model.config, baseline, reference=dtype != "float32",
+                                   reference_reads=dtype != source_dtype(model.config),
+                                   export_fp32=engine.backend == "openvino",
+                                   torch_dtype=torch_dtype(base_engine) or dtype)
+
+    base = plan(None, base_engine)
+    plans = {"baseline": (f"none → {base_engine.backend}", base)}
+    plans |= {name: (f"{arm.optimize.method} → {arm.engine.backend}", plan(arm.optimize, arm.engine, base))
+              for name, arm in arms}
     fields = ({c.name: f"candidates.{i}" for i, c in enumerate(r.candidates)} if r.candidates is not None
               else {"candidate": "optimize"})
     if r.candidates is None:

@@ -111,3 +111,25 @@ def test_gguf_plan_holds_the_largest_tensor_not_the_model():
     assert plan.fits()
     small = plan_memory(SMOLLM2_135M, GgufConfig(type="q4_1"), available_bytes=24 << 30).steps[0]
     assert small.components[-1].bytes == 49152 * 576 * (4 + 4)  # an fp32 checkpoint: 4 B as stored
+
+
+def test_a_torch_engine_holds_the_checkpoint_at_its_own_dtype_and_the_run_adds_two_steps():
+    """A bf16 checkpoint on torch at engine.dtype float32 (the default) holds 4 B a parameter, not the
+    2 it is stored in; a run's engine stage loads the float32 parity reference beside the engine, and
+    its evaluate stages hold both arms' engines and the torch scoring logits (bench/scale.py)."""
+    from kiln.optimize.gguf import GgufConfig
+    from kiln.optimize.memory import RUNTIME_BYTES, SCORE_BATCH_TOKENS, with_pipeline_steps
+
+    params, runtime = 8_030_261_248, RUNTIME_BYTES["torch + transformers"]
+    base = plan_memory(LLAMA_31_8B, None, engine_dtype="float32", available_bytes=1 << 40)
+    assert base.steps[0].components[0].bytes == params * 4
+    bf16 = plan_memory(LLAMA_31_8B, None, engine_dtype="bfloat16", available_bytes=1 << 40)
+    q8 = plan_memory(LLAMA_31_8B, GgufConfig(type="q8_0"), available_bytes=1 << 40)
+    arm = with_pipeline_steps(q8, LLAMA_31_8B, bf16, reference=True, torch_dtype="bfloat16")
+    steps = {s.step: s for s in arm.steps}
+    gguf = q8.steps[1].components[0].bytes
+    assert steps["engine"].total == runtime + gguf + params * 4 + params * 2  # + the pages the reference reads
+    assert steps["evaluate"].total == runtime + gguf + params * 2 + SCORE_BATCH_TOKENS * 128256 * (2 + 4)
+    own = with_pipeline_steps(base, LLAMA_31_8B, None, reference=False)  # torch float32 is its own reference
+    assert {s.step: s.total for s in own.steps}["engine"] == runtime + params * 4
+    assert own.fitting_context() is None  # no KV cache planned (context 0)
