@@ -185,7 +185,8 @@ def plan_memory(model_config: dict[str, Any], method_config: Any = None, *, cont
     mem: MethodMemory = method.memory(shapes, method_config, src)  # type: ignore[attr-defined]
     if engine_dtype in DTYPE_BYTES and getattr(method_config, "method", "none") == "none":  # the checkpoint as it is
         mem = replace(mem, serving_weights=weights(shapes, DTYPE_BYTES[engine_dtype], engine_dtype),
-                      serving_dtype=engine_dtype)
+                      serving_dtype=engine_dtype if engine_dtype in ("float32", "bfloat16", "float16")
+                      else mem.serving_dtype)  # int8 weights (OpenVINO's) keep a 16-bit KV cache
     steps = []
     if mem.working_set:
         steps.append(StepPlan("quantize", tuple(mem.working_set)))

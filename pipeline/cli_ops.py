@@ -383,8 +383,10 @@ def plan_memory_cmd(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
 
     def plan(method: object, engine: Any, baseline: Any = None) -> Any:
         dtype = torch_dtype(engine)
+        compressed = {"int8": "int8", "fp32": "float32"}.get(getattr(engine, "weights", "")) \
+            if engine.backend == "openvino" else None  # OpenVINO compresses the checkpoint as it builds
         p = plan_memory(model.config, method, context=context, batch=batch, kv_dtype=kv_dtype, available_bytes=free,
-                        engine_dtype=dtype)
+                        engine_dtype=dtype or compressed)
         return with_pipeline_steps(p, model.config, baseline, reference=dtype != "float32",
                                    reference_reads=dtype != source_dtype(model.config),
                                    export_fp32=engine.backend == "openvino",
