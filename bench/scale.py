@@ -72,6 +72,16 @@ QWEN_25_3B = {
     "torch_dtype": "bfloat16", "use_cache": True, "use_mrope": False, "use_sliding_window": False,
     "vocab_size": 151936,
 }
+LLAMA_32_3B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "attention_dropout": 0.0,
+    "head_dim": 128, "hidden_act": "silu", "hidden_size": 3072, "initializer_range": 0.02, "intermediate_size": 8192,
+    "max_position_embeddings": 131072, "mlp_bias": False, "num_attention_heads": 24, "num_hidden_layers": 28,
+    "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True,
+    "vocab_size": 128256,
+}
 LLAMA_31_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "attention_dropout": 0.0,
     "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
@@ -83,7 +93,12 @@ LLAMA_31_8B = {
     "vocab_size": 128256,
 }
 SIZES = {"135m": ("SmolLM2-135M-Instruct (the demo checkpoint)", None),
-         "1b": ("Llama-3.2-1B", LLAMA_32_1B), "3b": ("Qwen2.5-3B", QWEN_25_3B), "8b": ("Llama-3.1-8B", LLAMA_31_8B)}
+         "1b": ("Llama-3.2-1B", LLAMA_32_1B), "3b": ("Llama-3.2-3B", LLAMA_32_3B),
+         "3b-qwen": ("Qwen2.5-3B", QWEN_25_3B), "8b": ("Llama-3.1-8B", LLAMA_31_8B)}
+# 3b-qwen does not convert with the demo tokenizer: under the qwen2 architecture llama.cpp's converter takes
+# the GPT-2 vocabulary path, whose pre-tokenizer check does not recognise it ("BPE pre-tokenizer was not
+# recognized"); a real Qwen2.5 checkpoint brings its own, which it does. So 3B is measured on Llama-3.2-3B's
+# shape (which kiln's OpenVINO export also supports: it traces Llama only).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 CANDIDATES = [
     {"name": "llama-q8_0", "optimize": {"method": "gguf", "type": "q8_0"},
@@ -172,6 +187,19 @@ def build_checkpoint(config: dict[str, Any], tokenizer_dir: Path, out: Path) -> 
             "shards": len(shards)}
 
 
+def config_only(config: dict[str, Any], tokenizer_dir: Path, out: Path) -> dict[str, Any]:
+    """The published config and the tokenizer without the weights (a one-element placeholder file):
+    all `kiln plan-memory` reads. `weight_bytes` is what the bf16 weights would take."""
+    from safetensors.torch import save_file
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    _tokenizer_and_config(config, tokenizer_dir, out)
+    save_file({"placeholder": torch.zeros(1)}, str(out / "model.safetensors"))
+    return {"path": str(out), "weights_built": False, "built_s": None, "shards": 0,
+            "weight_bytes": 2 * sum(math.prod(shape) for _, shape in tensor_shapes(config))}
+
+
 def _tokenizer_and_config(config: dict[str, Any], tokenizer_dir: Path, out: Path) -> None:
     """The demo tokenizer's files, and the published config with the demo tokenizer's special ids."""
     demo = json.loads((tokenizer_dir / "config.json").read_text())
@@ -205,10 +233,9 @@ def recipe(size: str, checkpoint: Path, dtype: str, skip: list[str]) -> dict[str
 
 def plan(recipe_path: Path, available: int, workdir: Path) -> dict[str, Any]:
     """`kiln plan-memory` as a user runs it (its text and exit code), and the same plans' numbers."""
-    from kiln.optimize.memory import plan_memory
+    from kiln.optimize.memory import plan_memory, source_dtype, with_pipeline_steps
     from kiln.pipeline.model_source import cache_root, resolve_model
     from kiln.pipeline.recipe import load_recipe
-    from kiln.pipeline.stage_optimize import _plan_memory  # noqa: F401  (the context the run plans with)
 
     kiln = str(Path(sys.executable).with_name("kiln"))
     cli = subprocess.run([kiln, "plan-memory", str(recipe_path), "--available", str(available)],
@@ -217,9 +244,16 @@ def plan(recipe_path: Path, available: int, workdir: Path) -> dict[str, Any]:
     model = resolve_model(r.model.path, cache_root())
     ev = r.evaluate
     context = max(ev.quality.perplexity.seq_len, 512 + ev.benchmark.max_new_tokens)  # as stage_optimize plans
-    arms = {"baseline": None, **{name: arm.optimize for name, arm in r.arms()}}
-    plans = {name: plan_memory(model.config, m, context=context, batch=1, available_bytes=available).to_dict()
-             for name, m in arms.items()}
+    dtype = r.baseline.engine.dtype  # the arms' torch engine (this recipe's baseline; the others are not torch)
+    base = plan_memory(model.config, None, context=context, available_bytes=available, engine_dtype=dtype)
+    plans = {"baseline": with_pipeline_steps(base, model.config, None, reference=dtype != "float32",
+                                             reference_reads=dtype != source_dtype(model.config), torch_dtype=dtype)}
+    for name, arm in r.arms():
+        p = plan_memory(model.config, arm.optimize, context=context, available_bytes=available,
+                        engine_dtype="int8" if arm.engine.backend == "openvino" else None)
+        plans[name] = with_pipeline_steps(p, model.config, base, reference=True, torch_dtype=dtype,
+                                          export_fp32=arm.engine.backend == "openvino")
+    plans = {name: p.to_dict() for name, p in plans.items()}
     return {"cli_exit_code": cli.returncode, "cli_output": cli.stdout + cli.stderr, "context": context,
             "available_bytes": available, "arms": plans}
 
@@ -307,6 +341,8 @@ def measure_size(size: str, args: argparse.Namespace) -> None:
     if config is None:
         checkpoint = {"path": str(demo), "weight_bytes": (demo / "model.safetensors").stat().st_size,
                       "built_s": None, "shards": 1}
+    elif args.plan_only and args.config_only:
+        checkpoint = config_only(config, demo, args.workdir / "models" / f"{size}-config")
     else:
         checkpoint = build_checkpoint(config, demo, args.workdir / "models" / size)
     ckpt = Path(checkpoint["path"])
@@ -314,7 +350,11 @@ def measure_size(size: str, args: argparse.Namespace) -> None:
     recipe_path = work / f"scale-{size}.yaml"
     atomic_write_text(recipe_path, yaml.safe_dump(recipe(size, ckpt, dtype, args.skip), sort_keys=False))
     available = parse_bytes(args.available) if args.available else available_memory()
-    result: dict[str, Any] = {"size": size, "shape_of": name, "checkpoint": checkpoint, "baseline_dtype": dtype, "left_out": args.skip,
+    from kiln.optimize.architecture import DecoderShapes
+
+    params = DecoderShapes.from_config(json.loads((ckpt / "config.json").read_text())).param_count
+    result: dict[str, Any] = {"size": size, "shape_of": name, "checkpoint": checkpoint, "params": params,
+                              "stored_dtype": dtype, "baseline_dtype": dtype, "left_out": args.skip,
                               "recipe": str(recipe_path), "plan": plan(recipe_path, available, work),
                               **machine()}
     print(result["plan"]["cli_output"])
@@ -329,7 +369,7 @@ def measure_size(size: str, args: argparse.Namespace) -> None:
         result["contention"] = contention.between(busy0, contention.read())
         atomic_write_json(RESULTS / f"scale-{size}.json", result)  # the raw figures, whatever analyse does
         result["analysis"] = analyse(result)
-    atomic_write_json(RESULTS / f"scale-{size}.json", result)
+    atomic_write_json(RESULTS / f"scale-{size}{'-plan' if 'run' not in result else ''}.json", result)
     if args.delete_checkpoint and config is not None:
         shutil.rmtree(ckpt)
 
@@ -347,8 +387,7 @@ def held_bytes(result: dict[str, Any]) -> dict[str, int]:
     """The weight bytes each arm's engine must hold, in the dtype it serves them: the checkpoint at the
     baseline's dtype, each GGUF file, the OpenVINO int8 IR's .bin."""
     per_param = {"float32": 4, "bfloat16": 2, "float16": 2}
-    stored = {"float32": 4}.get(json.loads((Path(result["checkpoint"]["path"]) / "config.json").read_text())
-                                .get("torch_dtype") or "float32", 2)
+    stored = per_param[result.get("stored_dtype", result["baseline_dtype"])]
     held = {"baseline": result["checkpoint"]["weight_bytes"] * per_param[result["baseline_dtype"]] // stored}
     for key, st in result.get("stages", {}).items():
         arm, stage = key.split("/")
@@ -360,20 +399,21 @@ def held_bytes(result: dict[str, Any]) -> dict[str, int]:
 
 
 def planned(result: dict[str, Any], arm: str, stage: str) -> float | None:
-    """What the memory plan predicts for a stage: optimize = the arm's quantize step; an engine's
-    quality stage = its serve step; the benchmark holds both arms (their serve steps). None where
-    the plan has no step for it (building an engine)."""
+    """What `kiln plan-memory` predicts for a stage: optimize = the arm's quantize step, engine = its
+    engine step (the build and its parity check), quality and benchmark = its evaluate step (both
+    arms' engines in one process, and the torch scoring logits). None for a step it does not plan."""
     arms = result["plan"]["arms"]
 
     def step(a: str, name: str) -> float | None:
         s = arms.get(a, {}).get("steps", {}).get(name)
         return s["total_bytes"] if s else None
+    who = "baseline" if stage.endswith("-baseline") else arm
     if stage == "optimize-candidate":
         return step(arm, "quantize")
-    if stage in ("quality-candidate", "quality-baseline"):
-        return step("baseline" if stage.endswith("baseline") else arm, "serve")
-    if stage == "benchmark-pair":
-        return (step("baseline", "serve") or 0) + (step(arm, "serve") or 0)
+    if stage.startswith("engine-"):
+        return step(who, "engine")
+    if stage.startswith(("quality-", "benchmark-")):
+        return step(who, "evaluate")
     return None
 
 
@@ -467,23 +507,77 @@ def print_table(paths: list[Path]) -> None:
 CANDIDATE_METHOD = {c["name"]: c["optimize"]["method"] for c in CANDIDATES}
 
 
+def growth(paths: list[Path]) -> dict[str, Any]:
+    """How each stage's wall time grows with the parameter count: t = a x params^b fitted (least squares
+    in log-log) over the sizes that ran it, with each size's measured/fitted ratio (the check). Needs
+    two sizes to fit, three for the check to mean anything."""
+    from kiln.optimize.architecture import DecoderShapes
+
+    points: dict[str, list[tuple[float, float]]] = {}
+    for path in paths:
+        r = json.loads(path.read_text())
+        if "stages" not in r:
+            continue
+        params = r.get("params") or DecoderShapes.from_config(
+            json.loads((Path(r["checkpoint"]["path"]) / "config.json").read_text())).param_count
+        for key, st in r["stages"].items():
+            if not st["reused"] and st["wall_s"] > 0:
+                points.setdefault(key, []).append((params, st["wall_s"]))
+    fits = {}
+    for key, pts in sorted(points.items()):
+        if len({p for p, _ in pts}) < 2:
+            continue
+        xs, ys = [math.log(p) for p, _ in pts], [math.log(t) for _, t in pts]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        a = math.exp(my - b * mx)
+        fits[key] = {"exponent": round(b, 3), "a": a, "points": pts,
+                     "measured_over_fit": [round(t / (a * p ** b), 3) for p, t in pts]}
+    return fits
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=list(SIZES), action="append", default=[])
     p.add_argument("--workdir", type=Path, default=Path("/tmp/kiln-scale"), help="checkpoints, recipes, kiln's runs")
     p.add_argument("--available", default=None, help="memory to plan against (24G); default: free now")
     p.add_argument("--plan-only", action="store_true", help="build the checkpoint and plan it; run nothing")
+    p.add_argument("--config-only", action="store_true", help="with --plan-only: plan from config.json alone, "
+                   "building no weights")
     p.add_argument("--timeout-s", type=int, default=660, help="stop kiln run after this long")
     p.add_argument("--delete-checkpoint", action="store_true", help="remove the built checkpoint afterwards")
     p.add_argument("--floor", default="1.5G", help="stop kiln run if the machine's available memory falls under this")
     p.add_argument("--skip", action="append", default=[], choices=[c["name"] for c in CANDIDATES],
                    help="leave this candidate out of the recipe (repeatable); the JSON says so")
     p.add_argument("--from-run", type=Path, default=None, help="read this finished run folder instead of running")
+    p.add_argument("--replan", action="store_true", help="plan every recorded size again with the planner as it is now")
     p.add_argument("--table", action="store_true", help="only print the table of every scale-*.json")
     args = p.parse_args()
     for size in args.size if not args.table else []:
         measure_size(size, args)
-    print_table(sorted(RESULTS.glob("scale-*.json")))
+    if args.replan:
+        for path in RESULTS.glob("scale-*.json"):
+            replan(path)
+    paths = sorted(RESULTS.glob("scale-*.json"))
+    print_table(paths)
+    fits = growth(paths)
+    if fits:
+        print("\nwall time ~ params^b per stage (log-log least squares over the sizes that ran it):")
+        for key, f in fits.items():
+            print(f"  {key:<36} b = {f['exponent']:.2f}  measured/fit {f['measured_over_fit']}")
+
+
+def replan(path: Path) -> None:
+    """The plan of a recorded size made again with the planner as it is now (the one the run saw is
+    kept as `plan_at_run`), so a fix to the planner is checked against the peaks already measured."""
+    from kiln.core.files import atomic_write_json
+
+    r = json.loads(path.read_text())
+    r.setdefault("plan_at_run", r["plan"])
+    r["plan"] = plan(Path(r["recipe"]), r["plan_at_run"]["available_bytes"], Path(r["recipe"]).parent)
+    if "stages" in r:
+        r["analysis"] = analyse(r)
+    atomic_write_json(path, r)
 
 
 if __name__ == "__main__":
