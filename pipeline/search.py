@@ -29,7 +29,7 @@ from kiln.core.gate.performance import t_interval
 from kiln.core.gate.policy import GateOutcome, GateSection, judge
 from kiln.core.metrics import METRICS
 from kiln.optimize.base import QUANTIZERS, ModelArtifact
-from kiln.pipeline import stage_impl
+from kiln.pipeline import stage_benchmark, stage_evaluate, stage_inputs, stage_optimize
 from kiln.pipeline.evidence import evidence_from_run
 from kiln.pipeline.executor import CONFIRM, Executor, LocalExecutor
 from kiln.pipeline.phases import PHASES, for_family, objective_phase, up_to
@@ -123,7 +123,7 @@ def run_search(ctx: RunContext, model: Any) -> tuple[Arm | None, list[Arm], Gate
     """Every candidate through the phases, breadth first (all builds, then all cheap checks, …),
     each judged at the family's confidence; the winner's speed measured again, fresh."""
     started = time.monotonic()
-    shared = stage_impl.LazyEngines({}, _load)
+    shared = stage_inputs.LazyEngines({}, _load)
     # Where each candidate's phase runs (search.executor); an unreachable cluster fails here, before any work.
     executor = _executor(ctx, lambda arm, phase: _run_phase(arm, phase, model, shared))
     try:
@@ -231,10 +231,10 @@ def _run_phase(arm: Arm, phase: str, model: Any, shared: Any) -> None:
     ctx = arm.ctx
     if phase == "build":
         try:
-            arts = stage_impl.optimize_both(ctx, model) if arm.champion is None else {
-                "baseline": stage_impl.quantize(ctx, "baseline", QUANTIZERS.config("none")(), model),
+            arts = stage_optimize.optimize_both(ctx, model) if arm.champion is None else {
+                "baseline": stage_optimize.quantize(ctx, "baseline", QUANTIZERS.config("none")(), model),
                 "candidate": champion_artifact(ctx, arm.champion)}
-            arm.engines = {role: stage_impl.engine(ctx, role, art) for role, art in arts.items()}
+            arm.engines = {role: stage_optimize.engine(ctx, role, art) for role, art in arts.items()}
             arm.artifact = arts["candidate"]
         except BadInput:
             raise
@@ -244,15 +244,15 @@ def _run_phase(arm: Arm, phase: str, model: Any, shared: Any) -> None:
     with _engines(arm, shared) as loaded:
         if phase == CONFIRM:  # the winner's fresh, held-out measurement (`_confirm`)
             load = objective_phase(ctx.recipe.search.objective) == "rest"
-            (stage_impl.load_stage if load else stage_impl.benchmark)(ctx, loaded, arm.engines, confirmation=True)
+            (stage_benchmark.load_stage if load else stage_benchmark.benchmark)(ctx, loaded, arm.engines, confirmation=True)
         else:
-            stage_impl.evaluate(ctx, arm.engines, phases=(phase,), loaded=loaded)
+            stage_evaluate.evaluate(ctx, arm.engines, phases=(phase,), loaded=loaded)
 
 
 def run_on_node(arm: Arm, phases: tuple[str, ...], model: Any) -> None:
     """A candidate's `phases` where a Ray task runs them (kiln.pipeline.ray_executor): the build
     first (reused where the node has it), each later phase only while the candidate stands."""
-    shared = stage_impl.LazyEngines({}, _load)
+    shared = stage_inputs.LazyEngines({}, _load)
     try:
         for phase in phases:
             if arm.eliminated is None:
@@ -293,7 +293,7 @@ def _engines(arm: Arm, shared: Any) -> Iterator[Any]:
     closed on the way out (one candidate in memory at a time; the baseline stays loaded)."""
 
     shared.dirs["baseline"] = arm.engines["baseline"]
-    loaded = stage_impl.LazyEngines(arm.engines,
+    loaded = stage_inputs.LazyEngines(arm.engines,
                                     lambda d: shared["baseline"] if d == arm.engines["baseline"] else _load(d))
     try:
         yield loaded
@@ -340,9 +340,9 @@ def _duel(winner: Arm, held: Arm, shared: Any, policy: GateSection) -> None:
         load = objective_phase(objective) == "rest"
         duel.console.print(f"[bold]champion[/bold]: {winner.name} against {champ.name} v{champ.version}, "
                            f"{'load stage' if load else 'decode benchmark'} interleaved")
-        loaded = stage_impl.LazyEngines(engines, _load)
+        loaded = stage_inputs.LazyEngines(engines, _load)
         try:
-            (stage_impl.load_stage if load else stage_impl.benchmark)(duel, loaded, engines, confirmation=True)
+            (stage_benchmark.load_stage if load else stage_benchmark.benchmark)(duel, loaded, engines, confirmation=True)
         finally:
             for role in list(loaded):
                 loaded.pop(role).close()
