@@ -311,7 +311,8 @@ def stage_records(run_dir: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-def bench_gguf(stages: dict[str, dict[str, Any]], threads: int = 2, n: int = 64, depth: int = 16) -> dict[str, Any]:
+def bench_gguf(stages: dict[str, dict[str, Any]], runs: int = 3, threads: int = 2, n: int = 64,
+               depth: int = 16) -> dict[str, Any]:
     """`llama-bench` tg64 at depth 16 (the positions kiln's decodes cover) of each GGUF the run made."""
     out = {}
     for arm in ("llama-q8_0", "llama-q4_K_M"):
@@ -319,10 +320,10 @@ def bench_gguf(stages: dict[str, dict[str, Any]], threads: int = 2, n: int = 64,
         gguf = next((Path(opt["path"]) / "model").glob("*.gguf"), None) if opt else None
         if gguf is None:
             continue
-        runs = [llama_cpp_runtimes.cpu_engines.llama_bench(gguf, threads, n, depth, prefill=False) for _ in range(3)]
-        out[arm] = {"gguf": str(gguf), "gguf_bytes": gguf.stat().st_size,
-                    "tg_tok_s": llama_cpp_runtimes._spread([r["bench_tg_tok_s"] for r in runs]),
-                    "tg_d0_tok_s": llama_cpp_runtimes._spread([r["bench_tg_d0_tok_s"] for r in runs])}
+        done = [llama_cpp_runtimes.cpu_engines.llama_bench(gguf, threads, n, depth, prefill=False) for _ in range(runs)]
+        out[arm] = {"gguf": str(gguf), "gguf_bytes": gguf.stat().st_size, "runs": runs,
+                    "tg_tok_s": llama_cpp_runtimes._spread([r["bench_tg_tok_s"] for r in done]),
+                    "tg_d0_tok_s": llama_cpp_runtimes._spread([r["bench_tg_d0_tok_s"] for r in done])}
     return out
 
 
@@ -363,7 +364,7 @@ def measure_size(size: str, args: argparse.Namespace) -> None:
         result["run"] = run_kiln(recipe_path, work, args.timeout_s, parse_bytes(args.floor)) if not args.from_run else finished(args.from_run)
         if result["run"]["run_dir"]:
             result["stages"] = stage_records(Path(result["run"]["run_dir"]))
-            result["llama_bench"] = bench_gguf(result["stages"])
+            result["llama_bench"] = bench_gguf(result["stages"], args.bench_runs)
         result["bandwidth_gb_s"] = round(measure_bandwidth(), 1)
         result["load_average_start"], result["load_average_end"] = load0, os.getloadavg()
         result["contention"] = contention.between(busy0, contention.read())
@@ -536,6 +537,26 @@ def growth(paths: list[Path]) -> dict[str, Any]:
     return fits
 
 
+def markdown(paths: list[Path]) -> None:
+    """The memory table docs/engines.md shows: per stage, each size's peak (GiB) / plan, and the bound."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    runs = [r for r in runs if r.get("analysis") and r["run"]["exit_code"] == 0]
+    keys = sorted({k for r in runs for k in r["analysis"]["stages"]})
+    print("| stage | " + " | ".join(f"{r['size']}: peak / plan (bound)" for r in runs) + " |")
+    print("| --- |" + " --- |" * len(runs))
+    for key in keys:
+        cells = []
+        for r in runs:
+            st = r["analysis"]["stages"].get(key)
+            if st is None:
+                cells.append("—")
+                continue
+            plan_ = "—" if st["plan_bytes"] is None else f"{st['plan_bytes'] / GIB:.2f}"
+            over = "**" if st["over_bound"] else ""
+            cells.append(f"{over}{st['peak_bytes'] / GIB:.2f}{over} / {plan_} ({st['bound_bytes'] / GIB:.2f})")
+        print(f"| {key} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=list(SIZES), action="append", default=[])
@@ -549,8 +570,10 @@ def main() -> None:
     p.add_argument("--floor", default="1.5G", help="stop kiln run if the machine's available memory falls under this")
     p.add_argument("--skip", action="append", default=[], choices=[c["name"] for c in CANDIDATES],
                    help="leave this candidate out of the recipe (repeatable); the JSON says so")
+    p.add_argument("--bench-runs", type=int, default=3, help="llama-bench runs per GGUF (each -r 2, two depths)")
     p.add_argument("--from-run", type=Path, default=None, help="read this finished run folder instead of running")
     p.add_argument("--replan", action="store_true", help="plan every recorded size again with the planner as it is now")
+    p.add_argument("--markdown", action="store_true", help="print the memory table as markdown (docs/engines.md)")
     p.add_argument("--table", action="store_true", help="only print the table of every scale-*.json")
     args = p.parse_args()
     for size in args.size if not args.table else []:
@@ -559,6 +582,9 @@ def main() -> None:
         for path in RESULTS.glob("scale-*.json"):
             replan(path)
     paths = sorted(RESULTS.glob("scale-*.json"))
+    if args.markdown:
+        markdown(paths)
+        return
     print_table(paths)
     fits = growth(paths)
     if fits:
@@ -573,6 +599,8 @@ def replan(path: Path) -> None:
     from kiln.core.files import atomic_write_json
 
     r = json.loads(path.read_text())
+    if not (Path(r["checkpoint"]["path"]) / "config.json").is_file():
+        return  # the checkpoint was deleted since: its plan stays as it was made
     r.setdefault("plan_at_run", r["plan"])
     r["plan"] = plan(Path(r["recipe"]), r["plan_at_run"]["available_bytes"], Path(r["recipe"]).parent)
     if "stages" in r:
