@@ -73,7 +73,8 @@ def local_search(tmp_path_factory, tiny_model_dir, store):
 
 def _cluster_run(work: Path, model_dir: Path, store, address: str, experiment: str, **popen):
     recipe = _recipe(work / "search.yaml", model_dir, address, experiment)
-    env = {**store.env, "MLFLOW_TRACKING_URI": store.uri, "KILN_CACHE": str(fresh_cache(work / "driver-cache"))}
+    cache = work / "driver-cache"  # the driver's machine: a rerun there finds it again
+    env = {**store.env, "MLFLOW_TRACKING_URI": store.uri, "KILN_CACHE": str(cache if cache.exists() else fresh_cache(cache))}
     return subprocess.Popen([sys.executable, "-m", "kiln.pipeline", "run", str(recipe)], cwd=work, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**__import__("os").environ, **env},
                             **popen)
@@ -132,6 +133,31 @@ def test_a_worker_killed_mid_stage_costs_a_rerun_not_the_verdict(tmp_path, tiny_
                               f"tags.`kiln.stage_key` = '{key}' and tags.`kiln.reused` = 'false'")
     finished = [r for r in runs if r.info.status == "FINISHED"]
     assert finished and all(not r.data.tags.get("kiln.node", "").endswith(f"({worker[:8]})") for r in finished)
+
+
+def test_a_killed_driver_is_resumed_by_running_again_reusing_finished_stages(tmp_path, tiny_model_dir, store,
+                                                                              local_search):
+    with ray_cluster(tmp_path / "cluster", 2, store.env) as cluster:
+        first = _cluster_run(tmp_path, tiny_model_dir, store, cluster.address, "ray-resume")
+        judged = 0
+        for line in first.stdout:  # every build judged, then the first candidate's perplexity: kill the driver
+            judged += line.startswith(tuple(f"  {c['name']}: " for c in ONE_THREAD))
+            if judged == len(ONE_THREAD) + 1:
+                first.kill()
+                break
+        first.wait(30)
+        assert judged == len(ONE_THREAD) + 1 and first.returncode == -9, judged
+        again = _cluster_run(tmp_path, tiny_model_dir, store, cluster.address, "ray-resume")
+        out, _ = again.communicate(timeout=600)
+        assert again.returncode in (0, 1, 3), out[-4000:]
+        resumed = _outcome(tmp_path, again)
+    assert {k: resumed[k] for k in ("exit", "winner", "verdict", "eliminated", "keys")} == \
+        {k: local_search[k] for k in ("exit", "winner", "verdict", "eliminated", "keys")}, out[-4000:]
+    records = {c.name: {p.stem: json.loads(p.read_text()) for p in (c / "stages").glob("*.json")}
+               for c in (resumed["run_dir"] / "candidates").iterdir()}
+    # What finished before the kill was not computed again: every build, and the perplexity judged.
+    assert all(r[s]["reused"] for r in records.values() for s in ("optimize-candidate", "engine-candidate")), records
+    assert any(r["quality-candidate"]["reused"] for r in records.values()), records
 
 
 def test_an_unreachable_cluster_fails_in_seconds_naming_the_address(tmp_path, tiny_model_dir, store):
