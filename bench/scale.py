@@ -318,7 +318,7 @@ def bench_gguf(stages: dict[str, dict[str, Any]], runs: int = 3, threads: int = 
     for arm in ("llama-q8_0", "llama-q4_K_M"):
         opt = stages.get(f"{arm}/optimize-candidate")
         gguf = next((Path(opt["path"]) / "model").glob("*.gguf"), None) if opt else None
-        if gguf is None:
+        if gguf is None or runs < 1:
             continue
         done = [llama_cpp_runtimes.cpu_engines.llama_bench(gguf, threads, n, depth, prefill=False) for _ in range(runs)]
         out[arm] = {"gguf": str(gguf), "gguf_bytes": gguf.stat().st_size, "runs": runs,
