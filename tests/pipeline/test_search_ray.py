@@ -99,6 +99,9 @@ def test_a_search_across_two_nodes_ends_as_the_local_one(tmp_path, tiny_model_di
                                   "tags.`kiln.stage` = 'candidate'")
     nodes = {r.data.tags["kiln.candidate"]: r.data.tags.get("kiln.node.benchmark") for r in arm_runs}
     assert nodes[WINNER] and any(nodes[WINNER].endswith(f"({n[:8]})") for n in computed), nodes
+    row = next(c for c in ray_run["record"]["candidates"] if c["name"] == WINNER)
+    assert row["nodes"]["confirmation"] and row["nodes"]["benchmark"] == nodes[WINNER], row  # search.json too
+    assert f"on {row['nodes']['confirmation']}" in (ray_run["run_dir"] / "report.md").read_text()
 
 
 def _wait_for_stage_on(cache: Path, proc, timeout_s: float = 400) -> str:
