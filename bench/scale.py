@@ -260,7 +260,7 @@ def plan(recipe_path: Path, available: int, workdir: Path) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- the run and what its stages recorded
 
-def run_kiln(recipe_path: Path, workdir: Path, timeout_s: int, floor: int) -> dict[str, Any]:
+def run_kiln(recipe_path: Path, workdir: Path, timeout_s: int, floor: int, fresh: list[str]) -> dict[str, Any]:
     """`kiln run` from `workdir`, stopped (its whole process group) if it runs past `timeout_s` or the
     machine's available memory falls under `floor` bytes: the machine is shared, and a stage that
     outgrows it must not make the kernel's OOM killer pick someone else's process."""
@@ -271,7 +271,8 @@ def run_kiln(recipe_path: Path, workdir: Path, timeout_s: int, floor: int) -> di
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
     stopped, lowest = None, psutil.virtual_memory().available
     with open(workdir / "kiln-run.log", "w") as log:
-        proc = subprocess.Popen([kiln, "run", str(recipe_path), "--runs", str(workdir / "runs")], cwd=workdir,
+        fresh = [a for stage in fresh for a in ("--fresh", stage)]
+        proc = subprocess.Popen([kiln, "run", str(recipe_path), "--runs", str(workdir / "runs"), *fresh], cwd=workdir,
                                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         while proc.poll() is None:
             time.sleep(0.25)
@@ -361,7 +362,7 @@ def measure_size(size: str, args: argparse.Namespace) -> None:
     print(result["plan"]["cli_output"])
     if not args.plan_only and result["plan"]["cli_exit_code"] == 0:
         load0, busy0 = os.getloadavg(), contention.read()
-        result["run"] = run_kiln(recipe_path, work, args.timeout_s, parse_bytes(args.floor)) if not args.from_run else finished(args.from_run)
+        result["run"] = run_kiln(recipe_path, work, args.timeout_s, parse_bytes(args.floor), args.fresh) if not args.from_run else finished(args.from_run)
         if result["run"]["run_dir"]:
             result["stages"] = stage_records(Path(result["run"]["run_dir"]))
             result["llama_bench"] = bench_gguf(result["stages"], args.bench_runs)
@@ -571,6 +572,8 @@ def main() -> None:
     p.add_argument("--skip", action="append", default=[], choices=[c["name"] for c in CANDIDATES],
                    help="leave this candidate out of the recipe (repeatable); the JSON says so")
     p.add_argument("--bench-runs", type=int, default=3, help="llama-bench runs per GGUF (each -r 2, two depths)")
+    p.add_argument("--fresh", action="append", default=[], help="kiln run --fresh STAGE: measure it again "
+                   "(benchmark: decode beside this run's llama-bench)")
     p.add_argument("--from-run", type=Path, default=None, help="read this finished run folder instead of running")
     p.add_argument("--replan", action="store_true", help="plan every recorded size again with the planner as it is now")
     p.add_argument("--markdown", action="store_true", help="print the memory table as markdown (docs/engines.md)")
