@@ -138,6 +138,9 @@ def seaweedfs(work: Path) -> Iterator[str]:
     ports = {f"{svc}.port{grpc}": free_port() for svc in ("master", "volume", "filer", "s3") for grpc in ("", ".grpc")}
     cmd = [str(BIN / "weed"), "server", f"-dir={root}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-filer", "-s3",
            f"-s3.config={config}", "-s3.iam=false", "-master.volumeSizeLimitMB=64", "-volume.max=16",
+           # its Iceberg and Lance catalogs listen on fixed ports (8181, 9101) by default: off, so two
+           # stacks (two test workers) can run at once
+           "-s3.port.iceberg=0", "-s3.port.lance=0",
            *(f"-{flag}={port}" for flag, port in ports.items())]
     endpoint = f"http://127.0.0.1:{ports['s3.port']}"
     log = work / "seaweedfs.log"
