@@ -16,7 +16,7 @@ without the client's fixed start-up cost, measured by a run at a low rate), and 
 client's TTFT and ITL percentiles compare with the server's true 50 ms and 10 ms.
 
 Clients:
-- kiln: `kiln.evaluate.perf.run_load` in a subprocess of this script (same venv);
+- kiln: `kiln.evaluate.perf.runner.run_load` in a subprocess of this script (same venv);
 - aiperf: AIPerf 0.13.0 from PyPI (no torch), installed on first use into
   .cache/bench-envs/aiperf (~1.2 GB);
 - guidellm (opt-in, `--with-guidellm`): GuideLLM 0.8.1 pulls a CUDA torch (~6 GB venv) into

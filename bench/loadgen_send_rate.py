@@ -2,7 +2,7 @@
 
 Server: kiln's fake engine with unlimited capacity and no latency (`ttft_ms=0, tpot_ms=0`), in its
 own process, so whatever limits the rate is CPU: the client's or the server's. Client:
-`kiln.evaluate.perf.run_load` at constant open-loop rates, rates interleaved round by round.
+`kiln.evaluate.perf.runner.run_load` at constant open-loop rates, rates interleaved round by round.
 
 Per run it records the generator's `achieved_rate`, the rate the server saw arrive in the same
 measurement window (the fake's own arrival log: time.monotonic, the CLOCK_MONOTONIC that the
