@@ -233,26 +233,19 @@ def recipe(size: str, checkpoint: Path, dtype: str, skip: list[str]) -> dict[str
 
 def plan(recipe_path: Path, available: int, workdir: Path) -> dict[str, Any]:
     """`kiln plan-memory` as a user runs it (its text and exit code), and the same plans' numbers."""
-    from kiln.optimize.memory import plan_memory, source_dtype, with_pipeline_steps
+    from kiln.pipeline.memory_plan import arm_plans, run_context
     from kiln.pipeline.model_source import cache_root, resolve_model
     from kiln.pipeline.recipe import load_recipe
 
-    kiln = str(Path(sys.executable).with_name("kiln"))
-    cli = subprocess.run([kiln, "plan-memory", str(recipe_path), "--available", str(available)],
-                         capture_output=True, text=True, cwd=workdir, env={**os.environ, "COLUMNS": "200"})
     r = load_recipe(recipe_path, [])
     model = resolve_model(r.model.path, cache_root())
-    ev = r.evaluate
-    context = max(ev.quality.perplexity.seq_len, 512 + ev.benchmark.max_new_tokens)  # as stage_optimize plans
-    dtype = r.baseline.engine.dtype  # the arms' torch engine (this recipe's baseline; the others are not torch)
-    base = plan_memory(model.config, None, context=context, available_bytes=available, engine_dtype=dtype)
-    plans = {"baseline": with_pipeline_steps(base, model.config, None, reference=dtype != "float32",
-                                             reference_reads=dtype != source_dtype(model.config), torch_dtype=dtype)}
-    for name, arm in r.arms():
-        p = plan_memory(model.config, arm.optimize, context=context, available_bytes=available,
-                        engine_dtype="int8" if arm.engine.backend == "openvino" else None)
-        plans[name] = with_pipeline_steps(p, model.config, base, reference=True, torch_dtype=dtype,
-                                          export_fp32=arm.engine.backend == "openvino")
+    context, batch = run_context(r)  # as `kiln run` plans
+    kiln = str(Path(sys.executable).with_name("kiln"))
+    cli = subprocess.run([kiln, "plan-memory", str(recipe_path), "--available", str(available), "--context",
+                          str(context), "--batch", str(batch)],
+                         capture_output=True, text=True, cwd=workdir, env={**os.environ, "COLUMNS": "200"})
+    plans = {name: p for name, (_, p) in arm_plans(r, model.config, context=context, batch=batch,
+                                                   available=available)[0].items()}
     plans = {name: p.to_dict() for name, p in plans.items()}
     return {"cli_exit_code": cli.returncode, "cli_output": cli.stdout + cli.stderr, "context": context,
             "available_bytes": available, "arms": plans}
@@ -401,8 +394,8 @@ def held_bytes(result: dict[str, Any]) -> dict[str, int]:
 
 
 def planned(result: dict[str, Any], arm: str, stage: str) -> float | None:
-    """What `kiln plan-memory` predicts for a stage: optimize = the arm's quantize step, engine = its
-    engine step (the build and its parity check), quality and benchmark = its evaluate step (both
+    """What `kiln plan-memory` predicts for a stage: optimize = the arm's quantize step, engine = the
+    larger of its reference step (the parity check's torch reference) and its engine step (the build), quality and benchmark = its evaluate step (both
     arms' engines in one process, and the torch scoring logits). None for a step it does not plan."""
     arms = result["plan"]["arms"]
 
@@ -412,8 +405,9 @@ def planned(result: dict[str, Any], arm: str, stage: str) -> float | None:
     who = "baseline" if stage.endswith("-baseline") else arm
     if stage == "optimize-candidate":
         return step(arm, "quantize")
-    if stage.startswith("engine-"):
-        return step(who, "engine")
+    if stage.startswith("engine-"):  # the parity reference, freed before the engine loads: the larger of the two
+        held = [b for b in (step(who, "reference"), step(who, "engine")) if b is not None]
+        return max(held) if held else None
     if stage.startswith(("quality-", "benchmark-")):
         return step(who, "evaluate")
     return None

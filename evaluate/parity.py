@@ -1,8 +1,11 @@
 """The parity smoke check every engine build gets: a few greedy prompts against the torch reference.
 
 The built engine decodes the prompts all at once (it batches them, as the server will); the
-reference `torch` backend, in float32 on the same checkpoint, decodes them one at a time. Then
-both score the prompt plus the reference continuation, position by position. The prompts always
+reference `torch` backend on the same checkpoint decodes them one at a time. Then both score the
+prompt plus the reference continuation, position by position. The reference answers first and is
+gone before the engine loads (`reference_answers`, then `check_answers`): one model in memory at
+a time. It loads the checkpoint in float32 where the build must be exact, else in the dtype the
+checkpoint stores (`reference_dtype`). The prompts always
 include a one-token prompt and the shortest the tokenizer makes (`with_shortest`): CTranslate2
 streamed every other prompt of a batch as "generated" when one prompt had a single token (issue 39),
 and prompts of two tokens or more never show it.
@@ -18,6 +21,7 @@ here (their drift is the gate's to judge): their figures are recorded in the eng
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,11 +76,15 @@ def divergence(reference: Engine, prompt: list[int], want: list[int], got: list[
     """Where an engine's greedy tokens `got` first differ from the reference's `want` for `prompt`:
     (tokens matched before it, the reference's log-prob gap there between its token and the
     engine's). The gap is None where no token differs: equal, or one of them stopped sooner."""
-    matched = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    matched = _matched(want, got)
     if matched == min(len(got), len(want)):
         return matched, None
     lp = np.asarray(reference.next_token_logprobs([list(prompt) + want[:matched]])[0][-1])
     return matched, float(lp[want[matched]] - lp[got[matched]])
+
+
+def _matched(want: list[int], got: list[int]) -> int:
+    return next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
 
 
 def batched_greedy(engine: Engine, prompts: Sequence[list[int]], n: int) -> list[list[int]]:
@@ -89,22 +97,59 @@ def batched_greedy(engine: Engine, prompts: Sequence[list[int]], n: int) -> list
     return [out[i] for i in ids]
 
 
-def smoke(engine: Engine, reference: Engine, prompts: Sequence[list[int]], n: int = NEW_TOKENS) -> dict[str, Any]:
-    """Per-prompt figures: tokens matched before the first divergence, the reference's log-prob gap
-    there, and per-token |delta log-prob| of the reference continuation; plus the totals. The
-    prompts are `with_shortest(prompts)`."""
+@dataclass(frozen=True)
+class ReferenceAnswers:
+    """What the reference says of the smoke prompts, kept so that the engine under test can be
+    loaded after the reference is gone (one model in memory at a time): its greedy continuations,
+    their per-token log-probs (None: it cannot score) and its log-distribution at every generated
+    position (float32 [len(want), vocab] per prompt), where a divergence's gap is read."""
+
+    prompts: list[list[int]]
+    want: list[list[int]]
+    logprobs: list[np.ndarray] | None
+    rows: list[np.ndarray]
+    new_tokens: int
+
+
+def reference_answers(reference: Engine, prompts: Sequence[list[int]], n: int = NEW_TOKENS) -> ReferenceAnswers:
+    """The reference's side of the smoke check on `with_shortest(prompts)`: each prompt decoded one
+    at a time (no batching to blame), then scored."""
     prompts = with_shortest(prompts, reference.tokenizer)
-    got = batched_greedy(engine, prompts, n)
-    want = [batched_greedy(reference, [p], n)[0] for p in prompts]  # one at a time: no batching to blame
-    deltas = _logprob_deltas(engine, reference, [(list(p), w) for p, w in zip(prompts, want, strict=True)])
+    want = [batched_greedy(reference, [p], n)[0] for p in prompts]
+    pairs = [(list(p), w) for p, w in zip(prompts, want, strict=True)]
+    logprobs = _scores(reference, pairs)
+    rows = [np.asarray(reference.next_token_logprobs([list(p) + w[:-1]])[0], dtype=np.float32)[len(p) - 1:]
+            for p, w in pairs]
+    return ReferenceAnswers(prompts, want, logprobs, rows, n)
+
+
+def _scores(engine: Engine, pairs: list) -> list[np.ndarray] | None:
+    """Per-token log-probs of each pair; None for an engine that cannot score (tokens only)."""
+    try:
+        return [np.asarray(s.token_logprobs) for s in engine.score(pairs)]
+    except (NotImplementedError, KilnError):
+        return None
+
+
+def compare(engine: Engine, answers: ReferenceAnswers) -> dict[str, Any]:
+    """Per-prompt figures of `engine` against the reference's `answers`: tokens matched before the
+    first divergence, the reference's log-prob gap there, and per-token |delta log-prob| of the
+    reference continuation; plus the totals."""
+    got = batched_greedy(engine, answers.prompts, answers.new_tokens)
+    mine = _scores(engine, [(list(p), w) for p, w in zip(answers.prompts, answers.want, strict=True)])
+    deltas = None if mine is None or answers.logprobs is None else \
+        [np.abs(np.subtract(g, r)) for g, r in zip(mine, answers.logprobs, strict=True)]
     rows = []
-    for p, g, w, d in zip(prompts, got, want, deltas or [None] * len(prompts), strict=True):
-        matched, gap = divergence(reference, p, w, g)
+    for p, g, w, lp, d in zip(answers.prompts, got, answers.want, answers.rows, deltas or [None] * len(got),
+                              strict=True):
+        matched = _matched(w, g)
+        gap = None if matched == min(len(g), len(w)) else float(lp[matched][w[matched]] - lp[matched][g[matched]])
         # A divergence beyond a near-tie, or as many tokens but fewer or more (no token to call a tie).
         defect = gap > TIE_TOLERANCE if gap is not None else g != w
         rows.append({"prompt_tokens": len(p), "matched_tokens": matched, "tie_gap": gap, "defect": defect,
                      "max_abs_logprob": None if d is None else float(d.max()), "reference": w, "engine": g})
     all_d = np.concatenate(deltas) if deltas else None
+    n = answers.new_tokens
     return {"prompts": len(rows), "new_tokens": n, "identical": sum(r["matched_tokens"] == n for r in rows) / len(rows),
             "max_abs_logprob": None if all_d is None else float(all_d.max()),
             "mean_abs_logprob": None if all_d is None else float(all_d.mean()),
@@ -112,20 +157,15 @@ def smoke(engine: Engine, reference: Engine, prompts: Sequence[list[int]], n: in
             "tie_tolerance": TIE_TOLERANCE, "per_prompt": rows}
 
 
-def _logprob_deltas(engine: Engine, reference: Engine, pairs: list) -> list[np.ndarray] | None:
-    """Per-token |delta log-prob| of each pair; None for an engine that cannot score (tokens only)."""
-    try:
-        got = engine.score(pairs)
-    except (NotImplementedError, KilnError):
-        return None
-    return [np.abs(np.subtract(g.token_logprobs, r.token_logprobs))
-            for g, r in zip(got, reference.score(pairs), strict=True)]
-
-
 def check_build(engine: Engine, reference: Engine, prompts: Sequence[list[int]], exact: bool,
                 label: str) -> dict[str, Any]:
-    """`smoke` figures with the verdict; raise ParityRefused for an unquantized build that is not exact."""
-    figures = {**smoke(engine, reference, prompts), "exact_required": exact}
+    """`check_answers` with both engines at hand (the prompts are `with_shortest(prompts)`)."""
+    return check_answers(engine, reference_answers(reference, prompts), exact, label)
+
+
+def check_answers(engine: Engine, answers: ReferenceAnswers, exact: bool, label: str) -> dict[str, Any]:
+    """`compare` figures with the verdict: ParityRefused for an unquantized build that is not exact."""
+    figures = {**compare(engine, answers), "exact_required": exact}
     if exact and figures["defects"]:
         bad = next(r for r in figures["per_prompt"] if r["defect"])
         why = ("the engine stopped early" if bad["tie_gap"] is None
@@ -161,8 +201,15 @@ def _is_checkpoint(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
-def reference_engine(checkpoint: Path, threads: int | None = None) -> Engine:
-    """The reference backend: kiln's torch engine in float32 on `checkpoint`."""
+def reference_dtype(exact: bool, stored: str) -> str:
+    """The dtype the reference loads the checkpoint in: float32 where the build must be exact (it
+    is float32 itself), else the dtype the checkpoint stores (a bf16 checkpoint's reference holds
+    it once, not twice as float32 would); a quantized build's drift is the gate's to judge."""
+    return "float32" if exact or stored not in ("bfloat16", "float16") else stored
+
+
+def reference_engine(checkpoint: Path, threads: int | None = None, dtype: str = "float32") -> Engine:
+    """The reference backend: kiln's torch engine on `checkpoint`, in float32 unless told."""
     from kiln.engine.hf_torch import TorchEngine, TorchEngineConfig
 
-    return TorchEngine(Path(checkpoint), TorchEngineConfig(dtype="float32", threads=threads))
+    return TorchEngine(Path(checkpoint), TorchEngineConfig(dtype=dtype, threads=threads))

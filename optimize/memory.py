@@ -24,6 +24,7 @@ from kiln.core.errors import DoesNotFit
 RUNTIME_BYTES = {"torch + transformers": 467 << 20, "torch + transformers + gptqmodel": 595 << 20}
 # engine/hf_torch.py TorchEngineConfig.score_batch_tokens' default: padded tokens per scoring pass.
 SCORE_BATCH_TOKENS = 4096
+SCORING = "scoring logits (torch)"
 DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0, "fp8": 1.0, "float8_e4m3fn": 1.0, "int8": 1.0}
 
 
@@ -208,44 +209,50 @@ def plan_memory(model_config: dict[str, Any], method_config: Any = None, *, cont
 
 
 def with_pipeline_steps(plan: MemoryPlan, model_config: dict[str, Any], baseline: MemoryPlan | None, *,
-                        reference: bool, reference_reads: bool = True, export_fp32: bool = False,
-                        torch_dtype: str | None = None) -> MemoryPlan:
-    """`plan` (one arm's quantize and serve steps) with the two steps a `kiln run` adds, which hold
-    more than serving does (bench/scale.py measured both, at 135M and 1B):
+                        reference: str | None, export_fp32: bool = False,
+                        torch_dtype: str | None = None, score_tokens: int = SCORE_BATCH_TOKENS) -> MemoryPlan:
+    """`plan` (one arm's quantize and serve steps) with the steps a `kiln run` adds, each what one
+    process holds at once (bench/scale.py measured them at 135M, 1B and 3B):
 
-    - engine: the built engine beside the float32 torch reference its parity smoke check loads at
-      the same time (`reference`: every engine but torch float32, its own reference), and while it
-      loads, the checkpoint's pages as stored (`reference_reads`; not when the engine is torch at the
-      stored dtype, which holds those pages already); an engine
-      exported from the checkpoint in float32 (`export_fp32`: OpenVINO traces the torch model and
-      converts it) holds the checkpoint twice more while it builds;
+    - reference: the parity smoke check's torch reference, in the dtype `reference` names (None:
+      the engine is its own reference), loaded and freed before the engine loads; while it loads
+      the checkpoint's pages as stored are mapped too, when it converts them to another dtype;
+    - engine: the built engine; one exported from the checkpoint in float32 (`export_fp32`:
+      OpenVINO traces the torch model and converts it) holds the checkpoint twice more while it builds;
     - evaluate: the quality and benchmark stages hold the baseline's engine and this arm's in one
-      process, and a torch engine (`torch_dtype`) scores SCORE_BATCH_TOKENS positions per pass,
-      whose logits it holds in its dtype and again in float32.
+      process, and a torch engine (`torch_dtype`) scores `score_tokens` positions per pass (its
+      score_batch_tokens), whose logits it holds in its dtype and again in float32.
     """
     shapes = DecoderShapes.from_config(model_config)
     serve = next(s for s in plan.steps if s.step == "serve").components[0]
     fp32 = shapes.param_count * 4.0
+    steps = []
+    if reference is not None:
+        size = DTYPE_BYTES.get(reference, 4.0)
+        held = [runtime("torch + transformers"),
+                Component(f"parity reference (torch {reference})", shapes.param_count * size,
+                          f"{shapes.param_count / 1e6:.1f}M params × {size:g} B, freed before the engine loads")]
+        stored = source_dtype(model_config)
+        if stored != reference:
+            held.append(Component("checkpoint pages the reference reads", shapes.param_count * DTYPE_BYTES[stored],
+                                  f"{shapes.param_count / 1e6:.1f}M params × {DTYPE_BYTES[stored]:g} B, mapped while it loads"))
+        steps.append(StepPlan("reference", tuple(held)))
     engine = [runtime("torch + transformers"), Component(f"engine: {serve.name}", serve.bytes, serve.formula)]
     if export_fp32:
         engine.append(Component("export: the checkpoint in float32, twice", 2 * fp32,
                                 "the traced torch model and the converted graph, while it builds"))
-    if reference:
-        engine.append(Component("parity reference (torch float32)", fp32,
-                                f"{shapes.param_count / 1e6:.1f}M params × 4 B, loaded beside the engine"))
-    if reference and reference_reads:
-        stored = DTYPE_BYTES.get(source_dtype(model_config), 4.0)
-        engine.append(Component("checkpoint pages the reference reads", shapes.param_count * stored,
-                                f"{shapes.param_count / 1e6:.1f}M params × {stored:g} B, mapped while it loads"))
+    steps.append(StepPlan("engine", tuple(engine)))
     evaluate = [runtime("torch + transformers"), Component(f"this arm: {serve.name}", serve.bytes, serve.formula)]
     if baseline is not None:
         base = next(s for s in baseline.steps if s.step == "serve").components[0]
         evaluate.append(Component(f"baseline: {base.name}", base.bytes, base.formula))
     if torch_dtype:
         per = DTYPE_BYTES.get(torch_dtype, 4.0) + 4.0
-        evaluate.append(Component("scoring logits (torch)", SCORE_BATCH_TOKENS * shapes.vocab * per,
-                                  f"{SCORE_BATCH_TOKENS} tokens × {shapes.vocab} vocab × ({per - 4:g} + 4) B"))
-    return replace(plan, steps=(*plan.steps, StepPlan("engine", tuple(engine)), StepPlan("evaluate", tuple(evaluate))))
+        evaluate.append(Component(SCORING, score_tokens * shapes.vocab * per,
+                                  f"{score_tokens} tokens × {shapes.vocab} vocab × ({per - 4:g} + 4) B",
+                                  per_token=shapes.vocab * per))
+    steps.append(StepPlan("evaluate", tuple(evaluate)))
+    return replace(plan, steps=(*plan.steps, *steps))
 
 
 def parse_bytes(text: str) -> int:
@@ -264,7 +271,8 @@ def arms_table(plans: dict[str, tuple[str, MemoryPlan]]) -> Any:
     from rich.table import Table
 
     named = {s.step for _, p in plans.values() for s in p.steps}
-    steps = [k for k in ("quantize", "serve") if k in named] + sorted(named - {"quantize", "serve"})
+    order = ("quantize", "serve", "reference", "engine", "evaluate")  # as a run takes them
+    steps = [k for k in order if k in named] + sorted(named - set(order))
     t = Table("arm", "optimize → engine", *steps, "available", "fits", title="memory plan per arm")
     for name, (what, plan) in plans.items():
         totals = {s.step: s.total for s in plan.steps}
@@ -275,26 +283,41 @@ def arms_table(plans: dict[str, tuple[str, MemoryPlan]]) -> Any:
     return t
 
 
-def check_arms(plans: dict[str, tuple[str, MemoryPlan]], fields: dict[str, str]) -> None:
+def check_arms(plans: dict[str, tuple[str, MemoryPlan]], fields: dict[str, str], first: str = "") -> None:
     """Raise DoesNotFit naming every arm that does not fit, the step and numbers, and for each the
-    recipe change that fits it. `fields`: arm -> where the recipe sets it (candidates.2, baseline)."""
+    recipe change that fits it. `fields`: arm -> where the recipe sets it (candidates.2, baseline).
+    `first`: a change to make before any other (the caller knows the recipe), said first."""
     over = {name: plan for name, (_, plan) in plans.items() if not plan.fits()}
     if not over:
         return
     fixes, problems = [], []
     for name, plan in over.items():
-        worst, tokens = plan.worst(), plan.fitting_context()
-        if tokens:
-            fix = f"fits with a serving context of at most {tokens} tokens (--context {tokens})"
-        elif worst.step == "engine" and any(c.name.startswith("parity reference") for c in worst.components):
-            fix = (f"the engine's parity check loads the checkpoint in float32 beside the engine: no recipe change "
-                   f"fits it in {human(plan.available_bytes)} (kiln would need {human(worst.total)})")
-        elif name == "baseline":
-            fix = "the checkpoint itself does not fit: a machine with more memory, or a smaller model"
-        else:
-            fix = f"remove it from `candidates` ({fields.get(name, name)}), or pick a method that holds less"
+        worst = plan.worst()
         fixes.append(f"{name}: the {worst.step} step needs {human(worst.total)} but {human(plan.available_bytes)} "
-                     f"is available on {plan.device}; {fix}")
+                     f"is available on {plan.device}; {_fix(name, plan, fields)}")
         problems += [f"{name}: {line}" for line in plan.lines()]
-    raise DoesNotFit(f"memory: {len(over)} of {len(plans)} arms do not fit. " + "; ".join(fixes) + ".",
+    raise DoesNotFit(f"memory: {len(over)} of {len(plans)} arms do not fit. {first}" + "; ".join(fixes) + ".",
                      problems=problems)
+
+
+def _fix(name: str, plan: MemoryPlan, fields: dict[str, str]) -> str:
+    """The recipe change that fits `plan`'s worst step, or why none does."""
+    worst, tokens, free = plan.worst(), plan.fitting_context(), plan.available_bytes
+    if tokens:
+        return f"fits with a serving context of at most {tokens} tokens (--context {tokens})"
+    if worst.step == "reference":
+        return ("the engine's parity check loads the checkpoint on torch as it is stored: the checkpoint itself "
+                "does not fit; a machine with more memory, or a smaller model")
+    scoring = next((c for c in worst.components if c.name == SCORING), None)
+    if worst.step == "evaluate" and scoring is not None and worst.total - scoring.bytes < free:
+        fit = int((free - (worst.total - scoring.bytes)) // scoring.per_token) // 64 * 64
+        if fit >= 64:
+            return (f"the torch scoring pass holds {human(scoring.bytes)} of logits: it fits with the torch "
+                    f"engine's score_batch_tokens (baseline.engine for a torch baseline) at most {fit}")
+    if worst.step == "evaluate" and any(c.name.startswith("baseline:") for c in worst.components):
+        return (f"the quality and benchmark stages hold the baseline's engine beside this arm's in one process: "
+                f"no recipe change fits both in {human(free)}; a machine (or, with search.executor: ray, nodes) "
+                f"with {human(worst.total)}, or a candidate that holds less")
+    if name == "baseline":
+        return "the checkpoint itself does not fit: a machine with more memory, or a smaller model"
+    return f"remove it from `candidates` ({fields.get(name, name)}), or pick a method that holds less"

@@ -364,47 +364,25 @@ def plan_memory_cmd(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
                         help="plan against this much memory (24G, 512M: powers of 1024) instead of what is free "
                              "here now: the machine the run is for")] = None) -> None:
     """How much memory each arm needs (the baseline and every candidate, one line each) to quantize, to
-    serve, to build its engine (beside the float32 reference the parity check loads) and to be evaluated
-    (both arms' engines in one process), against what is free. Exit 2 with the numbers and the change
-    that fits if one does not."""
-    from kiln.optimize.memory import arms_table, check_arms, plan_memory, source_dtype, with_pipeline_steps
+    serve, to run the parity check's torch reference, to build its engine and to be evaluated (both
+    arms' engines in one process), against what is free; `kiln run` checks the same plan before it
+    loads anything. Exit 2 with the numbers and the change that fits if one does not."""
+    from kiln.optimize.memory import arms_table, check_arms
+    from kiln.pipeline.memory_plan import arm_plans, first_change
     from kiln.pipeline.model_source import cache_root, resolve_model
     from kiln.pipeline.recipe import load_recipe
 
     r = load_recipe(recipe, set_)
     free = size_option("--available", available)
     model = resolve_model(r.model.path, cache_root())
-    arms = r.arms()
-    base_engine = (arms[0][1] if arms else r).engine_for("baseline")
-
-    def torch_dtype(engine: Any) -> str | None:  # what a torch engine loads the checkpoint in (auto: as stored)
-        dtype = getattr(engine, "dtype", None) if engine.backend == "torch" else None
-        return source_dtype(model.config) if dtype == "auto" else dtype
-
-    def plan(method: object, engine: Any, baseline: Any = None) -> Any:
-        dtype = torch_dtype(engine)
-        compressed = {"int8": "int8", "fp32": "float32"}.get(getattr(engine, "weights", "")) \
-            if engine.backend == "openvino" else None  # OpenVINO compresses the checkpoint as it builds
-        p = plan_memory(model.config, method, context=context, batch=batch, kv_dtype=kv_dtype, available_bytes=free,
-                        engine_dtype=dtype or compressed)
-        return with_pipeline_steps(p, model.config, baseline, reference=dtype != "float32",
-                                   reference_reads=dtype != source_dtype(model.config),
-                                   export_fp32=engine.backend == "openvino",
-                                   torch_dtype=torch_dtype(base_engine) or dtype)
-
-    base = plan(None, base_engine)
-    plans = {"baseline": (f"none → {base_engine.backend}", base)}
-    plans |= {name: (f"{arm.optimize.method} → {arm.engine.backend}", plan(arm.optimize, arm.engine, base))
-              for name, arm in arms}
-    fields = ({c.name: f"candidates.{i}" for i, c in enumerate(r.candidates)} if r.candidates is not None
-              else {"candidate": "optimize"})
+    plans, fields = arm_plans(r, model.config, context=context, batch=batch, kv_dtype=kv_dtype, available=free)
     if r.candidates is None:
         console.print(plans["candidate"][1].table())
     console.print(arms_table(plans))
     for c in r.candidates or []:
         if c.champion:
             console.print(f"{c.name}: the registry's champion, served as it was judged (not planned here)")
-    check_arms(plans, fields)
+    check_arms(plans, fields, first=first_change(r, model.config))
 
 
 @app.command("plan-capacity")

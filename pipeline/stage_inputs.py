@@ -13,6 +13,7 @@ from kiln.core.errors import BadInput
 from kiln.core.files import atomic_write_json, hash_of, read_json, sha256_file
 from kiln.core.metrics import LOAD_PREFIX
 from kiln.pipeline.demo import prepare_demo_data
+from kiln.pipeline.memory_plan import check_run
 from kiln.pipeline.model_source import ResolvedModel
 from kiln.pipeline.stages import RunContext
 
@@ -138,8 +139,9 @@ CONFIRMATION_PROMPTS = ("evaluate.benchmark.num_prompts (a search confirms its w
 
 
 def check_inputs(ctx: RunContext, model: ResolvedModel) -> None:
-    """The recipe's input files, and whether its engines can build the checkpoint, checked before
-    any stage runs: a bad one is refused in seconds, not after the optimize and engine stages."""
+    """The recipe's input files, whether its engines can build the checkpoint and whether every arm
+    fits in memory, checked before any stage runs: a bad one is refused in seconds, not after the
+    optimize and engine stages."""
     ev = ctx.recipe.evaluate
     text_path(ev.quality.perplexity.text)
     read_prompts(ev.benchmark.prompts, ev.benchmark.num_prompts)
@@ -148,6 +150,7 @@ def check_inputs(ctx: RunContext, model: ResolvedModel) -> None:
     if ev.quality.served:
         read_prompts(ev.benchmark.prompts, ev.quality.served.num_prompts, "evaluate.quality.served.num_prompts")
     check_backends(ctx.recipe, model.config)
+    check_run(ctx.recipe, model.config)  # every arm's memory plan, before any stage loads a model
 
 
 def check_backends(recipe: Any, config: dict[str, Any]) -> None:

@@ -1,5 +1,5 @@
 """The stages that make what is measured: the optimize stage (calibrate, quantize, write the manifest),
-the engine stage (build, then a parity smoke check against the float32 reference) and the tune stage."""
+the engine stage (build, then a parity smoke check against the torch reference) and the tune stage."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kiln.core.files import atomic_write_json, dir_size, sha256_tree
+from kiln.core.files import atomic_write_json, dir_size, read_json, sha256_tree
 from kiln.core.versions import library_versions
 from kiln.optimize.base import QUANTIZERS, ModelArtifact
+from kiln.optimize.memory import source_dtype
 from kiln.pipeline.demo import prepare_demo_data
 from kiln.pipeline.model_source import ResolvedModel
 from kiln.pipeline.stage_inputs import text_path, tokenized_prompts, tokenizer_of
@@ -54,10 +55,10 @@ def quantize(ctx: RunContext, role: str, cfg: Any, model: ResolvedModel) -> Mode
 
 def _plan_memory(ctx: RunContext, cfg: Any, model: ResolvedModel) -> Any:
     from kiln.optimize.memory import plan_memory
+    from kiln.pipeline.memory_plan import run_context
 
-    ev = ctx.recipe.evaluate
-    context = max(ev.quality.perplexity.seq_len, 512 + ev.benchmark.max_new_tokens)
-    return plan_memory(model.config, cfg, context=context, batch=max(ev.benchmark.batch_sizes))
+    context, batch = run_context(ctx.recipe)
+    return plan_memory(model.config, cfg, context=context, batch=batch)
 
 
 def _calibration(ctx: RunContext, cfg: Any, model: ResolvedModel):
@@ -121,8 +122,9 @@ def engine(ctx: RunContext, role: str, art: ModelArtifact) -> Path:
 
 
 def _parity_smoke(ctx: RunContext, engine_dir: Path, art: ModelArtifact) -> dict[str, Any] | None:
-    """A few greedy prompts through the built engine and the float32 torch reference on the same
-    checkpoint (kiln.evaluate.parity); an unquantized build that is not exact is refused here.
+    """A few greedy prompts through the built engine and the torch reference on the same checkpoint
+    (kiln.evaluate.parity); an unquantized build that is not exact is refused here. The reference
+    answers first and is freed before the engine loads, so the stage holds one model at a time.
     None for a remote endpoint: nothing was built, and what it serves is not this checkpoint's to check."""
     from kiln.engine.loader import load_engine, read_manifest
     from kiln.evaluate import parity
@@ -132,26 +134,41 @@ def _parity_smoke(ctx: RunContext, engine_dir: Path, art: ModelArtifact) -> dict
         return None
     b = ctx.recipe.evaluate.benchmark
     prompts = tokenized_prompts(b.prompts, min(parity.PROMPTS, b.num_prompts), tokenizer_of(engine_dir))
-    quantized = art.manifest.get("method", "none") != "none"
-    engine = load_engine(engine_dir)
-    # A float32 torch engine is the reference backend itself: it is checked against itself one
-    # request at a time (its batching), without loading the checkpoint a second time.
-    itself = manifest["backend"] == "torch" and manifest["config"].get("dtype") == "float32"
+    exact = parity.unquantized(manifest, art.manifest.get("method", "none") != "none")
     checkpoint = parity.reference_checkpoint(art.path, *_unquantized_sources(ctx, art))
-    reference = engine if itself else parity.reference_engine(checkpoint, getattr(ctx.recipe.engine, "threads", None))
+    dtype = parity.reference_dtype(exact, source_dtype(read_json(checkpoint / "config.json")))
+    # A torch engine at the reference's dtype is the reference backend itself: it is checked against
+    # itself one request at a time (its batching), without loading the checkpoint a second time.
+    itself = manifest["backend"] == "torch" and manifest["config"].get("dtype") == dtype
+    engine = load_engine(engine_dir) if itself else None
+    answers = parity.reference_answers(engine, prompts) if itself else _reference_answers(ctx, checkpoint, dtype, prompts)
+    engine = engine or load_engine(engine_dir)
     try:
         label = f"the {manifest['backend']} engine {engine_dir.name} ({_precision(manifest)})"
-        figures = parity.check_build(engine, reference, prompts, parity.unquantized(manifest, quantized), label)
+        figures = parity.check_answers(engine, answers, exact, label)
     finally:
         engine.close()
-        if not itself:
-            reference.close()
-    figures["reference"] = "this engine, one request at a time" if itself else "torch float32, one request at a time"
+    figures["reference"] = "this engine, one request at a time" if itself else f"torch {dtype}, one request at a time"
     if not itself and checkpoint != art.path:
         figures["reference"] += f", on the source checkpoint {checkpoint}"
     ctx.console.print(f"  parity vs {figures['reference']}: {figures['identical']:.0%} of {figures['prompts']} greedy prompts "
                       f"identical, max |delta log-prob| {figures['max_abs_logprob']}", markup=False)
     return figures
+
+
+def _reference_answers(ctx: RunContext, checkpoint: Path, dtype: str, prompts: list[list[int]]) -> Any:
+    """The reference's answers, the reference freed before they are returned."""
+    import gc
+
+    from kiln.evaluate import parity
+
+    reference = parity.reference_engine(checkpoint, getattr(ctx.recipe.engine, "threads", None), dtype)
+    try:
+        return parity.reference_answers(reference, prompts)
+    finally:
+        reference.close()
+        del reference
+        gc.collect()
 
 
 def _unquantized_sources(ctx: RunContext, art: ModelArtifact) -> list[Path | str | None]:

@@ -113,10 +113,11 @@ def test_gguf_plan_holds_the_largest_tensor_not_the_model():
     assert small.components[-1].bytes == 49152 * 576 * (4 + 4)  # an fp32 checkpoint: 4 B as stored
 
 
-def test_a_torch_engine_holds_the_checkpoint_at_its_own_dtype_and_the_run_adds_two_steps():
+def test_a_torch_engine_holds_the_checkpoint_at_its_own_dtype_and_the_run_adds_its_steps():
     """A bf16 checkpoint on torch at engine.dtype float32 (the default) holds 4 B a parameter, not the
-    2 it is stored in; a run's engine stage loads the float32 parity reference beside the engine, and
-    its evaluate stages hold both arms' engines and the torch scoring logits (bench/scale.py)."""
+    2 it is stored in; a run's parity reference loads the checkpoint alone, freed before the engine
+    loads (its own step), and its evaluate stages hold both arms' engines and the torch scoring logits
+    (bench/scale.py)."""
     from kiln.optimize.gguf import GgufConfig
     from kiln.optimize.memory import RUNTIME_BYTES, SCORE_BATCH_TOKENS, with_pipeline_steps
 
@@ -125,11 +126,18 @@ def test_a_torch_engine_holds_the_checkpoint_at_its_own_dtype_and_the_run_adds_t
     assert base.steps[0].components[0].bytes == params * 4
     bf16 = plan_memory(LLAMA_31_8B, None, engine_dtype="bfloat16", available_bytes=1 << 40)
     q8 = plan_memory(LLAMA_31_8B, GgufConfig(type="q8_0"), available_bytes=1 << 40)
-    arm = with_pipeline_steps(q8, LLAMA_31_8B, bf16, reference=True, torch_dtype="bfloat16")
+    arm = with_pipeline_steps(q8, LLAMA_31_8B, bf16, reference="bfloat16", torch_dtype="bfloat16")
     steps = {s.step: s for s in arm.steps}
     gguf = q8.steps[1].components[0].bytes
-    assert steps["engine"].total == runtime + gguf + params * 4 + params * 2  # + the pages the reference reads
+    assert [s.step for s in arm.steps] == ["quantize", "serve", "reference", "engine", "evaluate"]
+    assert steps["reference"].total == runtime + params * 2  # as stored: no pages mapped beside a copy
+    assert steps["engine"].total == runtime + gguf  # the reference is gone by then
     assert steps["evaluate"].total == runtime + gguf + params * 2 + SCORE_BATCH_TOKENS * 128256 * (2 + 4)
-    own = with_pipeline_steps(base, LLAMA_31_8B, None, reference=False)  # torch float32 is its own reference
+    exact = with_pipeline_steps(q8, LLAMA_31_8B, None, reference="float32", score_tokens=512, torch_dtype="float32")
+    parts = {s.step: s for s in exact.steps}
+    assert parts["reference"].total == runtime + params * 4 + params * 2  # + the pages the reference reads
+    assert parts["evaluate"].total == runtime + gguf + 512 * 128256 * (4 + 4)
+    own = with_pipeline_steps(base, LLAMA_31_8B, None, reference=None)  # torch float32 is its own reference
+    assert "reference" not in {s.step for s in own.steps}
     assert {s.step: s.total for s in own.steps}["engine"] == runtime + params * 4
     assert own.fitting_context() is None  # no KV cache planned (context 0)

@@ -61,14 +61,36 @@ def test_a_candidate_that_does_not_fit_is_refused_with_numbers_and_the_change(se
     proc = _plan(search, "--available", "24G")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     rows = _rows(proc.stdout)
-    # The baseline is torch at its default dtype, float32: 32 GB of weights. q8's GGUF converts one tensor
-    # at a time (3.85 GiB), but its engine's parity check loads the checkpoint in float32 beside the engine.
+    # The baseline is torch at its default dtype, float32: 32 GB of weights, beside every candidate in the
+    # evaluate stages. q8's GGUF converts one tensor at a time (3.85 GiB) and its parity reference loads
+    # the checkpoint as stored (bf16, 15.41 GiB with the runtime), alone.
     assert all(row.rstrip(" │").endswith("no") for row in rows.values())
+    assert "15.41 GiB" in rows["q8"] and "3.85 GiB" in rows["q8"]
     err = " ".join(proc.stderr.split())
-    assert "4 of 4 arms do not fit" in err
-    assert "q8: the engine step needs 53.27 GiB but 24.00 GiB is available on cpu" in err
-    assert "the engine's parity check loads the checkpoint in float32 beside the engine: no recipe change" in err
-    assert "remove it from `candidates` (candidates.1)" in err  # int8: no parity reference (torch float32 is its own)
+    assert "4 of 4 arms do not fit. First: the baseline holds the checkpoint in float32" in err
+    assert "baseline.engine.dtype: bfloat16 serves it as it is published" in err
+    assert "q8: the evaluate step needs 42.23 GiB but 24.00 GiB is available on cpu" in err
+    assert "hold the baseline's engine beside this arm's in one process" in err
+    assert "ov: the engine step needs 67.76 GiB" in err and "remove it from `candidates` (candidates.2)" in err
+
+
+def test_with_the_baseline_as_published_the_plan_names_what_fits(search):
+    """Issue 35's 8B on a 24 GiB machine: with the baseline in bf16, q4_K_M fits once the torch
+    scoring pass holds fewer logits, q8_0 beside the baseline does not fit at all."""
+    proc = _plan(search, "--available", "21G", "--context", "576", "--set", "baseline.engine.backend=torch", "--set", "baseline.engine.dtype=bfloat16",
+                 "--set", "candidates.1.optimize.method=gguf", "--set", "candidates.1.optimize.type=q4_K_M",
+                 "--set", "candidates.1.engine.backend=llama_cpp")
+    assert proc.returncode == 2
+    err = " ".join(proc.stderr.split())
+    assert "First:" not in err and "baseline: the" not in err  # the baseline fits
+    assert "q8: the evaluate step needs 26.30 GiB" in err and "no recipe change fits both in 21.00 GiB" in err
+    # 21 GiB less the runtime, the q4_K_M file and the bf16 baseline leaves 0.98 GiB for 128,256 x (2 + 4) B a token
+    assert "int8: the evaluate step needs 22.88 GiB" in err
+    assert "score_batch_tokens (baseline.engine for a torch baseline) at most 1408" in err
+    proc = _plan(search, "--available", "21G", "--context", "576", "--set", "baseline.engine.backend=torch", "--set", "baseline.engine.dtype=bfloat16",
+                 "--set", "baseline.engine.score_batch_tokens=1024", "--set", "candidates.1.optimize.method=gguf",
+                 "--set", "candidates.1.optimize.type=q4_K_M", "--set", "candidates.1.engine.backend=llama_cpp")
+    assert "int8:" not in " ".join(proc.stderr.split())  # with that change it fits
 
 
 def test_an_arm_that_fits_with_a_shorter_context_is_told_which(search):
@@ -84,3 +106,27 @@ def test_an_arm_that_fits_with_a_shorter_context_is_told_which(search):
 def test_a_size_that_is_not_one_is_bad_input(search):
     proc = _plan(search, "--available", "lots")
     assert proc.returncode == 2 and "--available: 'lots': give a size such as 24G" in proc.stderr
+
+
+def test_kiln_run_refuses_before_loading_anything(search):
+    """`kiln run` checks every arm's plan (the reference, engine and evaluate steps too) before its first
+    stage: a checkpoint no machine here holds (Llama-3.1-405B's shape) is refused in seconds, exit 2,
+    with the plan's numbers, and no stage ran."""
+    import shutil
+
+    work = search / "run405b"
+    ck = work / "llama-405b"
+    shutil.copytree(search / "llama-8b", ck)
+    shape = {**LLAMA_31_8B, "hidden_size": 16384, "intermediate_size": 53248, "num_hidden_layers": 126,
+             "num_attention_heads": 128}
+    (ck / "config.json").write_text(json.dumps(shape))
+    recipe = yaml.safe_load((search / "search.yaml").read_text())
+    recipe["model"]["path"] = str(ck)
+    recipe["tracking"] = {"uri": f"sqlite:///{work}/mlflow.db"}
+    (work / "search.yaml").write_text(yaml.safe_dump(recipe))
+    proc = kiln("run", "search.yaml", cwd=work, env={"COLUMNS": "200"})
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    err = " ".join(proc.stderr.split())
+    assert "memory: 4 of 4 arms do not fit" in err and "the evaluate step needs" in err
+    stages = list((work / "runs").glob("*/stages/*"))
+    assert stages == [], stages
