@@ -343,13 +343,22 @@ def measure_size(size: str, args: argparse.Namespace) -> None:
     ckpt = Path(checkpoint["path"])
     dtype = json.loads((ckpt / "config.json").read_text()).get("torch_dtype") or "float32"
     recipe_path = work / f"scale-{size}.yaml"
-    atomic_write_text(recipe_path, yaml.safe_dump(recipe(size, ckpt, dtype, args.skip), sort_keys=False))
+    written = recipe(size, ckpt, dtype, args.skip)
+    for setting in args.set:  # the recipe change a refusal named (baseline.engine.score_batch_tokens=1024)
+        key, _, value = setting.partition("=")
+        *parents, leaf = key.split(".")
+        node = written
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
+    atomic_write_text(recipe_path, yaml.safe_dump(written, sort_keys=False))
     available = parse_bytes(args.available) if args.available else available_memory()
     from kiln.optimize.architecture import DecoderShapes
 
     params = DecoderShapes.from_config(json.loads((ckpt / "config.json").read_text())).param_count
     result: dict[str, Any] = {"size": size, "shape_of": name, "checkpoint": checkpoint, "params": params,
                               "stored_dtype": dtype, "baseline_dtype": dtype, "left_out": args.skip,
+                              "recipe_changes": args.set,
                               "recipe": str(recipe_path), "plan": plan(recipe_path, available, work),
                               **machine()}
     print(result["plan"]["cli_output"])
@@ -387,6 +396,9 @@ def held_bytes(result: dict[str, Any]) -> dict[str, int]:
     for key, st in result.get("stages", {}).items():
         arm, stage = key.split("/")
         if stage == "engine-candidate":
+            if not (Path(st["path"]) / "result.json").is_file():  # pruned from the cache since: as recorded
+                held[arm] = result.get("analysis", {}).get("held_bytes", {}).get(arm, 0)
+                continue
             engine = Path(json.loads((Path(st["path"]) / "result.json").read_text())["engine_dir"])
             files = [f for f in engine.rglob("*") if f.suffix in (".gguf", ".bin") and f.is_file()]
             held[arm] = sum(f.stat().st_size for f in files)
@@ -427,8 +439,8 @@ def analyse(result: dict[str, Any]) -> dict[str, Any]:
             holds = held["baseline"] + held.get(arm, 0)
         elif stage == "optimize-candidate":
             holds = result["checkpoint"]["weight_bytes"] if CANDIDATE_METHOD[arm] != "none" else 0
-        elif stage == "engine-candidate" and CANDIDATE_METHOD[arm] == "none":  # OpenVINO exports the checkpoint
-            holds = result["checkpoint"]["weight_bytes"]
+        elif stage == "engine-candidate":  # the parity reference holds the checkpoint as stored, alone, first
+            holds = max(result["checkpoint"]["weight_bytes"], held.get(arm, 0))
         else:
             holds = held.get(arm, 0)
         bound = 1.3 * holds + GIB
@@ -535,7 +547,7 @@ def growth(paths: list[Path]) -> dict[str, Any]:
 def markdown(paths: list[Path]) -> None:
     """The memory table docs/engines.md shows: per stage, each size's peak (GiB) / plan, and the bound."""
     runs = [json.loads(p.read_text()) for p in paths]
-    runs = [r for r in runs if r.get("analysis") and r["run"]["exit_code"] == 0]
+    runs = [{**r, "analysis": analyse(r)} for r in runs if r.get("stages") and r["run"]["exit_code"] == 0]
     keys = sorted({k for r in runs for k in r["analysis"]["stages"]})
     print("| stage | " + " | ".join(f"{r['size']}: peak / plan (bound)" for r in runs) + " |")
     print("| --- |" + " --- |" * len(runs))
@@ -565,6 +577,8 @@ def main() -> None:
     p.add_argument("--floor", default="1.5G", help="stop kiln run if the machine's available memory falls under this")
     p.add_argument("--skip", action="append", default=[], choices=[c["name"] for c in CANDIDATES],
                    help="leave this candidate out of the recipe (repeatable); the JSON says so")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="change the written recipe (a dotted key, a YAML value), as a refusal's fix says")
     p.add_argument("--bench-runs", type=int, default=3, help="llama-bench runs per GGUF (each -r 2, two depths)")
     p.add_argument("--fresh", action="append", default=[], help="kiln run --fresh STAGE: measure it again "
                    "(benchmark: decode beside this run's llama-bench)")
