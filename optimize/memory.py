@@ -220,8 +220,9 @@ def with_pipeline_steps(plan: MemoryPlan, model_config: dict[str, Any], baseline
     - engine: the built engine; one exported from the checkpoint in float32 (`export_fp32`:
       OpenVINO traces the torch model and converts it) holds the checkpoint twice more while it builds;
     - evaluate: the quality and benchmark stages hold the baseline's engine and this arm's in one
-      process, and a torch engine (`torch_dtype`) scores `score_tokens` positions per pass (its
-      score_batch_tokens), whose logits it holds in its dtype and again in float32.
+      process (the baseline loads first and stays); an arm on torch (`torch_dtype`) scores
+      `score_tokens` positions per pass (its score_batch_tokens), whose logits it holds in its
+      dtype and again in float32. The baseline's own scoring is its own plan's evaluate step.
     """
     shapes = DecoderShapes.from_config(model_config)
     serve = next(s for s in plan.steps if s.step == "serve").components[0]
@@ -315,9 +316,9 @@ def _fix(name: str, plan: MemoryPlan, fields: dict[str, str]) -> str:
             return (f"the torch scoring pass holds {human(scoring.bytes)} of logits: it fits with the torch "
                     f"engine's score_batch_tokens (baseline.engine for a torch baseline) at most {fit}")
     if worst.step == "evaluate" and any(c.name.startswith("baseline:") for c in worst.components):
-        return (f"the quality and benchmark stages hold the baseline's engine beside this arm's in one process: "
-                f"no recipe change fits both in {human(free)}; a machine (or, with search.executor: ray, nodes) "
-                f"with {human(worst.total)}, or a candidate that holds less")
+        return (f"the quality and benchmark stages hold the baseline's engine beside this arm's in one process, "
+                f"and both do not fit in {human(free)}: remove it from `candidates` ({fields.get(name, name)}), "
+                f"or run it where {human(worst.total)} is free (a machine, or search.executor: ray nodes)")
     if name == "baseline":
         return "the checkpoint itself does not fit: a machine with more memory, or a smaller model"
     return f"remove it from `candidates` ({fields.get(name, name)}), or pick a method that holds less"

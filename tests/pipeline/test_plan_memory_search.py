@@ -69,28 +69,31 @@ def test_a_candidate_that_does_not_fit_is_refused_with_numbers_and_the_change(se
     err = " ".join(proc.stderr.split())
     assert "4 of 4 arms do not fit. First: the baseline holds the checkpoint in float32" in err
     assert "baseline.engine.dtype: bfloat16 serves it as it is published" in err
-    assert "q8: the evaluate step needs 42.23 GiB but 24.00 GiB is available on cpu" in err
+    assert "q8: the evaluate step needs 38.32 GiB but 24.00 GiB is available on cpu" in err
     assert "hold the baseline's engine beside this arm's in one process" in err
     assert "ov: the engine step needs 67.76 GiB" in err and "remove it from `candidates` (candidates.2)" in err
 
 
 def test_with_the_baseline_as_published_the_plan_names_what_fits(search):
-    """Issue 35's 8B on a 24 GiB machine: with the baseline in bf16, q4_K_M fits once the torch
-    scoring pass holds fewer logits, q8_0 beside the baseline does not fit at all."""
-    proc = _plan(search, "--available", "21G", "--context", "576", "--set", "baseline.engine.backend=torch", "--set", "baseline.engine.dtype=bfloat16",
-                 "--set", "candidates.1.optimize.method=gguf", "--set", "candidates.1.optimize.type=q4_K_M",
-                 "--set", "candidates.1.engine.backend=llama_cpp")
+    """Issue 35's 8B on a 24 GiB machine: with the baseline in bf16, q4_K_M fits beside it and q8_0 does
+    not; a torch engine whose scoring logits are what does not fit is told the score_batch_tokens that does."""
+    bf16 = ("--set", "baseline.engine.backend=torch", "--set", "baseline.engine.dtype=bfloat16")
+    q4 = ("--set", "candidates.1.optimize.method=gguf", "--set", "candidates.1.optimize.type=q4_K_M",
+          "--set", "candidates.1.engine.backend=llama_cpp")
+    proc = _plan(search, "--available", "21G", "--context", "576", *bf16, *q4)
     assert proc.returncode == 2
     err = " ".join(proc.stderr.split())
-    assert "First:" not in err and "baseline: the" not in err  # the baseline fits
-    assert "q8: the evaluate step needs 26.30 GiB" in err and "no recipe change fits both in 21.00 GiB" in err
-    # 21 GiB less the runtime, the q4_K_M file and the bf16 baseline leaves 0.98 GiB for 128,256 x (2 + 4) B a token
-    assert "int8: the evaluate step needs 22.88 GiB" in err
-    assert "score_batch_tokens (baseline.engine for a torch baseline) at most 1408" in err
-    proc = _plan(search, "--available", "21G", "--context", "576", "--set", "baseline.engine.backend=torch", "--set", "baseline.engine.dtype=bfloat16",
-                 "--set", "baseline.engine.score_batch_tokens=1024", "--set", "candidates.1.optimize.method=gguf",
-                 "--set", "candidates.1.optimize.type=q4_K_M", "--set", "candidates.1.engine.backend=llama_cpp")
-    assert "int8:" not in " ".join(proc.stderr.split())  # with that change it fits
+    assert "First:" not in err and "baseline: the" not in err and "int8: the" not in err  # these fit
+    # runtime 0.46 + q8_0 7.95 + the bf16 baseline 14.96 GiB
+    assert "q8: the evaluate step needs 23.36 GiB" in err and "remove it from `candidates` (candidates.0)" in err
+    # The baseline alone on 18 GiB: its 4,096-token scoring pass (128,256 x (2 + 4) B a token) is what does not fit.
+    proc = _plan(search, "--available", "18G", "--context", "576", *bf16, *q4)
+    err = " ".join(proc.stderr.split())
+    assert "baseline: the evaluate step needs 18.35 GiB" in err
+    assert "score_batch_tokens (baseline.engine for a torch baseline) at most 3584" in err
+    proc = _plan(search, "--available", "18G", "--context", "576", *bf16, *q4,
+                 "--set", "baseline.engine.score_batch_tokens=3584")
+    assert "baseline: the" not in " ".join(proc.stderr.split())  # with that change it fits
 
 
 def test_an_arm_that_fits_with_a_shorter_context_is_told_which(search):
