@@ -231,18 +231,19 @@ def recipe(size: str, checkpoint: Path, dtype: str, skip: list[str]) -> dict[str
     }
 
 
-def plan(recipe_path: Path, available: int, workdir: Path) -> dict[str, Any]:
-    """`kiln plan-memory` as a user runs it (its text and exit code), and the same plans' numbers."""
+def plan(recipe_path: Path, available: int, workdir: Path, sets: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`kiln plan-memory` as a user runs it (its text and exit code), and the same plans' numbers.
+    `sets`: recipe changes (`--set` of both), e.g. another model.path."""
     from kiln.pipeline.memory_plan import arm_plans, run_context
     from kiln.pipeline.model_source import cache_root, resolve_model
     from kiln.pipeline.recipe import load_recipe
 
-    r = load_recipe(recipe_path, [])
+    r = load_recipe(recipe_path, list(sets))
     model = resolve_model(r.model.path, cache_root())
     context, batch = run_context(r)  # as `kiln run` plans
     kiln = str(Path(sys.executable).with_name("kiln"))
     cli = subprocess.run([kiln, "plan-memory", str(recipe_path), "--available", str(available), "--context",
-                          str(context), "--batch", str(batch)],
+                          str(context), "--batch", str(batch), *(a for x in sets for a in ("--set", x))],
                          capture_output=True, text=True, cwd=workdir, env={**os.environ, "COLUMNS": "200"})
     plans = {name: p for name, (_, p) in arm_plans(r, model.config, context=context, batch=batch,
                                                    available=available)[0].items()}
@@ -517,31 +518,44 @@ CANDIDATE_METHOD = {c["name"]: c["optimize"]["method"] for c in CANDIDATES}
 
 def growth(paths: list[Path]) -> dict[str, Any]:
     """How each stage's wall time grows with the parameter count: t = a x params^b fitted (least squares
-    in log-log) over the sizes that ran it, with each size's measured/fitted ratio (the check). Needs
-    two sizes to fit, three for the check to mean anything."""
+    in log-log) over the sizes that ran it, with each size's measured/fitted ratio; and the check that
+    means something: the same fit over every size but the largest, and its prediction for the largest
+    (`holdout`: measured / predicted). A reused stage counts with the wall time it took when computed
+    (its manifest's). Needs two sizes to fit, three for the held-out check."""
     from kiln.optimize.architecture import DecoderShapes
 
-    points: dict[str, list[tuple[float, float]]] = {}
+    points: dict[str, dict[float, float]] = {}
     for path in paths:
         r = json.loads(path.read_text())
-        if "stages" not in r:
+        if "stages" not in r or str(r["run"]["exit_code"]) != "0":
             continue
         params = r.get("params") or DecoderShapes.from_config(
             json.loads((Path(r["checkpoint"]["path"]) / "config.json").read_text())).param_count
         for key, st in r["stages"].items():
-            if not st["reused"] and st["wall_s"] > 0:
-                points.setdefault(key, []).append((params, st["wall_s"]))
+            if st["wall_s"] > 0:
+                points.setdefault(key, {})[params] = st["wall_s"]
     fits = {}
-    for key, pts in sorted(points.items()):
-        if len({p for p, _ in pts}) < 2:
+    for key, by_size in sorted(points.items()):
+        pts = sorted(by_size.items())
+        if len(pts) < 2:
             continue
-        xs, ys = [math.log(p) for p, _ in pts], [math.log(t) for _, t in pts]
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-        a = math.exp(my - b * mx)
+        a, b = _fit(pts)
         fits[key] = {"exponent": round(b, 3), "a": a, "points": pts,
                      "measured_over_fit": [round(t / (a * p ** b), 3) for p, t in pts]}
+        if len(pts) >= 3:
+            ha, hb = _fit(pts[:-1])
+            (p, t) = pts[-1]
+            fits[key]["holdout"] = {"params": p, "measured_s": t, "predicted_s": round(ha * p ** hb, 1),
+                                    "exponent": round(hb, 3), "measured_over_predicted": round(t / (ha * p ** hb), 3)}
     return fits
+
+
+def _fit(pts: list[tuple[float, float]]) -> tuple[float, float]:
+    """(a, b) of t = a x params^b, least squares in log-log."""
+    xs, ys = [math.log(p) for p, _ in pts], [math.log(t) for _, t in pts]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return math.exp(my - b * mx), b
 
 
 def markdown(paths: list[Path]) -> None:
@@ -601,7 +615,11 @@ def main() -> None:
     if fits:
         print("\nwall time ~ params^b per stage (log-log least squares over the sizes that ran it):")
         for key, f in fits.items():
-            print(f"  {key:<36} b = {f['exponent']:.2f}  measured/fit {f['measured_over_fit']}")
+            held = f.get("holdout")
+            check = (f"; fitted without the largest: predicts {held['predicted_s']:.0f} s at "
+                     f"{held['params'] / 1e9:.2f}B, measured {held['measured_s']:.0f} s "
+                     f"({held['measured_over_predicted']:.2f}x)") if held else ""
+            print(f"  {key:<36} b = {f['exponent']:.2f}  measured/fit {f['measured_over_fit']}{check}")
 
 
 def replan(path: Path) -> None:
@@ -609,11 +627,15 @@ def replan(path: Path) -> None:
     kept as `plan_at_run`), so a fix to the planner is checked against the peaks already measured."""
     from kiln.core.files import atomic_write_json
 
+    from kiln.pipeline.demo import demo_model_dir
+
     r = json.loads(path.read_text())
-    if not (Path(r["checkpoint"]["path"]) / "config.json").is_file():
-        return  # the checkpoint was deleted since: its plan stays as it was made
+    sets: tuple[str, ...] = ()
+    if not (Path(r["checkpoint"]["path"]) / "config.json").is_file():  # deleted since: plan its config alone
+        stand_in = config_only(SIZES[r["size"]][1], demo_model_dir(), Path(r["recipe"]).parent / "config-only")
+        sets = (f"model.path={stand_in['path']}",)
     r.setdefault("plan_at_run", r["plan"])
-    r["plan"] = plan(Path(r["recipe"]), r["plan_at_run"]["available_bytes"], Path(r["recipe"]).parent)
+    r["plan"] = plan(Path(r["recipe"]), r["plan_at_run"]["available_bytes"], Path(r["recipe"]).parent, sets)
     if "stages" in r:
         r["analysis"] = analyse(r)
     atomic_write_json(path, r)
