@@ -5,17 +5,22 @@ For each GGUF type, one engine folder per runtime (`server`: a llama-server proc
 from; `library`: llama.cpp in kiln's process, batched by kiln), same file, threads and slots. A
 round measures, in alternating order, each runtime's engine driven directly (what kiln's
 evaluate stage measures: a median of three 64-token greedy decodes after a 16-token prompt, first
-token excluded) and one stream through a `kiln serve` process over it, each framed by a
+token excluded) and the median of three streams through a `kiln serve` process over it (the same
+count, so neither side gets the steadier figure), each framed by a
 `llama-bench` tg64 at depth 16 before and after (the same positions); a figure's ratio is to the
 mean of its two frames. Each type other than `--reference` (q8_0) is also measured driven directly
 in the library runtime between two `llama-bench` runs of the reference's file: how the type kiln
 might pick decodes against plain llama.cpp at q8_0. Medians of the rounds with [min, max]; the
-load average and the machine's contention (steal, CPU pressure) are recorded.
+load average and the machine's contention (steal, CPU pressure) are recorded. Per runtime, kiln serve's
+stream over the engine driven directly is also given, per round, as the ratio of the two figures' ratios to
+their own llama-bench frames (each measured at its own moment, so a slower machine at one of them does not
+count as kiln serve's cost).
 
     python bench/llama_cpp_runtimes.py                        # q4_0, q4_1, q8_0; 2 threads; 5 rounds
     python bench/llama_cpp_runtimes.py --type q4_0 --rounds 3 --threads 1
+    python bench/llama_cpp_runtimes.py --model CHECKPOINT --type q8_0 --out bench/results/llama_cpp_runtimes-1b.json
 
-Writes bench/results/llama_cpp_runtimes.json and prints a table.
+Writes bench/results/llama_cpp_runtimes.json (or --out) and prints a table.
 """
 
 from __future__ import annotations
@@ -88,8 +93,8 @@ def measure(kind: str, checkpoint: Path, threads: int, rounds: int, n: int, refe
                 how, rt = key.split("_")
                 frame = frame_of[key]
                 before = cpu_engines.llama_bench(frame, threads, n, len(PROMPT), prefill=False)["bench_tg_tok_s"]
-                rate = (cpu_engines.stream_decode(urls[rt], PROMPT, n)[0] if how == "serve"
-                        else statistics.median(direct_rate(engines[rt], n) for _ in range(3)))
+                rate = statistics.median(cpu_engines.stream_decode(urls[rt], PROMPT, n)[0] if how == "serve"
+                                         else direct_rate(engines[rt], n) for _ in range(3))
                 after = cpu_engines.llama_bench(frame, threads, n, len(PROMPT), prefill=False)["bench_tg_tok_s"]
                 figures[key].append(round(rate, 2))
                 ratios[key].append(round(rate / ((before + after) / 2), 3))
@@ -100,7 +105,10 @@ def measure(kind: str, checkpoint: Path, threads: int, rounds: int, n: int, refe
                            "bench_tg_tok_s": _spread(frames), "bench_tg_tok_s_all": [round(f, 2) for f in frames]}
     for key in figures:
         row[f"{key}_tok_s"], row[f"{key}_over_bench"] = _spread(figures[key]), _spread(ratios[key])
-        row[f"{key}_over_bench_rounds"] = ratios[key]
+        row[f"{key}_over_bench_rounds"], row[f"{key}_tok_s_rounds"] = ratios[key], figures[key]
+    for rt in RUNTIMES:  # kiln serve's cost: its stream over the engine driven directly, each against its frame
+        per_round = [round(s / d, 3) for s, d in zip(ratios[f"serve_{rt}"], ratios[f"direct_{rt}"])]
+        row[f"serve_over_direct_{rt}"], row[f"serve_over_direct_{rt}_rounds"] = _spread(per_round), per_round
     return row
 
 
@@ -119,6 +127,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(head + "  ".join(f"{c:>26}" for c in cells))
     print("(each: decode tok/s over llama-bench's at the same positions, median of rounds [min, max])")
     for r in rows:
+        print(f"{r['type']}: kiln serve over the engine driven directly, " + ", ".join(
+            f"{rt} {v[0]:.3f} [{v[1]:.3f}, {v[2]:.3f}]" for rt in RUNTIMES for v in [r[f"serve_over_direct_{rt}"]]))
+    for r in rows:
         if r["reference"]:
             v = r["versus_library_over_bench"]
             print(f"{r['type']} through kiln (library runtime, driven directly) over llama-bench of {r['reference']}: "
@@ -134,6 +145,7 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--reference", default="q8_0", help="also frame each other type's library-runtime decode with "
                    "llama-bench of this type (the rate a pick must match); '' for none")
+    p.add_argument("--out", type=Path, default=OUT, help=f"result JSON (default: {OUT})")
     args = p.parse_args()
     if args.model is None:
         from kiln.pipeline.demo import demo_model_dir
@@ -149,12 +161,12 @@ def main() -> None:
               "cpus": os.cpu_count(), "model": str(checkpoint), "load_average_start": load0,
               "load_average_end": os.getloadavg(), "contention": contention.between(busy0, contention.read()),
               "seconds": round(time.time() - started), "rows": rows}
-    atomic_write_json(OUT, result)
+    atomic_write_json(args.out, result)
     print_table(rows)
     busy = result["contention"]
     print(f"load average {load0[0]:.2f} at the start, {result['load_average_end'][0]:.2f} at the end; steal "
           f"{busy['cpu_steal'] or 0:.1%} of CPU time, CPU pressure {busy['cpu_pressure'] or 0:.1%} over the run")
-    print(f"wrote {OUT}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
