@@ -1,8 +1,10 @@
 """kiln's floor plan, drawn from its imports and checked against the layer contract.
 
-The code folders are mapped into the one import package `kiln` (pyproject's package-dir), which
-grimp and import-linter cannot follow through the editable install. So both run on a tree of
-links, `kiln/<folder> -> <checkout>/<folder>`, that this script builds in a temporary folder.
+The code folders are mapped into the one import package `kiln` (pyproject's package-dir). In the
+checkout plain `lint-imports` runs the contracts: their roots are the six folders, which the
+editable install maps. This script runs them on a tree of links, `kiln/<folder> -> <root>/<folder>`,
+built in a temporary folder, so it can check any copy of the folders too (the editable install
+maps `kiln` to this checkout only); tests/test_architecture.py checks that both see the same.
 
     python ci/architecture.py lint             # the import-linter contracts in pyproject.toml
     python ci/architecture.py graph --write    # redraw the picture in docs/architecture.md

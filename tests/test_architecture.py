@@ -1,13 +1,16 @@
 """The floor plan holds: layers import only downward, no circles, short functions, a current map.
 
-The contracts live in pyproject.toml ([tool.importlinter]); ci/architecture.py runs them on a tree
-of links because grimp cannot follow kiln's package mapping through the editable install.
+The contracts live in pyproject.toml ([tool.importlinter]). Plain `lint-imports` runs them in the
+checkout (their roots are the six mapped folders); ci/architecture.py runs them on a tree of links,
+which also checks a copy of the folders.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib.util
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -28,8 +31,19 @@ def test_every_layer_imports_only_the_layers_below_it_and_no_package_has_a_circl
     assert "Contracts: 2 kept, 0 broken." in result.stdout
 
 
+def test_plain_lint_imports_in_the_checkout_keeps_the_contracts_on_every_module():
+    """What a contributor types: `lint-imports` in the checkout, no links, the same modules as the tree."""
+    lint_imports = Path(sys.executable).with_name("lint-imports")
+    plain = subprocess.run([str(lint_imports), "--no-cache"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    assert "Contracts: 2 kept, 0 broken." in plain.stdout
+    analyzed = re.compile(r"Analyzed (\d+) files")
+    assert analyzed.search(plain.stdout)[1] == analyzed.search(architecture.lint().stdout)[1]
+
+
 def test_the_contract_covers_every_code_folder_and_sees_every_module():
     assert sorted(f"kiln.{name}" for name in architecture.folders()) == sorted(architecture.layers())
+    assert sorted(architecture.pyproject()["tool"]["importlinter"]["root_packages"]) == sorted(architecture.layers())
     files = {".".join(["kiln", name, *p.relative_to(folder).with_suffix("").parts]).removesuffix(".__init__")
              for name, folder in architecture.folders().items() for p in folder.rglob("*.py")}
     assert files <= architecture.import_graph().modules
