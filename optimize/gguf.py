@@ -86,9 +86,12 @@ class Gguf(Quantizer):
         if kind in CONVERT_TYPES:
             convert(source, target, kind)
         else:
-            with tempfile.TemporaryDirectory(dir=out_dir, prefix=".f32-") as tmp:
-                full = Path(tmp) / "model-f32.gguf"
-                convert(source, full, "f32")
+            # The full-precision GGUF llama-quantize reads, in the dtype the checkpoint stores: widening
+            # bf16 or fp16 to f32 is exact, so an f32 file would only take twice the disk (32 GB for an 8B).
+            outtype = _lossless_outtype(source)
+            with tempfile.TemporaryDirectory(dir=out_dir, prefix=f".{outtype}-") as tmp:
+                full = Path(tmp) / f"model-{outtype}.gguf"
+                convert(source, full, outtype)
                 quantize_file(full, target, kind, self.config.threads)
         copy_side_files(source, out_dir)
         shutil.copy2(source / "config.json", out_dir / "config.json")
@@ -143,12 +146,23 @@ def _stage(source: Path, stage: Path) -> None:
     atomic_write_bytes(stage / "tokenizer.json", json.dumps(tok, ensure_ascii=False).encode("utf-8"))
 
 
+def _lossless_outtype(source: Path) -> str:
+    """The converter's --outtype that holds the checkpoint's weights exactly: bf16 or f16 as stored, else f32."""
+    config = json.loads((source / "config.json").read_text())
+    stored = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    return {"bfloat16": "bf16", "float16": "f16"}.get(stored, "f32")
+
+
 def convert(source: Path, target: Path, outtype: str) -> None:
     """safetensors checkpoint -> one GGUF file at f32/f16/bf16."""
     script = _tool("convert_hf_to_gguf.py")
     with tempfile.TemporaryDirectory(prefix="kiln-gguf-stage-") as tmp:
-        _stage(Path(source), Path(tmp))
-        proc = subprocess.run([sys.executable, str(script), tmp, "--outfile", str(target), "--outtype", outtype],
+        # The converter names the model (general.name) after the folder it reads: the source's own
+        # name, not the random temporary one, so the same checkpoint converts to the same bytes.
+        view = Path(tmp) / Path(source).resolve().name
+        view.mkdir()
+        _stage(Path(source), view)
+        proc = subprocess.run([sys.executable, str(script), str(view), "--outfile", str(target), "--outtype", outtype],
                               check=False, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-6:])

@@ -78,3 +78,28 @@ def test_needs_safetensors(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(BadInput):
         Gguf(GgufConfig(type="f32")).quantize(tmp_path, tmp_path / "out", None)
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_K_M"])
+def test_a_bf16_checkpoint_quantizes_through_a_bf16_file_to_the_same_bytes(tiny_model_dir, tmp_path, kind, monkeypatch):
+    """llama-quantize reads a full-precision GGUF first: for a bf16 checkpoint kiln writes it in bf16, not
+    f32 (widening is exact, and an 8B checkpoint's f32 file is 32 GB of disk); the quantized file is
+    byte for byte the one the f32 route writes (and the same checkpoint always converts to the same
+    bytes: the model's name in the file is the checkpoint folder's, not a temporary one's)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kiln.optimize import gguf
+
+    bf16 = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).save_pretrained(bf16)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(bf16)
+    assert gguf._lossless_outtype(bf16) == "bf16" and gguf._lossless_outtype(tiny_model_dir) == "f32"
+    seen = []
+    convert = gguf.convert
+    monkeypatch.setattr(gguf, "convert", lambda s, t, outtype: (seen.append(outtype), convert(s, t, outtype)))
+    Gguf(GgufConfig(type=kind, threads=1)).quantize(bf16, tmp_path / "via-bf16", None)
+    monkeypatch.setattr(gguf, "_lossless_outtype", lambda source: "f32")
+    Gguf(GgufConfig(type=kind, threads=1)).quantize(bf16, tmp_path / "via-f32", None)
+    assert seen == ["bf16", "f32"]
+    assert (tmp_path / "via-bf16" / "model.gguf").read_bytes() == (tmp_path / "via-f32" / "model.gguf").read_bytes()
