@@ -349,9 +349,9 @@ def measure_size(size: str, args: argparse.Namespace) -> None:
         key, _, value = setting.partition("=")
         *parents, leaf = key.split(".")
         node = written
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(value)
+        for part in parents:  # a list's item by its index (gate.checks.0.margin)
+            node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
+        node[int(leaf) if isinstance(node, list) else leaf] = yaml.safe_load(value)
     atomic_write_text(recipe_path, yaml.safe_dump(written, sort_keys=False))
     available = parse_bytes(args.available) if args.available else available_memory()
     from kiln.optimize.architecture import DecoderShapes
@@ -397,12 +397,11 @@ def held_bytes(result: dict[str, Any]) -> dict[str, int]:
     for key, st in result.get("stages", {}).items():
         arm, stage = key.split("/")
         if stage == "engine-candidate":
-            if not (Path(st["path"]) / "result.json").is_file():  # pruned from the cache since: as recorded
-                held[arm] = result.get("analysis", {}).get("held_bytes", {}).get(arm, 0)
-                continue
-            engine = Path(json.loads((Path(st["path"]) / "result.json").read_text())["engine_dir"])
-            files = [f for f in engine.rglob("*") if f.suffix in (".gguf", ".bin") and f.is_file()]
-            held[arm] = sum(f.stat().st_size for f in files)
+            done = Path(st["path"]) / "result.json"
+            engine = Path(json.loads(done.read_text())["engine_dir"]) if done.is_file() else None
+            files = [f for f in engine.rglob("*") if f.suffix in (".gguf", ".bin") and f.is_file()] if engine else []
+            # pruned from the cache since: as recorded when it was measured
+            held[arm] = sum(f.stat().st_size for f in files) or result.get("analysis", {}).get("held_bytes", {}).get(arm, 0)
     return held
 
 
@@ -527,7 +526,7 @@ def growth(paths: list[Path]) -> dict[str, Any]:
     points: dict[str, dict[float, float]] = {}
     for path in paths:
         r = json.loads(path.read_text())
-        if "stages" not in r or str(r["run"]["exit_code"]) != "0":
+        if "stages" not in r or str(r["run"]["exit_code"]) not in ("0", "1", "3"):  # a verdict, not an error
             continue
         params = r.get("params") or DecoderShapes.from_config(
             json.loads((Path(r["checkpoint"]["path"]) / "config.json").read_text())).param_count
@@ -561,7 +560,7 @@ def _fit(pts: list[tuple[float, float]]) -> tuple[float, float]:
 def markdown(paths: list[Path]) -> None:
     """The memory table docs/engines.md shows: per stage, each size's peak (GiB) / plan, and the bound."""
     runs = [json.loads(p.read_text()) for p in paths]
-    runs = [{**r, "analysis": analyse(r)} for r in runs if r.get("stages") and r["run"]["exit_code"] == 0]
+    runs = [{**r, "analysis": analyse(r)} for r in runs if r.get("stages") and str(r["run"]["exit_code"]) in ("0", "1", "3")]
     keys = sorted({k for r in runs for k in r["analysis"]["stages"]})
     print("| stage | " + " | ".join(f"{r['size']}: peak / plan (bound)" for r in runs) + " |")
     print("| --- |" + " --- |" * len(runs))
