@@ -327,8 +327,9 @@ def measure_size(size: str, args: argparse.Namespace) -> None:
     import yaml
     from kiln.core.files import atomic_write_json, atomic_write_text
     from kiln.evaluate.roofline import measure_bandwidth
-    from kiln.optimize.memory import available_memory, parse_bytes
+    from kiln.optimize.memory import available_memory, parse_bytes, source_dtype
     from kiln.pipeline.demo import demo_model_dir
+    from kiln.pipeline.recipe import apply_overrides
 
     name, config = SIZES[size]
     work = args.workdir / size
@@ -342,16 +343,10 @@ def measure_size(size: str, args: argparse.Namespace) -> None:
     else:
         checkpoint = build_checkpoint(config, demo, args.workdir / "models" / size)
     ckpt = Path(checkpoint["path"])
-    dtype = json.loads((ckpt / "config.json").read_text()).get("torch_dtype") or "float32"
+    dtype = source_dtype(json.loads((ckpt / "config.json").read_text()))
     recipe_path = work / f"scale-{size}.yaml"
-    written = recipe(size, ckpt, dtype, args.skip)
-    for setting in args.set:  # the recipe change a refusal named (baseline.engine.score_batch_tokens=1024)
-        key, _, value = setting.partition("=")
-        *parents, leaf = key.split(".")
-        node = written
-        for part in parents:  # a list's item by its index (gate.checks.0.margin)
-            node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
-        node[int(leaf) if isinstance(node, list) else leaf] = yaml.safe_load(value)
+    # the recipe change a refusal named, as `kiln run --set` applies it (gate.checks.0.margin=0.15)
+    written = apply_overrides(recipe(size, ckpt, dtype, args.skip), args.set)
     atomic_write_text(recipe_path, yaml.safe_dump(written, sort_keys=False))
     available = parse_bytes(args.available) if args.available else available_memory()
     from kiln.optimize.architecture import DecoderShapes

@@ -38,7 +38,7 @@ from pydantic import Field
 from kiln.optimize.architecture import DecoderShapes
 from kiln.optimize.base import QUANTIZERS, Calibration, Quantizer, QuantizerConfig
 from kiln.optimize.checkpoint import copy_side_files, safetensors_files
-from kiln.optimize.memory import DTYPE_BYTES, RUNTIME_BYTES, Component, MethodMemory, runtime
+from kiln.optimize.memory import DTYPE_BYTES, RUNTIME_BYTES, Component, MethodMemory, runtime, source_dtype
 from kiln.core.errors import BadInput
 from kiln.core.files import atomic_write_bytes
 
@@ -148,8 +148,7 @@ def _stage(source: Path, stage: Path) -> None:
 
 def _lossless_outtype(source: Path) -> str:
     """The converter's --outtype that holds the checkpoint's weights exactly: bf16 or f16 as stored, else f32."""
-    config = json.loads((source / "config.json").read_text())
-    stored = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    stored = source_dtype(json.loads((source / "config.json").read_text()))
     return {"bfloat16": "bf16", "float16": "f16"}.get(stored, "f32")
 
 

@@ -24,7 +24,7 @@ def arm_plans(recipe: Any, config: dict[str, Any], *, context: int, batch: int =
     """(arm -> (what it is, its plan), arm -> where the recipe sets it) for `recipe` on the checkpoint
     whose config.json is `config`. A champion candidate is served as it was judged: not planned."""
     arms = recipe.arms()
-    base_engine = (arms[0][1] if arms else recipe).engine_for("baseline")
+    base_engine = _baseline_engine(recipe)
 
     def plan(method: Any, engine: Any, baseline: MemoryPlan | None = None) -> MemoryPlan:
         dtype = _torch_dtype(engine, config)
@@ -68,14 +68,19 @@ def check_run(recipe: Any, config: dict[str, Any]) -> None:
 def first_change(recipe: Any, config: dict[str, Any]) -> str:
     """The change to make before any other when an arm does not fit: a torch baseline in float32 on a
     16-bit checkpoint holds it twice as large as it is published (and beside every candidate)."""
-    arms = recipe.arms()
-    base = (arms[0][1] if arms else recipe).engine_for("baseline")
+    base = _baseline_engine(recipe)
     stored = source_dtype(config)
     if _torch_dtype(base, config) != "float32" or stored == "float32":
         return ""
     where = "baseline.engine.dtype" if recipe.candidates is not None or recipe.baseline.engine else "engine.dtype"
     return (f"First: the baseline holds the checkpoint in float32, twice what it stores; {where}: {stored} "
             "serves it as it is published (then plan again). ")
+
+
+def _baseline_engine(recipe: Any) -> Any:
+    """The engine the baseline is served on (a search's default: torch, see Recipe.arms)."""
+    arms = recipe.arms()
+    return (arms[0][1] if arms else recipe).engine_for("baseline")
 
 
 def _torch_dtype(engine: Any, config: dict[str, Any]) -> str | None:

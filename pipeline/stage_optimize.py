@@ -142,7 +142,8 @@ def _parity_smoke(ctx: RunContext, engine_dir: Path, art: ModelArtifact) -> dict
     itself = manifest["backend"] == "torch" and manifest["config"].get("dtype") == dtype
     engine = load_engine(engine_dir) if itself else None
     answers = parity.reference_answers(engine, prompts) if itself else _reference_answers(ctx, checkpoint, dtype, prompts)
-    engine = engine or load_engine(engine_dir)
+    if engine is None:  # the reference is gone: now the engine under test loads
+        engine = load_engine(engine_dir)
     try:
         label = f"the {manifest['backend']} engine {engine_dir.name} ({_precision(manifest)})"
         figures = parity.check_answers(engine, answers, exact, label)
