@@ -24,12 +24,24 @@ kept in the manifest beside it.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import glob
 import os
 import resource
 import threading
 from pathlib import Path
 from typing import Any
+
+
+def return_freed_memory() -> None:
+    """Hand what this process freed back to the kernel: a collection, then glibc's malloc_trim(0),
+    which releases the free pages inside the C heap (an earlier stage's freed buffers, kept by the
+    allocator for reuse). A no-op where the C library has no malloc_trim (musl, macOS)."""
+    gc.collect()
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def reset_peak_rss(pid: int | str = "self") -> bool:
@@ -52,6 +64,15 @@ def peak_rss_bytes(pid: int | str = "self") -> int:
             raise
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # no /proc: KiB on Linux
     return next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:"))
+
+
+def rss_bytes(pid: int | str = "self") -> int:
+    """A process's resident memory now (VmRSS); 0 where /proc cannot say."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    return next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:")), 0)
 
 
 def pss_bytes(pid: int) -> int:
@@ -91,12 +112,15 @@ class StageMemory:
         self.children: dict[int, dict[str, Any]] = {}  # pid -> {"name", "peak_rss_bytes"}
         self.reset = False
         self.own = 0
+        self.start = 0  # kiln's resident memory when the stage began: what earlier stages left it holding
         self.children_pss = 0  # the peak of the children's summed PSS over the samples
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="kiln-stage-memory", daemon=True)
 
     def __enter__(self) -> StageMemory:
+        return_freed_memory()  # the peak starts from what is held, not from an earlier stage's garbage
         self.reset = reset_peak_rss()
+        self.start = rss_bytes()
         for pid in descendants():  # started by an earlier stage: count from now on
             reset_peak_rss(pid)
         self._thread.start()
@@ -127,7 +151,7 @@ class StageMemory:
 
     def figures(self) -> dict[str, Any]:
         """For the stage's manifest: both peaks, each child's, and how they were measured."""
-        return {"peak_rss_bytes": self.own, "peak_rss_reset": self.reset,
+        return {"peak_rss_bytes": self.own, "peak_rss_reset": self.reset, "start_rss_bytes": self.start,
                 "children_peak_pss_bytes": self.children_pss,
                 "children": [{"pid": pid, **c} for pid, c in sorted(self.children.items())],
                 "children_sampled_every_s": self.interval_s}

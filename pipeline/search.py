@@ -290,16 +290,37 @@ def champion_artifact(ctx: RunContext, champion: Champion) -> ModelArtifact:
 @contextlib.contextmanager
 def _engines(arm: Arm, shared: Any) -> Iterator[Any]:
     """The arm's engines for the stages: the one baseline engine all arms share, and its own,
-    closed on the way out (one candidate in memory at a time; the baseline stays loaded)."""
+    closed on the way out (one candidate in memory at a time; the baseline stays loaded until a
+    stage that measures one arm alone releases it)."""
 
     shared.dirs["baseline"] = arm.engines["baseline"]
-    loaded = stage_inputs.LazyEngines(arm.engines,
-                                    lambda d: shared["baseline"] if d == arm.engines["baseline"] else _load(d))
+    loaded = _ArmEngines(arm.engines, shared)
     try:
         yield loaded
     finally:
         if "candidate" in loaded:
-            loaded.pop("candidate").close()
+            loaded.release("candidate")
+
+
+class _ArmEngines(stage_inputs.LazyEngines):
+    """One arm's engines: its own, loaded here, and the baseline from `shared`, so releasing the
+    baseline here releases it for every arm."""
+
+    def __init__(self, engines: dict[str, Path], shared: Any):
+        super().__init__(engines, _load)
+        self.shared = shared
+
+    def __missing__(self, role: str) -> Any:
+        if role != "baseline":
+            return super().__missing__(role)
+        self[role] = self.shared[role]
+        return self[role]
+
+    def release(self, role: str) -> None:
+        if role != "baseline":
+            return super().release(role)
+        self.pop(role)
+        self.shared.release(role)
 
 
 def _confirm(winner: Arm, executor: Executor, policy: GateSection) -> None:

@@ -36,6 +36,7 @@ def evaluate(ctx: RunContext, engines: dict[str, Path], phases: tuple[str, ...] 
         text_inputs = {"text": q.perplexity.text, "docs_hash": hash_of(docs)}
         if "quality" in phases:
             for role in engines:
+                loaded.keep_only(role)  # each arm scored alone, from the stage's start
                 _perplexity(ctx, role, loaded, engines[role], docs, text_inputs)
         if "agreement" in phases and q.agreement:
             _agreement(ctx, loaded, engines, docs, text_inputs)
@@ -46,6 +47,7 @@ def evaluate(ctx: RunContext, engines: dict[str, Path], phases: tuple[str, ...] 
             _served(ctx, loaded, engines, q.served)
         if q.lmeval:
             for role in engines:
+                loaded.keep_only(role)
                 _lmeval(ctx, role, loaded, engines[role], q.lmeval)
         if ctx.recipe.evaluate.load:
             load_stage(ctx, loaded, engines)

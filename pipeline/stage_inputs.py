@@ -4,6 +4,7 @@ the tokenizer's files), the engines loaded on first use, and the check of all of
 from __future__ import annotations
 
 import functools
+import gc
 import json
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,18 @@ class LazyEngines(dict):
     def __missing__(self, role: str) -> Any:
         self[role] = self.load(self.dirs[role])
         return self[role]
+
+    def keep_only(self, role: str) -> None:
+        """Close every engine this holds but `role`'s, before a stage that measures one arm: it then
+        holds that arm's weights alone, from its start (the next stage that needs both loads the
+        other again)."""
+        for other in [r for r in self if r != role]:
+            self.release(other)
+
+    def release(self, role: str) -> None:
+        """Close `role`'s engine and forget it: its memory goes back before the next load."""
+        self.pop(role).close()
+        gc.collect()  # an engine in a reference cycle would otherwise hold its weights until later
 
     def close(self) -> None:
         for engine in self.values():
