@@ -55,14 +55,18 @@ def scores(pairs: Sequence[tuple[list[int], list[int]]], logits_fn: LogitsFn, bu
                        "(lm-eval passes the EOT token as context for rolling log-likelihoods).")
     # The last continuation token predicts nothing we need, so it is never fed.
     inputs = [list(ctx) + list(cont)[:-1] for ctx, cont in pairs]
-    results: list[Score] = []
-    for (ctx, cont), rows in zip(pairs, next_token_logprobs(inputs, logits_fn, budget_tokens), strict=True):
-        predicting = rows[len(ctx) - 1 :]  # row j predicts cont[j]
-        target = np.asarray(cont)
-        lps = predicting[np.arange(len(cont)), target]
-        greedy = bool((predicting.argmax(axis=-1) == target).all())
-        results.append(Score(float(lps.sum()), greedy, tuple(float(x) for x in lps)))
-    return results
+    results: list[Score | None] = [None] * len(pairs)
+    # A batch's scores are read out as it comes: one batch's logits are held at a time, not every
+    # sequence's [len, vocab] log-probabilities at once (1 GB for 2,048 tokens of a 128k vocabulary).
+    for group in batches(inputs, budget_tokens):
+        for i, logits in zip(group, logits_fn([inputs[i] for i in group]), strict=True):
+            ctx, cont = pairs[i]
+            predicting = log_softmax(logits[len(ctx) - 1 :])  # row j predicts cont[j]
+            target = np.asarray(cont)
+            lps = predicting[np.arange(len(cont)), target]
+            greedy = bool((predicting.argmax(axis=-1) == target).all())
+            results[i] = Score(float(lps.sum()), greedy, tuple(float(x) for x in lps))
+    return results  # type: ignore[return-value]
 
 
 def right_padded(seqs: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:

@@ -58,18 +58,17 @@ class LlamaLogits:
         # (token, position, sequence, wants logits) in order: a sequence cut between two decodes continues
         # from the cache.
         flat = [(t, pos, k, True) for k, s in enumerate(seqs) for pos, t in enumerate(s)]
-        rows: list[np.ndarray] = []
+        logits = np.empty((len(flat), self.vocab), dtype=np.float32)  # each chunk copied in once: one copy held
         for start in range(0, len(flat), self.n_batch):
-            rows.append(self._decode(flat[start:start + self.n_batch]))
-        logits = np.concatenate(rows)
+            self._decode(flat[start:start + self.n_batch], logits[start:start + self.n_batch])
         bounds = np.cumsum([0, *map(len, seqs)])
         return [logits[bounds[k]:bounds[k + 1]] for k in range(len(seqs))]
 
-    def _decode(self, chunk: list[tuple[int, int, int, bool]]) -> np.ndarray:
+    def _decode(self, chunk: list[tuple[int, int, int, bool]], into: np.ndarray) -> None:
         fill_batch(self.batch, chunk)
         self.context.decode(self.batch)
         logits = self.lib.llama_get_logits(self.context.ctx)  # a float*: one row per token, contiguous
-        return np.ctypeslib.as_array(logits, shape=(len(chunk), self.vocab)).copy()
+        into[:] = np.ctypeslib.as_array(logits, shape=(len(chunk), self.vocab))
 
     def close(self) -> None:
         self.batch.close()
