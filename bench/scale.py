@@ -301,6 +301,7 @@ def stage_records(run_dir: Path) -> dict[str, dict[str, Any]]:
             "stage": r["stage"], "role": r["role"], "key": r["key"], "reused": r["reused"], "path": r["path"],
             "wall_s": round(manifest.get("wall_s", 0.0), 1), "peak_rss_bytes": own, "children_peak_pss_bytes": kids,
             "peak_bytes": own + kids, "peak_rss_reset": manifest.get("peak_rss_reset"),
+            "start_bytes": manifest.get("start_rss_bytes"),
             "children": [(c["name"], c["peak_rss_bytes"]) for c in manifest.get("children", [])],
             "metrics": {k: v for k, v in r["metrics"].items() if "decode_tok_s" in k or "size_bytes" in k}}
     return out
@@ -402,8 +403,9 @@ def held_bytes(result: dict[str, Any]) -> dict[str, int]:
 
 def planned(result: dict[str, Any], arm: str, stage: str) -> float | None:
     """What `kiln plan-memory` predicts for a stage: optimize = the arm's quantize step, engine = the
-    larger of its reference step (the parity check's torch reference) and its engine step (the build), quality and benchmark = its evaluate step (both
-    arms' engines in one process, and the torch scoring logits). None for a step it does not plan."""
+    larger of its reference step (the parity check's torch reference) and its engine step (the build), quality = its
+    quality step (its engine alone, and its torch scoring logits), benchmark = the arm's benchmark step (both arms'
+    engines in one process). None for a step it does not plan."""
     arms = result["plan"]["arms"]
 
     def step(a: str, name: str) -> float | None:
@@ -415,8 +417,10 @@ def planned(result: dict[str, Any], arm: str, stage: str) -> float | None:
     if stage.startswith("engine-"):  # the parity reference, freed before the engine loads: the larger of the two
         held = [b for b in (step(who, "reference"), step(who, "engine")) if b is not None]
         return max(held) if held else None
-    if stage.startswith(("quality-", "benchmark-")):
-        return step(who, "evaluate")
+    if stage.startswith("quality-"):
+        return step(who, "quality")
+    if stage.startswith("benchmark-"):
+        return step(arm, "benchmark")
     return None
 
 
@@ -443,7 +447,7 @@ def analyse(result: dict[str, Any]) -> dict[str, Any]:
         rows[key] = {"key": st["key"], "wall_s": st["wall_s"], "peak_bytes": st["peak_bytes"], "holds_bytes": holds,
                      "bound_bytes": bound, "over_bound": st["peak_bytes"] > bound, "plan_bytes": plan_b,
                      "measured_over_plan": round(st["peak_bytes"] / plan_b, 3) if plan_b else None,
-                     "reused": st["reused"]}
+                     "reused": st["reused"], "start_bytes": st.get("start_bytes")}
     return {"held_bytes": held, "stages": dict(sorted(rows.items())), "decode": decode(result)}
 
 
@@ -492,11 +496,11 @@ def print_table(paths: list[Path]) -> None:
         r["analysis"] = analyse(r)
         print(f"  kiln run: exit {run['exit_code']} in {run['wall_s']:.0f} s; load average "
               f"{r['load_average_start'][0]:.2f} -> {r['load_average_end'][0]:.2f}; copy bandwidth {r['bandwidth_gb_s']} GB/s")
-        print(f"  {'arm/stage':<36}{'wall s':>8}{'peak GiB':>10}{'bound':>8}{'plan':>8}{'meas/plan':>10}")
+        print(f"  {'arm/stage':<36}{'wall s':>8}{'start GiB':>10}{'peak GiB':>10}{'bound':>8}{'plan':>8}{'meas/plan':>10}")
         for key, st in r["analysis"]["stages"].items():
             flag = " OVER" if st["over_bound"] else ""
             ratio = "-" if st["measured_over_plan"] is None else f"{st['measured_over_plan']:.2f}"
-            print(f"  {key:<36}{st['wall_s']:>8.1f}{_gb(st['peak_bytes']):>10}{_gb(st['bound_bytes']):>8}"
+            print(f"  {key:<36}{st['wall_s']:>8.1f}{_gb(st.get('start_bytes')):>10}{_gb(st['peak_bytes']):>10}{_gb(st['bound_bytes']):>8}"
                   f"{_gb(st['plan_bytes']):>8}{ratio:>10}{flag}")
         print(f"  {'arm':<16}{'tok/s b1':>10}{'MBU':>7}{'/llama-bench same':>19}{'/llama-bench q8_0':>19}")
         for arm, d in r["analysis"]["decode"].items():

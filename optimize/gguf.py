@@ -103,16 +103,19 @@ class Gguf(Quantizer):
     @staticmethod
     def memory(shapes: DecoderShapes, config: GgufConfig, source_dtype: str) -> MethodMemory:
         # Neither tool loads the model whole: the converter reads the checkpoint lazily and writes one
-        # tensor at a time (to a file: the f32 GGUF is disk, not memory), then llama-quantize works tensor
-        # by tensor. Each holds about the largest tensor, as stored and in float32, beside its libraries
-        # (bench/scale.py measured 2.4 GB for a 1.24B Llama whose embedding has 263M params).
+        # tensor at a time (to a file: the intermediate GGUF is disk, not memory), then llama-quantize works
+        # tensor by tensor. The converter holds about the largest tensor as stored, widened to float32, and
+        # (a 16-bit checkpoint: the intermediate keeps its dtype) narrowed again as written, beside its
+        # libraries (bench/scale.py: 2.47 GiB converter peak for a 1.24B Llama whose embedding has 263M
+        # params, 4.43 GiB at 8B with 525M).
         largest = max([shapes.embedding_params, shapes.lm_head_params, *(lin.params for lin in shapes.linears())])
         stored = DTYPE_BYTES.get(source_dtype, 4.0)
+        written = stored if stored < 4.0 else 0.0  # float32 is written as it is held
         work = [runtime("torch + transformers"),
                 Component("converter process (torch)", RUNTIME_BYTES["torch + transformers"],
                           "convert_hf_to_gguf.py imports torch: resident size after import, measured"),
-                Component("largest tensor, as stored and in float32", largest * (stored + 4.0),
-                          f"{largest / 1e6:.1f}M params × ({stored:g} + 4) B; one tensor at a time")]
+                Component("largest tensor, as stored, in float32 and as written", largest * (stored + 4.0 + written),
+                          f"{largest / 1e6:.1f}M params × ({stored:g} + 4 + {written:g}) B; one tensor at a time")]
         serve = Component(f"weights ({config.type})", shapes.param_count * BITS[config.type] / 8,
                           f"{shapes.param_count / 1e6:.1f}M params × ~{BITS[config.type]:g} bit")
         return MethodMemory(work, serve, serving_dtype="float16")

@@ -21,7 +21,11 @@ from kiln.core.errors import DoesNotFit
 
 # Resident size of the libraries alone, measured on import (Python 3.11, torch 2.13 CPU): every
 # CPU step pays this before it loads a byte of model.
-RUNTIME_BYTES = {"torch + transformers": 467 << 20, "torch + transformers + gptqmodel": 595 << 20}
+RUNTIME_BYTES = {"torch + transformers": 467 << 20, "torch + transformers + gptqmodel": 595 << 20,
+                 # kiln run's own process when a stage starts: those libraries, MLflow, the engines' (llama.cpp,
+                 # OpenVINO), and what a run keeps (tokenizers, prompts, token ids): bench/scale.py's start
+                 # figures, 0.68-0.75 GiB at 135M and 1B (2026-12-05).
+                 "kiln run": 768 << 20}
 # engine/hf_torch.py TorchEngineConfig.score_batch_tokens' default: padded tokens per scoring pass.
 SCORE_BATCH_TOKENS = 4096
 SCORING = "scoring logits (torch)"
@@ -139,7 +143,8 @@ def quantized_weights(shapes: DecoderShapes, skip: list[str], bits: float, group
 
 
 def runtime(libraries: str) -> Component:
-    return Component(f"runtime ({libraries})", RUNTIME_BYTES[libraries], "resident size after import, measured")
+    how = "its process when a stage starts, measured" if libraries == "kiln run" else "resident size after import, measured"
+    return Component(f"runtime ({libraries})", RUNTIME_BYTES[libraries], how)
 
 
 def human(n: float) -> str:
@@ -209,51 +214,59 @@ def plan_memory(model_config: dict[str, Any], method_config: Any = None, *, cont
 
 
 def with_pipeline_steps(plan: MemoryPlan, model_config: dict[str, Any], baseline: MemoryPlan | None, *,
-                        reference: str | None, export_fp32: bool = False,
-                        torch_dtype: str | None = None, score_tokens: int = SCORE_BATCH_TOKENS) -> MemoryPlan:
-    """`plan` (one arm's quantize and serve steps) with the steps a `kiln run` adds, each what one
-    process holds at once (bench/scale.py measured them at 135M, 1B and 3B):
+                        reference: str | None, export_fp32: bool = False, torch_dtype: str | None = None,
+                        score_tokens: int = SCORE_BATCH_TOKENS, held: tuple[Component, ...] = (),
+                        scoring: tuple[Component, ...] = ()) -> MemoryPlan:
+    """`plan` (one arm's quantize and serve steps) with the steps a `kiln run` adds, each what kiln's
+    process (its runtime: "kiln run", measured) and its children hold at once (bench/scale.py measures
+    them at 135M, 1B, 3B and 8B):
 
     - reference: the parity smoke check's torch reference, in the dtype `reference` names (None:
       the engine is its own reference), loaded and freed before the engine loads; while it loads
       the checkpoint's pages as stored are mapped too, when it converts them to another dtype;
-    - engine: the built engine; one exported from the checkpoint in float32 (`export_fp32`:
+    - engine: the built engine, and what it allocates beside its weights when it loads (`held`, e.g.
+      llama.cpp's KV cache for its slots); one exported from the checkpoint in float32 (`export_fp32`:
       OpenVINO traces the torch model and converts it) holds the checkpoint twice more while it builds;
-    - evaluate: the quality and benchmark stages hold the baseline's engine and this arm's in one
-      process (the baseline loads first and stays); an arm on torch (`torch_dtype`) scores
-      `score_tokens` positions per pass (its score_batch_tokens), whose logits it holds in its
-      dtype and again in float32. The baseline's own scoring is its own plan's evaluate step.
+    - quality: the arm's perplexity and lm-eval stages hold its engine alone (the baseline is
+      released first) and its scoring buffers: an arm on torch (`torch_dtype`) scores `score_tokens`
+      positions a pass, whose logits it holds in its dtype and again in float32; another backend's
+      are the caller's `scoring` (its own context and logits);
+    - benchmark: the stages that set the arm beside the baseline (the decode benchmark, token
+      agreement, the served text, the load stage) hold both engines in one process (agreement's
+      logits, one document's at a time, are not counted: small beside the weights).
     """
     shapes = DecoderShapes.from_config(model_config)
     serve = next(s for s in plan.steps if s.step == "serve").components[0]
     fp32 = shapes.param_count * 4.0
-    steps = []
+    run = runtime("kiln run")
+    steps = [StepPlan(s.step, tuple(run if c.name == "runtime (torch + transformers)" else c for c in s.components))
+             if s.step == "quantize" else s for s in plan.steps]  # kiln's own process is a run's, not a bare import
     if reference is not None:
         size = DTYPE_BYTES.get(reference, 4.0)
-        held = [runtime("torch + transformers"),
-                Component(f"parity reference (torch {reference})", shapes.param_count * size,
-                          f"{shapes.param_count / 1e6:.1f}M params × {size:g} B, freed before the engine loads")]
+        ref = [run, Component(f"parity reference (torch {reference})", shapes.param_count * size,
+                              f"{shapes.param_count / 1e6:.1f}M params × {size:g} B, freed before the engine loads")]
         stored = source_dtype(model_config)
         if stored != reference:
-            held.append(Component("checkpoint pages the reference reads", shapes.param_count * DTYPE_BYTES[stored],
-                                  f"{shapes.param_count / 1e6:.1f}M params × {DTYPE_BYTES[stored]:g} B, mapped while it loads"))
-        steps.append(StepPlan("reference", tuple(held)))
-    engine = [runtime("torch + transformers"), Component(f"engine: {serve.name}", serve.bytes, serve.formula)]
+            ref.append(Component("checkpoint pages the reference reads", shapes.param_count * DTYPE_BYTES[stored],
+                                 f"{shapes.param_count / 1e6:.1f}M params × {DTYPE_BYTES[stored]:g} B, mapped while it loads"))
+        steps.append(StepPlan("reference", tuple(ref)))
+    this = (Component(f"this arm: {serve.name}", serve.bytes, serve.formula), *held)
+    engine = [run, *this]
     if export_fp32:
         engine.append(Component("export: the checkpoint in float32, twice", 2 * fp32,
                                 "the traced torch model and the converted graph, while it builds"))
     steps.append(StepPlan("engine", tuple(engine)))
-    evaluate = [runtime("torch + transformers"), Component(f"this arm: {serve.name}", serve.bytes, serve.formula)]
-    if baseline is not None:
-        base = next(s for s in baseline.steps if s.step == "serve").components[0]
-        evaluate.append(Component(f"baseline: {base.name}", base.bytes, base.formula))
+    quality = [run, *this, *scoring]
     if torch_dtype:
         per = DTYPE_BYTES.get(torch_dtype, 4.0) + 4.0
-        evaluate.append(Component(SCORING, score_tokens * shapes.vocab * per,
-                                  f"{score_tokens} tokens × {shapes.vocab} vocab × ({per - 4:g} + 4) B",
-                                  per_token=shapes.vocab * per))
-    steps.append(StepPlan("evaluate", tuple(evaluate)))
-    return replace(plan, steps=(*plan.steps, *steps))
+        quality.append(Component(SCORING, score_tokens * shapes.vocab * per,
+                                 f"{score_tokens} tokens × {shapes.vocab} vocab × ({per - 4:g} + 4) B",
+                                 per_token=shapes.vocab * per))
+    steps.append(StepPlan("quality", tuple(quality)))
+    if baseline is not None:
+        base = next(s for s in baseline.steps if s.step == "serve").components[0]
+        steps.append(StepPlan("benchmark", (run, *this, Component(f"baseline: {base.name}", base.bytes, base.formula))))
+    return replace(plan, steps=tuple(steps))
 
 
 def parse_bytes(text: str) -> int:
@@ -272,7 +285,7 @@ def arms_table(plans: dict[str, tuple[str, MemoryPlan]]) -> Any:
     from rich.table import Table
 
     named = {s.step for _, p in plans.values() for s in p.steps}
-    order = ("quantize", "serve", "reference", "engine", "evaluate")  # as a run takes them
+    order = ("quantize", "serve", "reference", "engine", "quality", "benchmark")  # as a run takes them
     steps = [k for k in order if k in named] + sorted(named - set(order))
     t = Table("arm", "optimize → engine", *steps, "available", "fits", title="memory plan per arm")
     for name, (what, plan) in plans.items():
@@ -310,13 +323,13 @@ def _fix(name: str, plan: MemoryPlan, fields: dict[str, str]) -> str:
         return ("the engine's parity check loads the checkpoint on torch as it is stored: the checkpoint itself "
                 "does not fit; a machine with more memory, or a smaller model")
     scoring = next((c for c in worst.components if c.name == SCORING), None)
-    if worst.step == "evaluate" and scoring is not None and worst.total - scoring.bytes < free:
+    if worst.step == "quality" and scoring is not None and worst.total - scoring.bytes < free:
         fit = int((free - (worst.total - scoring.bytes)) // scoring.per_token) // 64 * 64
         if fit >= 64:
             return (f"the torch scoring pass holds {human(scoring.bytes)} of logits: it fits with the torch "
                     f"engine's score_batch_tokens (baseline.engine for a torch baseline) at most {fit}")
-    if worst.step == "evaluate" and any(c.name.startswith("baseline:") for c in worst.components):
-        return (f"the quality and benchmark stages hold the baseline's engine beside this arm's in one process, "
+    if worst.step == "benchmark":
+        return (f"the benchmark stages hold the baseline's engine beside this arm's in one process, "
                 f"and both do not fit in {human(free)}: remove it from `candidates` ({fields.get(name, name)}), "
                 f"or run it where {human(worst.total)} is free (a machine, or search.executor: ray nodes)")
     if name == "baseline":

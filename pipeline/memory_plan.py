@@ -1,5 +1,5 @@
 """The memory plan of a recipe's arms: one line for the baseline and one per candidate, each with
-every step a `kiln run` takes (quantize, serve, the parity reference, the engine, evaluate), as
+every step a `kiln run` takes (quantize, serve, the parity reference, the engine, quality, benchmark), as
 `kiln plan-memory` prints it and as `kiln run` checks it before it loads anything."""
 
 from __future__ import annotations
@@ -7,10 +7,15 @@ from __future__ import annotations
 from typing import Any
 
 from kiln.evaluate import parity
+from kiln.evaluate.quality.perplexity import BATCH
+from kiln.optimize.architecture import DecoderShapes
 from kiln.optimize.memory import (
+    DTYPE_BYTES,
     SCORE_BATCH_TOKENS,
+    Component,
     MemoryPlan,
     check_arms,
+    human,
     plan_memory,
     source_dtype,
     with_pipeline_steps,
@@ -32,9 +37,10 @@ def arm_plans(recipe: Any, config: dict[str, Any], *, context: int, batch: int =
             if engine.backend == "openvino" else None  # OpenVINO compresses the checkpoint as it builds
         p = plan_memory(config, method, context=context, batch=batch, kv_dtype=kv_dtype, available_bytes=available,
                         engine_dtype=dtype or compressed)
+        held, scoring = _buffers(engine, config, scored_tokens(recipe, engine))
         return with_pipeline_steps(p, config, baseline, reference=_reference(method, engine, config),
                                    export_fp32=engine.backend == "openvino", torch_dtype=dtype,
-                                   score_tokens=engine.model_dump().get("score_batch_tokens", SCORE_BATCH_TOKENS))
+                                   score_tokens=scored_tokens(recipe, engine), held=held, scoring=scoring)
 
     base = plan(None, base_engine)
     plans = {"baseline": (f"none → {base_engine.backend}", base)}
@@ -43,6 +49,43 @@ def arm_plans(recipe: Any, config: dict[str, Any], *, context: int, batch: int =
     fields = ({c.name: f"candidates.{i}" for i, c in enumerate(recipe.candidates)} if recipe.candidates is not None
               else {"candidate": "optimize"})
     return plans, fields
+
+
+def scored_tokens(recipe: Any, engine: Any) -> int:
+    """Positions the engine scores in one call in this run: lm-eval fills its scoring budget
+    (score_batch_tokens, llama.cpp's ctx_per_slot); perplexity alone scores `perplexity.BATCH`
+    documents a call, fewer where they are short."""
+    config = engine.model_dump()
+    budget = config.get("score_batch_tokens") or config.get("ctx_per_slot") or SCORE_BATCH_TOKENS
+    q = recipe.evaluate.quality
+    return budget if q.lmeval else min(budget, BATCH * q.perplexity.seq_len)
+
+
+def _buffers(engine: Any, config: dict[str, Any], scored: int) -> tuple[tuple[Component, ...], tuple[Component, ...]]:
+    """(what the engine allocates beside its weights when it loads, what its scoring adds) for a
+    backend other than torch, whose scoring logits `with_pipeline_steps` counts itself. llama.cpp:
+    the KV cache of its slots; its scorer's own context (KV cache, and an output buffer and compute
+    graph of `batch_size` rows of logits each) and the scored logits, held once and log-softmaxed a
+    sequence at a time. OpenVINO: its paged KV cache (kv_cache_gib). OpenVINO and CTranslate2's scoring:
+    the batch's logits and one sequence's log-probs."""
+    if engine.backend == "torch":
+        return (), ()
+    shapes = DecoderShapes.from_config(config)
+    logits = Component(f"scoring logits ({engine.backend})", 2 * scored * shapes.vocab * 4,
+                       f"{scored} tokens × {shapes.vocab} vocab × 4 B, the batch's and a sequence's log-probs")
+    if engine.backend == "openvino":  # its continuous-batching pipeline allocates its paged KV cache whole
+        return (Component("KV cache (paged)", engine.kv_cache_gib * 2.0 ** 30, f"kv_cache_gib: {engine.kv_cache_gib}"),
+                ), (logits,)
+    if engine.backend != "llama_cpp":
+        return (), (logits,)
+    per = shapes.kv_bytes_per_token(DTYPE_BYTES["float16" if engine.cache_type == "f16" else "float32"])
+    slots = engine.parallel * engine.ctx_per_slot
+    held = Component(f"KV cache ({engine.cache_type}, {engine.parallel} slots × {engine.ctx_per_slot} tokens)",
+                     per * slots, f"{slots} tokens × {human(per)}")
+    scorer = Component("scoring context (llama.cpp)", per * engine.ctx_per_slot + 2 * engine.batch_size * shapes.vocab * 4,
+                       f"KV {engine.ctx_per_slot} tokens × {human(per)} + 2 × {engine.batch_size} rows × "
+                       f"{shapes.vocab} vocab × 4 B")
+    return (held,), (scorer, logits)
 
 
 def run_context(recipe: Any) -> tuple[int, int]:

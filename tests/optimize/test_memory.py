@@ -107,7 +107,8 @@ def test_gguf_plan_holds_the_largest_tensor_not_the_model():
     plan = plan_memory(LLAMA_31_8B, GgufConfig(type="q8_0"), available_bytes=24 << 30)
     quantize, _ = plan.steps
     largest = 128256 * 4096  # the embedding (and the untied lm_head), bigger than any layer's projection
-    assert quantize.total == 2 * RUNTIME_BYTES["torch + transformers"] + largest * (2 + 4)
+    # read as stored (bf16), widened to float32, written as stored (the intermediate keeps bf16)
+    assert quantize.total == 2 * RUNTIME_BYTES["torch + transformers"] + largest * (2 + 4 + 2)
     assert plan.fits()
     small = plan_memory(SMOLLM2_135M, GgufConfig(type="q4_1"), available_bytes=24 << 30).steps[0]
     assert small.components[-1].bytes == 49152 * 576 * (4 + 4)  # an fp32 checkpoint: 4 B as stored
@@ -116,28 +117,35 @@ def test_gguf_plan_holds_the_largest_tensor_not_the_model():
 def test_a_torch_engine_holds_the_checkpoint_at_its_own_dtype_and_the_run_adds_its_steps():
     """A bf16 checkpoint on torch at engine.dtype float32 (the default) holds 4 B a parameter, not the
     2 it is stored in; a run's parity reference loads the checkpoint alone, freed before the engine
-    loads (its own step), and its evaluate stages hold both arms' engines and the torch scoring logits
-    (bench/scale.py)."""
+    loads (its own step); its quality stages hold the arm alone with its scoring buffers, and its
+    benchmark stages both arms' engines (bench/scale.py). Every step is kiln run's own process."""
     from kiln.optimize.gguf import GgufConfig
-    from kiln.optimize.memory import RUNTIME_BYTES, SCORE_BATCH_TOKENS, with_pipeline_steps
+    from kiln.optimize.memory import RUNTIME_BYTES, SCORE_BATCH_TOKENS, Component, with_pipeline_steps
 
-    params, runtime = 8_030_261_248, RUNTIME_BYTES["torch + transformers"]
+    params, run = 8_030_261_248, RUNTIME_BYTES["kiln run"]
     base = plan_memory(LLAMA_31_8B, None, engine_dtype="float32", available_bytes=1 << 40)
     assert base.steps[0].components[0].bytes == params * 4
     bf16 = plan_memory(LLAMA_31_8B, None, engine_dtype="bfloat16", available_bytes=1 << 40)
     q8 = plan_memory(LLAMA_31_8B, GgufConfig(type="q8_0"), available_bytes=1 << 40)
-    arm = with_pipeline_steps(q8, LLAMA_31_8B, bf16, reference="bfloat16", torch_dtype="bfloat16")
+    kv = Component("KV cache", 1 << 30, "")
+    arm = with_pipeline_steps(q8, LLAMA_31_8B, bf16, reference="bfloat16", held=(kv,),
+                              scoring=(Component("scorer", 1 << 29, ""),))
     steps = {s.step: s for s in arm.steps}
     gguf = q8.steps[1].components[0].bytes
-    assert [s.step for s in arm.steps] == ["quantize", "serve", "reference", "engine", "evaluate"]
-    assert steps["reference"].total == runtime + params * 2  # as stored: no pages mapped beside a copy
-    assert steps["engine"].total == runtime + gguf  # the reference is gone by then
-    assert steps["evaluate"].total == runtime + gguf + params * 2 + SCORE_BATCH_TOKENS * 128256 * (2 + 4)
-    exact = with_pipeline_steps(q8, LLAMA_31_8B, None, reference="float32", score_tokens=512, torch_dtype="float32")
+    assert [s.step for s in arm.steps] == ["quantize", "serve", "reference", "engine", "quality", "benchmark"]
+    assert steps["quantize"].total == q8.steps[0].total - RUNTIME_BYTES["torch + transformers"] + run  # kiln's process: a run's
+    assert steps["reference"].total == run + params * 2  # as stored: no pages mapped beside a copy
+    assert steps["engine"].total == run + gguf + (1 << 30)  # the reference is gone by then; the KV cache it allocates
+    assert steps["quality"].total == run + gguf + (1 << 30) + (1 << 29)  # this arm alone, and its scorer
+    assert steps["benchmark"].total == run + gguf + (1 << 30) + params * 2  # beside the bf16 baseline
+    exact = with_pipeline_steps(bf16, LLAMA_31_8B, None, reference="float32", score_tokens=512, torch_dtype="bfloat16")
     parts = {s.step: s for s in exact.steps}
-    assert parts["reference"].total == runtime + params * 4 + params * 2  # + the pages the reference reads
-    assert parts["evaluate"].total == runtime + gguf + 512 * 128256 * (4 + 4)
+    assert parts["reference"].total == run + params * 4 + params * 2  # + the pages the reference reads
+    assert parts["quality"].total == run + params * 2 + 512 * 128256 * (2 + 4)  # torch's logits, bf16 and float32
+    assert "benchmark" not in parts  # the baseline's own line: it has no baseline beside it
+    assert with_pipeline_steps(bf16, LLAMA_31_8B, None, reference=None, torch_dtype="bfloat16").steps[-1].total == \
+        run + params * 2 + SCORE_BATCH_TOKENS * 128256 * (2 + 4)
     own = with_pipeline_steps(base, LLAMA_31_8B, None, reference=None)  # torch float32 is its own reference
     assert "reference" not in {s.step for s in own.steps}
-    assert {s.step: s.total for s in own.steps}["engine"] == runtime + params * 4
+    assert {s.step: s.total for s in own.steps}["engine"] == run + params * 4
     assert own.fitting_context() is None  # no KV cache planned (context 0)

@@ -62,37 +62,43 @@ def test_a_candidate_that_does_not_fit_is_refused_with_numbers_and_the_change(se
     assert proc.returncode == 2, proc.stdout + proc.stderr
     rows = _rows(proc.stdout)
     # The baseline is torch at its default dtype, float32: 32 GB of weights, beside every candidate in the
-    # evaluate stages. q8's GGUF converts one tensor at a time (3.85 GiB) and its parity reference loads
-    # the checkpoint as stored (bf16, 15.41 GiB with the runtime), alone.
+    # benchmark stages. q8's GGUF converts one tensor at a time (kiln run 0.75 + the converter 0.46 + the
+    # 525M-param embedding x 8 B 3.91 = 5.12 GiB) and its parity reference loads the checkpoint as stored
+    # (bf16 14.96 + kiln run 0.75 = 15.71 GiB), alone.
     assert all(row.rstrip(" │").endswith("no") for row in rows.values())
-    assert "15.41 GiB" in rows["q8"] and "3.85 GiB" in rows["q8"]
+    assert "15.71 GiB" in rows["q8"] and "5.12 GiB" in rows["q8"]
     err = " ".join(proc.stderr.split())
     assert "4 of 4 arms do not fit. First: the baseline holds the checkpoint in float32" in err
     assert "baseline.engine.dtype: bfloat16 serves it as it is published" in err
-    assert "q8: the evaluate step needs 38.32 GiB but 24.00 GiB is available on cpu" in err
+    # kiln run 0.75 + q8_0 7.95 + its KV cache (4 slots x 2,048 tokens x 128 KiB, 1 GiB) + the float32 baseline 29.92
+    assert "q8: the benchmark step needs 39.61 GiB but 24.00 GiB is available on cpu" in err
     assert "hold the baseline's engine beside this arm's in one process" in err
-    assert "ov: the engine step needs 67.76 GiB" in err and "remove it from `candidates` (candidates.2)" in err
+    assert "ov: the engine step needs 69.06 GiB" in err and "remove it from `candidates` (candidates.2)" in err
 
 
 def test_with_the_baseline_as_published_the_plan_names_what_fits(search):
-    """Issue 35's 8B on a 24 GiB machine: with the baseline in bf16, q4_K_M fits beside it and q8_0 does
-    not; a torch engine whose scoring logits are what does not fit is told the score_batch_tokens that does."""
+    """Issue 35's 8B on a 24 GiB machine (22 GiB free): with the baseline in bf16, q4_K_M fits beside it
+    and q8_0 does not; a torch engine whose scoring logits are what does not fit is told the
+    score_batch_tokens that does."""
     bf16 = ("--set", "baseline.engine.backend=torch", "--set", "baseline.engine.dtype=bfloat16")
     q4 = ("--set", "candidates.1.optimize.method=gguf", "--set", "candidates.1.optimize.type=q4_K_M",
           "--set", "candidates.1.engine.backend=llama_cpp")
-    proc = _plan(search, "--available", "21G", "--context", "576", *bf16, *q4)
+    proc = _plan(search, "--available", "22G", "--context", "576", *bf16, *q4)
     assert proc.returncode == 2
     err = " ".join(proc.stderr.split())
     assert "First:" not in err and "baseline: the" not in err and "int8: the" not in err  # these fit
-    # runtime 0.46 + q8_0 7.95 + the bf16 baseline 14.96 GiB
-    assert "q8: the evaluate step needs 23.36 GiB" in err and "remove it from `candidates` (candidates.0)" in err
-    # The baseline alone on 18 GiB: its 4,096-token scoring pass (128,256 x (2 + 4) B a token) is what does not fit.
-    proc = _plan(search, "--available", "18G", "--context", "576", *bf16, *q4)
+    # kiln run 0.75 + q8_0 7.95 + its KV cache 1.00 + the bf16 baseline 14.96 GiB (q4_K_M: 21.24 GiB, bench/scale.py
+    # measured 22.82 GiB at 8B)
+    assert "q8: the benchmark step needs 24.65 GiB" in err and "remove it from `candidates` (candidates.0)" in err
+    # The baseline alone on 18 GiB, with lm-eval tasks (they fill the scoring budget; perplexity alone scores 4
+    # documents a call): its 4,096-token scoring pass (128,256 x (2 + 4) B a token) is what does not fit.
+    lmeval = ("--set", "evaluate.quality.lmeval={tasks: [word_swap]}")
+    proc = _plan(search, "--available", "18G", "--context", "576", *bf16, *q4, *lmeval)
     err = " ".join(proc.stderr.split())
-    assert "baseline: the evaluate step needs 18.35 GiB" in err
-    assert "score_batch_tokens (baseline.engine for a torch baseline) at most 3584" in err
-    proc = _plan(search, "--available", "18G", "--context", "576", *bf16, *q4,
-                 "--set", "baseline.engine.score_batch_tokens=3584")
+    assert "baseline: the quality step needs 18.64 GiB" in err
+    assert "score_batch_tokens (baseline.engine for a torch baseline) at most 3136" in err
+    proc = _plan(search, "--available", "18G", "--context", "576", *bf16, *q4, *lmeval,
+                 "--set", "baseline.engine.score_batch_tokens=3136")
     assert "baseline: the" not in " ".join(proc.stderr.split())  # with that change it fits
 
 
@@ -112,7 +118,7 @@ def test_a_size_that_is_not_one_is_bad_input(search):
 
 
 def test_kiln_run_refuses_before_loading_anything(search):
-    """`kiln run` checks every arm's plan (the reference, engine and evaluate steps too) before its first
+    """`kiln run` checks every arm's plan (the reference, engine, quality and benchmark steps too) before its first
     stage: a checkpoint no machine here holds (Llama-3.1-405B's shape) is refused in seconds, exit 2,
     with the plan's numbers, and no stage ran."""
     import shutil
@@ -130,6 +136,6 @@ def test_kiln_run_refuses_before_loading_anything(search):
     proc = kiln("run", "search.yaml", cwd=work, env={"COLUMNS": "200"})
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     err = " ".join(proc.stderr.split())
-    assert "memory: 4 of 4 arms do not fit" in err and "the evaluate step needs" in err
+    assert "memory: 4 of 4 arms do not fit" in err and "the benchmark step needs" in err
     stages = list((work / "runs").glob("*/stages/*"))
     assert stages == [], stages
