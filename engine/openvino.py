@@ -78,9 +78,12 @@ class OpenVINOBackend(EngineBackend):
 
         check_checkpoint(checkpoint)
         cfg: OpenVINOConfig = self.config  # type: ignore[assignment]
-        hf = load_hf_llama(checkpoint)
+        # int8/int4 from a 16-bit checkpoint: the weights are held once, as stored (openvino_export.py)
+        hf = load_hf_llama(checkpoint, float32=cfg.weights == "fp32")
+        max_positions = hf.config.max_position_embeddings
         started = time.perf_counter()
         model = export(hf, cfg.weights, cfg.group_size)
+        del hf  # compressed, the IR no longer shares the torch weights: they go before the save
         out_dir.mkdir(parents=True, exist_ok=True)
         ov.save_model(model, out_dir / IR, compress_to_fp16=False)
         for name in HF_FILES:
@@ -88,7 +91,7 @@ class OpenVINOBackend(EngineBackend):
                 shutil.copy2(checkpoint / name, out_dir / name)
         return {"format": "openvino-ir", "precision": cfg.weights,
                 "weight_bytes": (out_dir / "openvino_model.bin").stat().st_size,
-                "max_positions": hf.config.max_position_embeddings,
+                "max_positions": max_positions,
                 "build_seconds": round(time.perf_counter() - started, 1)}
 
     @classmethod

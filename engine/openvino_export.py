@@ -14,6 +14,12 @@ graph the way openvino-genai expects an optimum-intel export to look:
 - attention is `F.scaled_dot_product_attention` (an SDPA op) over K/V repeated for GQA with the
   unsqueeze-expand-reshape pattern the pass recognises.
 
+Memory: the torch model is loaded in the dtype the checkpoint stores. A bf16/fp16 one is traced
+without running its Linear/Embedding layers, and each weight becomes Constant(bf16) -> Convert(f32)
+sharing the torch tensor's memory, so the export holds the weights once at 16 bits plus NNCF's
+compressed output; the graph still computes in float32 (the int8/int4 IR is the one a float32 load
+gives, to the bit). Only `weights: fp32` widens them, for its exact float32 IR.
+
 Only the Llama architecture is traced (RMSNorm, RoPE with the checkpoint's own inv_freq,
 GQA, SwiGLU); anything else is refused rather than exported wrong.
 """
@@ -28,8 +34,10 @@ from kiln.core.errors import BadInput
 SUPPORTED = ("llama",)
 
 
-def load_hf_llama(checkpoint: Path):
-    """The checkpoint as an fp32 LlamaForCausalLM; BadInput for what the trace cannot handle."""
+def load_hf_llama(checkpoint: Path, float32: bool = False):
+    """The checkpoint as a LlamaForCausalLM in the dtype it is stored in (`stored_dtype`): a bf16
+    checkpoint is held once, at 16 bits, not widened; `float32` widens it (the fp32 option's exact
+    float32 IR). BadInput for what the trace cannot handle."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -41,7 +49,25 @@ def load_hf_llama(checkpoint: Path):
         raise BadInput(f"{checkpoint}: already quantized ({config.quantization_config.get('quant_method')}). "
                        "This backend compresses weights itself: build it from the unquantized baseline "
                        "and pick its `weights` option (int8/int4).")
-    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, use_safetensors=True).eval()
+    dtype = torch.float32 if float32 else stored_dtype(checkpoint)
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, use_safetensors=True).eval()
+
+
+def stored_dtype(checkpoint: Path):
+    """torch.bfloat16 or torch.float16 when every floating tensor of the checkpoint's safetensors is
+    stored so, else torch.float32: loading in it is exact, and a 16-bit checkpoint is not widened.
+    (config.json's dtype is not trusted for this: it names what the model was saved as, not always
+    what the files hold.)"""
+    import torch
+    from safetensors import safe_open
+
+    found = set()
+    for shard in sorted(checkpoint.glob("*.safetensors")):
+        with safe_open(shard, framework="pt") as f:
+            found |= {f.get_slice(name).get_dtype() for name in f.keys()}
+    floating = found & {"F64", "F32", "F16", "BF16"}
+    sixteen = {"BF16": torch.bfloat16, "F16": torch.float16}
+    return sixteen[floating.pop()] if len(floating) == 1 and floating <= sixteen.keys() else torch.float32
 
 
 def _graph(hf):
@@ -89,7 +115,7 @@ def _graph(hf):
 def _rms(x, norm):
     import torch
 
-    return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+    return norm.weight.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
 
 
 def _rotate(x):
@@ -151,6 +177,11 @@ def _make_stateful(model, layers: int, kv_heads: int, head_dim: int) -> None:
 
 def export(hf, weights: str, group_size: int):
     """The stateful OpenVINO model of `hf`, weights compressed to `weights` (fp32/int8/int4)."""
+    return compress(trace(hf), weights, group_size)
+
+
+def trace(hf):
+    """The stateful OpenVINO model of `hf`, its weights as `hf` holds them (shared, not copied)."""
     import openvino as ov
     import torch
 
@@ -160,11 +191,33 @@ def export(hf, weights: str, group_size: int):
                torch.arange(past_len, past_len + 4)[None],
                *[torch.zeros(1, kv_heads, past_len, head_dim) for _ in range(2 * layers)])
     with torch.no_grad():
-        model = ov.convert_model(graph, example_input=example)
+        model = ov.convert_model(graph, example_input=example, extension=_sixteen_bit_layers(hf.dtype) or None)
     dims = [[-1, -1]] * 3 + [[-1, kv_heads, -1, head_dim]] * (2 * layers)
     model.reshape({p.output(0): ov.PartialShape(d) for p, d in zip(model.get_parameters(), dims, strict=True)})
     _make_stateful(model, layers, kv_heads, head_dim)
-    return compress(model, weights, group_size)
+    return model
+
+
+def _sixteen_bit_layers(dtype) -> list:
+    """For a bf16/fp16 model: its Linear and Embedding layers traced without running them (a placeholder
+    output of the right shape) and converted to Constant(16-bit) -> Convert(f32) -> MatMul/Gather, the
+    graph optimum-intel exports (OpenVINO's own 16-bit patching does the same): the graph computes in
+    float32, the IR and NNCF hold each weight once as stored, and the trace makes no float32 copy of it
+    (computing them would widen every weight in turn; glibc kept ~2 GiB of those at 1B). A float32 model
+    is traced as it runs: its IR is the exact float32 graph of the parity path."""
+    import torch
+    from openvino.frontend.pytorch import ModuleExtension
+
+    if dtype == torch.float32:
+        return []
+    fill = 0.5  # any value: the trace records shapes and ops. evaluate gets the arguments convert passes op
+    return [ModuleExtension(torch.nn.Linear, "ov_ext::linear",
+                            convert=lambda m, op, x: op(x, m.weight, m.bias),
+                            evaluate=lambda m, x, *_: torch.full((*x.shape[:-1], m.out_features), fill)),
+            ModuleExtension(torch.nn.Embedding, "ov_ext::embedding",
+                            convert=lambda m, op, ids: op(m.weight, ids, m.padding_idx, m.scale_grad_by_freq,
+                                                          m.sparse),
+                            evaluate=lambda m, _, ids, *__: torch.full((*ids.shape, m.embedding_dim), fill))]
 
 
 def compress(model, weights: str, group_size: int) -> Any:

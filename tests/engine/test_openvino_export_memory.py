@@ -1,0 +1,113 @@
+"""The OpenVINO export of a 16-bit checkpoint holds its weights once, as stored (issue 35), and
+builds the same IR a float32 load of that checkpoint builds.
+
+A bf16 copy of the tiny Llama (norms made non-trivial, so a norm weight that went missing would
+show) is exported twice: as kiln loads it now (bf16, traced to Constant(bf16) -> Convert(f32)) and
+loaded as float32 (the export before issue 35). The compressed weights must be the same bytes and
+the logits the same to float32 rounding; the 16-bit trace must not hold a float32 copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+
+pytest.importorskip("openvino", reason="openvino is a kiln dependency; install the pinned set")
+
+WEIGHT_BYTES = 4096  # constants larger than this are weights (the tiny model's smallest is a 128-wide norm)
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(tiny_model_dir, tmp_path_factory):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    out = tmp_path_factory.mktemp("tiny-bf16")
+    model.to(torch.bfloat16).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(bf16_dir):
+    """(as kiln loads it, as float32): the same checkpoint."""
+    from kiln.engine.openvino_export import load_hf_llama
+
+    return load_hf_llama(bf16_dir), load_hf_llama(bf16_dir, float32=True)
+
+
+def _weights(model) -> list:
+    return [op for op in model.get_ops() if op.get_type_name() == "Constant" and op.get_byte_size() > WEIGHT_BYTES]
+
+
+def _compressed(model) -> Counter:
+    """The IR's weight constants by (type, shape, sha1 of the bytes): names and the graph around them may differ."""
+    return Counter((str(op.get_element_type()), tuple(op.get_output_shape(0)),
+                    hashlib.sha1(op.get_data().view(np.uint8).tobytes()).hexdigest()) for op in _weights(model))
+
+
+def _logits(model) -> np.ndarray:
+    import openvino as ov
+
+    ids = np.random.default_rng(0).integers(3, 1000, (3, 12), dtype=np.int64)
+    request = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"}).create_infer_request()
+    return request.infer({"input_ids": ids, "attention_mask": np.ones_like(ids),
+                          "position_ids": np.broadcast_to(np.arange(ids.shape[1]), ids.shape).copy(),
+                          "beam_idx": np.arange(len(ids), dtype=np.int32)})["logits"].copy()
+
+
+def test_loads_the_dtype_the_files_store(bf16_dir, tiny_model_dir):
+    import torch
+
+    from kiln.engine.openvino_export import load_hf_llama, stored_dtype
+
+    assert stored_dtype(bf16_dir) == torch.bfloat16 and stored_dtype(tiny_model_dir) == torch.float32
+    assert load_hf_llama(bf16_dir).dtype == torch.bfloat16
+    assert load_hf_llama(bf16_dir, float32=True).dtype == torch.float32
+
+
+def test_trace_holds_the_bf16_weights_once_shared_with_torch(models):
+    from kiln.engine.openvino_export import trace
+
+    hf = models[0]
+    weights = _weights(trace(hf))
+    assert {str(op.get_element_type()) for op in weights} == {"<Type: 'bfloat16'>"}
+    # each weight once (the tied embedding/lm_head too), no float32 copy beside it...
+    params = {p.data_ptr(): p for p in hf.parameters() if p.numel() * 2 > WEIGHT_BYTES}
+    assert sum(op.get_byte_size() for op in weights) == sum(p.numel() * 2 for p in params.values())
+    # ...and in the torch tensors' own memory, not a copy of them
+    assert {op.data.ctypes.data for op in weights} == set(params)
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_compressed_ir_is_the_float32_loads(weights, models):
+    from kiln.engine.openvino_export import export
+
+    got, want = export(models[0], weights, 32), export(models[1], weights, 32)
+    assert _compressed(got) == _compressed(want)
+    kinds = {t for t, _, _ in _compressed(got)}
+    assert "<Type: 'uint8_t'>" in kinds and (weights == "int8" or "<Type: 'uint4_t'>" in kinds)
+    np.testing.assert_allclose(_logits(got), _logits(want), rtol=0, atol=1e-5)
+
+
+def test_fp32_option_builds_the_exact_float32_ir(models, bf16_dir, tmp_path):
+    import openvino as ov
+
+    from kiln.engine.base import BACKENDS
+    from kiln.engine.openvino import IR, OpenVINOConfig
+    from kiln.engine.openvino_export import export
+
+    fields = BACKENDS.create(OpenVINOConfig(weights="fp32")).build(bf16_dir, tmp_path)
+    built = ov.Core().read_model(tmp_path / IR)
+    assert {str(op.get_element_type()) for op in _weights(built)} == {"<Type: 'float32'>"}
+    assert np.array_equal(_logits(built), _logits(export(models[1], "fp32", 32)))
+    assert fields["max_positions"] == json.loads((bf16_dir / "config.json").read_text())["max_position_embeddings"]
