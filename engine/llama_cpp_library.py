@@ -57,10 +57,8 @@ class LlamaLibraryEngine(LlamaCppEngine):
         lib = self.lib = binding().llama_cpp
         self._setup(tokenizer_dir, config)
         self.model = load_model(gguf_path)
-        capacity = config.batch_size + config.parallel  # every running sequence's token plus a prefill chunk
-        self.context = new_context(self.model, config.parallel * config.ctx_per_slot, capacity, config.parallel,
-                                   config.thread_count(), config.cache_type, config.flash_attn)
-        self.batch = new_batch(capacity)
+        self._context: Any = None  # the generation context and its KV cache: made on the first decode
+        self.batch = new_batch(config.batch_size + config.parallel)  # every running sequence's token + a prefill chunk
         self.vocab = self.model.n_vocab()
         self.eog = frozenset(t for t in range(self.vocab) if lib.llama_vocab_is_eog(self.model.vocab, t))
         self._ids = itertools.count()
@@ -71,6 +69,16 @@ class LlamaLibraryEngine(LlamaCppEngine):
     @property
     def vocab_size(self) -> int:
         return self.vocab
+
+    @property
+    def context(self) -> Any:
+        """The generation context, whose KV cache holds every slot (parallel x ctx_per_slot tokens):
+        made on first use, so an engine that only scores (a quality stage) never allocates it."""
+        if self._context is None:
+            c = self.config
+            self._context = new_context(self.model, c.parallel * c.ctx_per_slot, c.batch_size + c.parallel,
+                                        c.parallel, c.thread_count(), c.cache_type, c.flash_attn)
+        return self._context
 
     # ----- generation -----------------------------------------------------------------------
 
@@ -166,7 +174,8 @@ class LlamaLibraryEngine(LlamaCppEngine):
         self._running.clear()
         self._close_scorer()
         self.batch.close()
-        self.context.close()
+        if self._context is not None:
+            self._context.close()
         self.model.close()
 
 

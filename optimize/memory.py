@@ -224,13 +224,13 @@ def with_pipeline_steps(plan: MemoryPlan, model_config: dict[str, Any], baseline
     - reference: the parity smoke check's torch reference, in the dtype `reference` names (None:
       the engine is its own reference), loaded and freed before the engine loads; while it loads
       the checkpoint's pages as stored are mapped too, when it converts them to another dtype;
-    - engine: the built engine, and what it allocates beside its weights when it loads (`held`, e.g.
-      llama.cpp's KV cache for its slots); one exported from the checkpoint in float32 (`export_fp32`:
+    - engine: the built engine, and what it allocates beside its weights when it generates (`held`,
+      e.g. llama.cpp's KV cache for its slots); one exported from the checkpoint in float32 (`export_fp32`:
       OpenVINO traces the torch model and converts it) holds the checkpoint twice more while it builds;
     - quality: the arm's perplexity and lm-eval stages hold its engine alone (the baseline is
       released first) and its scoring buffers: an arm on torch (`torch_dtype`) scores `score_tokens`
       positions a pass, whose logits it holds in its dtype and again in float32; another backend's
-      are the caller's `scoring` (its own context and logits);
+      are the caller's `scoring` (what it holds while it scores: its own context, its logits);
     - benchmark: the stages that set the arm beside the baseline (the decode benchmark, token
       agreement, the served text, the load stage) hold both engines in one process (agreement's
       logits, one document's at a time, are not counted: small beside the weights).
@@ -250,13 +250,14 @@ def with_pipeline_steps(plan: MemoryPlan, model_config: dict[str, Any], baseline
             ref.append(Component("checkpoint pages the reference reads", shapes.param_count * DTYPE_BYTES[stored],
                                  f"{shapes.param_count / 1e6:.1f}M params × {DTYPE_BYTES[stored]:g} B, mapped while it loads"))
         steps.append(StepPlan("reference", tuple(ref)))
-    this = (Component(f"this arm: {serve.name}", serve.bytes, serve.formula), *held)
+    weights_ = Component(f"this arm: {serve.name}", serve.bytes, serve.formula)
+    this = (weights_, *held)
     engine = [run, *this]
     if export_fp32:
         engine.append(Component("export: the checkpoint in float32, twice", 2 * fp32,
                                 "the traced torch model and the converted graph, while it builds"))
     steps.append(StepPlan("engine", tuple(engine)))
-    quality = [run, *this, *scoring]
+    quality = [run, weights_, *scoring]
     if torch_dtype:
         per = DTYPE_BYTES.get(torch_dtype, 4.0) + 4.0
         quality.append(Component(SCORING, score_tokens * shapes.vocab * per,

@@ -37,7 +37,9 @@ def arm_plans(recipe: Any, config: dict[str, Any], *, context: int, batch: int =
             if engine.backend == "openvino" else None  # OpenVINO compresses the checkpoint as it builds
         p = plan_memory(config, method, context=context, batch=batch, kv_dtype=kv_dtype, available_bytes=available,
                         engine_dtype=dtype or compressed)
-        held, scoring = _buffers(engine, config, scored_tokens(recipe, engine))
+        weights = next(s for s in p.steps if s.step == "serve").components[0].bytes
+        held, scoring = _buffers(engine, config, scored_tokens(recipe, engine), weights,
+                                 generates=bool(recipe.evaluate.quality.lmeval))
         return with_pipeline_steps(p, config, baseline, reference=_reference(method, engine, config),
                                    export_fp32=engine.backend == "openvino", torch_dtype=dtype,
                                    score_tokens=scored_tokens(recipe, engine), held=held, scoring=scoring)
@@ -61,31 +63,37 @@ def scored_tokens(recipe: Any, engine: Any) -> int:
     return budget if q.lmeval else min(budget, BATCH * q.perplexity.seq_len)
 
 
-def _buffers(engine: Any, config: dict[str, Any], scored: int) -> tuple[tuple[Component, ...], tuple[Component, ...]]:
-    """(what the engine allocates beside its weights when it loads, what its scoring adds) for a
-    backend other than torch, whose scoring logits `with_pipeline_steps` counts itself. llama.cpp:
-    the KV cache of its slots; its scorer's own context (KV cache, and an output buffer and compute
-    graph of `batch_size` rows of logits each) and the scored logits, held once and log-softmaxed a
-    sequence at a time. OpenVINO: its paged KV cache (kv_cache_gib). OpenVINO and CTranslate2's scoring:
-    the batch's logits and one sequence's log-probs."""
+def _buffers(engine: Any, config: dict[str, Any], scored: int, weights: float,
+             generates: bool) -> tuple[tuple[Component, ...], tuple[Component, ...]]:
+    """(what the engine allocates beside its weights when it generates, what it holds beside them
+    while it scores) for a backend other than torch, whose scoring logits `with_pipeline_steps`
+    counts itself. `generates`: the quality stages generate too (lm-eval's generate_until tasks).
+
+    - llama.cpp: the KV cache of its slots (parallel x ctx_per_slot tokens), made on the first
+      decode; its scorer's own context (a KV cache of ctx_per_slot tokens, an output buffer and a
+      compute graph of batch_size rows of logits) and the scored logits, held once and log-softmaxed
+      a sequence at a time;
+    - OpenVINO: its CPU plugin's compiled model beside the IR's mapped weights, twice the weights
+      (bench/scale.py at 135M and 1B; its paged KV cache grows with use, small in these stages);
+    - OpenVINO and CTranslate2's scoring: the batch's logits and one sequence's log-probs."""
     if engine.backend == "torch":
         return (), ()
     shapes = DecoderShapes.from_config(config)
     logits = Component(f"scoring logits ({engine.backend})", 2 * scored * shapes.vocab * 4,
                        f"{scored} tokens × {shapes.vocab} vocab × 4 B, the batch's and a sequence's log-probs")
-    if engine.backend == "openvino":  # its continuous-batching pipeline allocates its paged KV cache whole
-        return (Component("KV cache (paged)", engine.kv_cache_gib * 2.0 ** 30, f"kv_cache_gib: {engine.kv_cache_gib}"),
-                ), (logits,)
+    if engine.backend == "openvino":
+        compiled = Component("compiled copy of the weights (OpenVINO CPU)", weights, "the IR's weights again, measured")
+        return (compiled,), (compiled, logits)
     if engine.backend != "llama_cpp":
         return (), (logits,)
     per = shapes.kv_bytes_per_token(DTYPE_BYTES["float16" if engine.cache_type == "f16" else "float32"])
     slots = engine.parallel * engine.ctx_per_slot
-    held = Component(f"KV cache ({engine.cache_type}, {engine.parallel} slots × {engine.ctx_per_slot} tokens)",
-                     per * slots, f"{slots} tokens × {human(per)}")
+    kv = Component(f"KV cache ({engine.cache_type}, {engine.parallel} slots × {engine.ctx_per_slot} tokens)",
+                   per * slots, f"{slots} tokens × {human(per)}, made on the first decode")
     scorer = Component("scoring context (llama.cpp)", per * engine.ctx_per_slot + 2 * engine.batch_size * shapes.vocab * 4,
                        f"KV {engine.ctx_per_slot} tokens × {human(per)} + 2 × {engine.batch_size} rows × "
                        f"{shapes.vocab} vocab × 4 B")
-    return (held,), (scorer, logits)
+    return (kv,), (*((kv,) if generates else ()), scorer, logits)
 
 
 def run_context(recipe: Any) -> tuple[int, int]:

@@ -397,6 +397,21 @@ def test_library_runtime_ends_a_sequence_whose_slot_is_full(tiny_model_dir, tmp_
         engine.close()
 
 
+def test_the_library_runtime_allocates_its_generation_cache_on_first_decode(tiny_model_dir, tmp_path, torch_engine):
+    """An engine that only scores (a quality stage) holds no generation KV cache: parallel x
+    ctx_per_slot tokens, 1 GiB at 8B. The first request makes it, and the answers are the same."""
+    engine = parity.build(LlamaCppConfig(runtime="library", threads=1, parallel=2, ctx_per_slot=64, **EXACT),
+                          tiny_model_dir, tmp_path / "e")
+    try:
+        prompt = mixed_prompts(engine.vocab_size, 3)[2]
+        assert parity.logprob_deltas(engine, torch_engine, [(prompt[:3], prompt[3:])]).max() < parity.FULL["logprob_atol"]
+        assert engine._context is None  # scored through the scorer's own context only
+        assert parity.greedy(engine, [prompt], 6) == parity.greedy(torch_engine, [prompt], 6)
+        assert engine._context is not None
+    finally:
+        engine.close()
+
+
 def test_scoring_a_sequence_longer_than_a_batch(tiny_model_dir, tmp_path, torch_engine):
     engine = parity.build(LlamaCppConfig(threads=1, parallel=1, ctx_per_slot=256, batch_size=64, **EXACT),
                           tiny_model_dir, tmp_path / "e")

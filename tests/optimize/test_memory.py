@@ -136,7 +136,7 @@ def test_a_torch_engine_holds_the_checkpoint_at_its_own_dtype_and_the_run_adds_i
     assert steps["quantize"].total == q8.steps[0].total - RUNTIME_BYTES["torch + transformers"] + run  # kiln's process: a run's
     assert steps["reference"].total == run + params * 2  # as stored: no pages mapped beside a copy
     assert steps["engine"].total == run + gguf + (1 << 30)  # the reference is gone by then; the KV cache it allocates
-    assert steps["quality"].total == run + gguf + (1 << 30) + (1 << 29)  # this arm alone, and its scorer
+    assert steps["quality"].total == run + gguf + (1 << 29)  # this arm alone, and what it holds to score
     assert steps["benchmark"].total == run + gguf + (1 << 30) + params * 2  # beside the bf16 baseline
     exact = with_pipeline_steps(bf16, LLAMA_31_8B, None, reference="float32", score_tokens=512, torch_dtype="bfloat16")
     parts = {s.step: s for s in exact.steps}
