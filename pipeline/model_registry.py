@@ -32,6 +32,7 @@ PASSED = "kiln.passed"  # "true" only when the version's run exited 0 (every che
 HISTORY = "kiln.champion_history"  # on the registered model: every move of `champion`, newest last
 FORCED = "kiln.forced"  # on a version promoted though its run did not pass: the reason given
 SERVING = "kiln.serving"  # {optimize, engine} as judged: a search serves the champion this way
+UPLOADED = "kiln.model_uploaded"  # on a run: the sha256 of the artifact its `model/` holds whole
 
 
 @dataclass(frozen=True)
@@ -47,21 +48,41 @@ class Version:
 
 
 def register(ctx: Any, artifact: Any) -> Version:
-    """The version holding `artifact` for this recipe: found again, or uploaded and created."""
+    """The version holding `artifact` for this recipe: found again, or uploaded (once: not again
+    when this run's `model/` already holds it, sent there by a Ray node) and created."""
     client, name = ctx.tracker.client, _name(ctx)
     sha, recipe_hash = artifact.manifest["sha256"], ctx.recipe.digest()
     with _locked(ctx, name):
         _ensure_model(client, name)
-        found = client.search_model_versions(
-            f"name = '{name}' and tags.`{ARTIFACT_SHA}` = '{sha}' and tags.`{RECIPE_HASH}` = '{recipe_hash}'",
-            order_by=["version_number DESC"], max_results=1)
-        if found:
-            return Version(name, found[0].version, reused=True)
-        ctx.tracker.log_artifacts(ctx.parent_run, artifact.path, "model")  # uploaded before the version exists
+        if found := find(client, name, sha, recipe_hash):
+            return Version(name, found.version, reused=True)
+        if not uploaded(client, ctx.parent_run, sha):  # uploaded before the version exists
+            upload(ctx.tracker, ctx.parent_run, artifact)
         source = f"{client.get_run(ctx.parent_run).info.artifact_uri.rstrip('/')}/model"
         mv = client.create_model_version(name, source=source, run_id=ctx.parent_run, tags={
             STATE: "incomplete", ARTIFACT_SHA: sha, RECIPE_HASH: recipe_hash, **process_tags()})
         return Version(name, mv.version, reused=False)
+
+
+def find(client: Any, name: str, sha: str, recipe_hash: str) -> Any | None:
+    """The newest version of `name` holding the artifact `sha` for the recipe `recipe_hash`, if any:
+    a rerun of the recipe registers nothing new and uploads nothing (issue 35: once per version)."""
+    found = client.search_model_versions(
+        f"name = '{name}' and tags.`{ARTIFACT_SHA}` = '{sha}' and tags.`{RECIPE_HASH}` = '{recipe_hash}'",
+        order_by=["version_number DESC"], max_results=1)
+    return found[0] if found else None
+
+
+def upload(tracker: Any, run_id: str, artifact: Any) -> None:
+    """`artifact`'s folder to the run's `model/`, then the run's UPLOADED tag: set only once the
+    whole folder is there, so `uploaded` never takes half an upload for the artifact."""
+    tracker.log_artifacts(run_id, artifact.path, "model")
+    tracker.log(run_id, tags={UPLOADED: artifact.manifest["sha256"]})
+
+
+def uploaded(client: Any, run_id: str, sha: str) -> bool:
+    """Whether the run's `model/` holds the artifact `sha`, uploaded whole (`upload`)."""
+    return client.get_run(run_id).data.tags.get(UPLOADED) == sha
 
 
 def complete(ctx: Any, version: Version, outcome: Any, extra_tags: dict[str, str] | None = None) -> None:

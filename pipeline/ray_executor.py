@@ -73,6 +73,7 @@ class Task:
     arm_cls: Any  # the search's Arm and the function that runs phases on it, sent by reference
     run: Any
     champion: Any = None
+    upload_to: str = ""  # with UPLOAD: the run whose `model/` receives the artifact (the pipeline's run)
 
 
 @dataclass
@@ -155,17 +156,21 @@ class RayExecutor:
             fetch_stage(arm.ctx, record)
 
     def bring_back(self, arm: Any) -> None:
-        """The arm's artifact from the tracking server: a node uploads it to the arm's MLflow run."""
+        """The arm's artifact where the report registers it from, when it is not on this machine: a
+        registry version holding it for this recipe needs nothing (a rerun uploads nothing), else a
+        node uploads it to this run's `model/`, where the registry takes it from (issue 35: the
+        artifact is stored once per registered version, never per rerun or twice in one run)."""
+        from kiln.pipeline.model_registry import find, registered_name
+
         if arm.artifact is None or arm.artifact.path.exists():
+            return
+        if find(self.ctx.tracker.client, registered_name(arm.ctx.recipe), arm.artifact.manifest["sha256"],
+                arm.ctx.recipe.digest()):
             return
         task = Task(("build", UPLOAD), arm.name, arm.mlflow_run, arm.ctx.recipe, str(arm.ctx.recipe_path),
                     arm.ctx.gate, frozenset(arm.ctx.fresh), self.ctx.tracker.uri, self.ctx.recipe.tracking.experiment,
-                    type(arm), self.run_on_node, arm.champion)
+                    type(arm), self.run_on_node, arm.champion, upload_to=self.ctx.parent_run)
         wait(self._task.options(num_cpus=1, max_retries=RETRIES, name=f"kiln {arm.name} upload").remote(task))
-        local = arm.ctx.run_dir / "artifact"
-        with atomic_dir(local) as tmp:
-            self.ctx.tracker.download(arm.mlflow_run, "model", tmp)
-        arm.artifact = ModelArtifact(path=local, manifest=arm.artifact.manifest)
 
     def close(self) -> None:
         import ray
@@ -313,7 +318,9 @@ def _on_node(task: Task) -> dict[str, Any]:
         arm = task.arm_cls(task.arm, ctx, task.mlflow_run, champion=task.champion)
         task.run(arm, tuple(p for p in task.phases if p != UPLOAD), model)
         if UPLOAD in task.phases and arm.artifact is not None:  # for the driver: the report registers it
-            ctx.tracker.log_artifacts(task.mlflow_run, arm.artifact.path, "model")
+            from kiln.pipeline.model_registry import upload
+
+            upload(ctx.tracker, task.upload_to, arm.artifact)
         return _node_report(arm, ctx)
     finally:
         shutil.rmtree(ctx.run_dir, ignore_errors=True)

@@ -10,6 +10,8 @@ run of the pipeline's parent run.
 from __future__ import annotations
 
 import fcntl
+import filecmp
+import glob
 import json
 import logging
 import os
@@ -32,6 +34,7 @@ log = logging.getLogger("kiln")
 STAGE_FORMAT = 1
 RESULT = "result.json"
 MANIFEST = "manifest.json"
+LINK_MIN_BYTES = 64 * 1024  # smaller files are not worth a comparison: a stage's own records
 
 
 def stage_lock(cache: Path, stage: str, key: str) -> Path:
@@ -193,6 +196,7 @@ def _compute(ctx: RunContext, label: str, key: str, inputs: dict[str, Any],
     with atomic_dir(path) as tmp:
         with StageMemory() as memory:
             result = compute(tmp)
+        link_equal_files(tmp, path.parent)
         wall = time.perf_counter() - start
         result["metrics"] = {**result.get("metrics", {}), **memory.metrics(path.parent.name)}
         atomic_write_json(tmp / RESULT, result)
@@ -204,3 +208,35 @@ def _compute(ctx: RunContext, label: str, key: str, inputs: dict[str, Any],
     shown = ", ".join(f"{k}={v:.4g}" for k, v in list(metrics.items())[:6] if isinstance(v, int | float))
     ctx.console.print(f"  done in {wall:.1f}s {shown}", markup=False)
     log.info("%s finished in %.1fs: %s", label, wall, json.dumps(metrics, default=str))
+
+
+def link_equal_files(out: Path, kind_dir: Path) -> int:
+    """Hard-link each file of the stage being written (`out`) to a byte-equal file at the same place in
+    a finished stage of its kind (`kind_dir`: <cache>/stages/<stage>): the same bytes are kept once in
+    the cache (issue 35), e.g. the tokenizer every optimize stage of one checkpoint copies beside its
+    weights. Stage files are never changed in place (a stage is replaced whole), so sharing an inode
+    is safe. Returns the bytes saved."""
+    saved = 0
+    for f in sorted(p for p in out.rglob("*") if p.is_file() and not p.is_symlink()):
+        if f.stat().st_size >= LINK_MIN_BYTES and (twin := _equal_file(f, f.relative_to(out), kind_dir)):
+            try:
+                os.link(twin, f.with_name(f.name + ".link"))
+            except OSError:  # pruned meanwhile, or links refused here: keep the copy
+                continue
+            os.replace(f.with_name(f.name + ".link"), f)
+            saved += f.stat().st_size
+    return saved
+
+
+def _equal_file(f: Path, rel: Path, kind_dir: Path) -> Path | None:
+    """A file at `rel` in a finished stage under `kind_dir` with the bytes of `f`, on another inode."""
+    for other in sorted(kind_dir.glob(f"*/{glob.escape(str(rel))}")):
+        stage = other.parents[len(rel.parts) - 1]
+        if stage.name.endswith(".partial") or not (stage / RESULT).exists():
+            continue  # being written, or left half-way: not a finished stage
+        try:
+            if other.stat().st_size == f.stat().st_size and not other.samefile(f) and filecmp.cmp(f, other, shallow=False):
+                return other
+        except OSError:  # pruned meanwhile
+            continue
+    return None
