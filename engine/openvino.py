@@ -74,7 +74,7 @@ class OpenVINOBackend(EngineBackend):
         import openvino as ov
 
         from kiln.engine.hf_torch import check_checkpoint
-        from kiln.engine.openvino_export import export, load_hf_llama
+        from kiln.engine.openvino_export import export, load_hf_llama, release
 
         check_checkpoint(checkpoint)
         cfg: OpenVINOConfig = self.config  # type: ignore[assignment]
@@ -82,10 +82,13 @@ class OpenVINOBackend(EngineBackend):
         hf = load_hf_llama(checkpoint, float32=cfg.weights == "fp32")
         max_positions = hf.config.max_position_embeddings
         started = time.perf_counter()
-        model = export(hf, cfg.weights, cfg.group_size)
-        del hf  # compressed, the IR no longer shares the torch weights: they go before the save
-        out_dir.mkdir(parents=True, exist_ok=True)
-        ov.save_model(model, out_dir / IR, compress_to_fp16=False)
+        try:
+            model = export(hf, cfg.weights, cfg.group_size)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            ov.save_model(model, out_dir / IR, compress_to_fp16=False)
+            del model  # its constants point into hf's weights: gone before they are
+        finally:
+            release(hf)
         for name in HF_FILES:
             if (checkpoint / name).is_file():
                 shutil.copy2(checkpoint / name, out_dir / name)

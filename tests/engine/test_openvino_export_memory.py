@@ -111,3 +111,22 @@ def test_fp32_option_builds_the_exact_float32_ir(models, bf16_dir, tmp_path):
     assert {str(op.get_element_type()) for op in _weights(built)} == {"<Type: 'float32'>"}
     assert np.array_equal(_logits(built), _logits(export(models[1], "fp32", 32)))
     assert fields["max_positions"] == json.loads((bf16_dir / "config.json").read_text())["max_position_embeddings"]
+
+
+def test_build_leaves_no_torch_weights_behind(bf16_dir, tmp_path):
+    """torch.jit keeps the traced Linear layers for good: the build must free their weights itself."""
+    import gc
+
+    import torch
+
+    from kiln.engine.base import BACKENDS
+    from kiln.engine.openvino import OpenVINOConfig
+
+    def linears() -> list:
+        return [o for o in gc.get_objects() if isinstance(o, torch.nn.Linear)]
+
+    gc.collect()
+    before = {id(o) for o in linears()}
+    BACKENDS.create(OpenVINOConfig(weights="int8")).build(bf16_dir, tmp_path)
+    gc.collect()
+    assert [o for o in linears() if id(o) not in before and o.weight.device.type != "meta"] == []
