@@ -214,7 +214,7 @@ def plan_memory(model_config: dict[str, Any], method_config: Any = None, *, cont
 
 
 def with_pipeline_steps(plan: MemoryPlan, model_config: dict[str, Any], baseline: MemoryPlan | None, *,
-                        reference: str | None, export_fp32: bool = False, torch_dtype: str | None = None,
+                        reference: str | None, export: str | None = None, torch_dtype: str | None = None,
                         score_tokens: int = SCORE_BATCH_TOKENS, held: tuple[Component, ...] = (),
                         scoring: tuple[Component, ...] = ()) -> MemoryPlan:
     """`plan` (one arm's quantize and serve steps) with the steps a `kiln run` adds, each what kiln's
@@ -225,8 +225,9 @@ def with_pipeline_steps(plan: MemoryPlan, model_config: dict[str, Any], baseline
       the engine is its own reference), loaded and freed before the engine loads; while it loads
       the checkpoint's pages as stored are mapped too, when it converts them to another dtype;
     - engine: the built engine, and what it allocates beside its weights when it generates (`held`,
-      e.g. llama.cpp's KV cache for its slots); one exported from the checkpoint in float32 (`export_fp32`:
-      OpenVINO traces the torch model and converts it) holds the checkpoint twice more while it builds;
+      e.g. llama.cpp's KV cache for its slots); one exported from the checkpoint (OpenVINO traces the
+      torch model, whose weights the converted graph shares, and compresses it) holds the checkpoint
+      in the dtype `export` names while it builds, and its pages as stored where that is wider;
     - quality: the arm's perplexity and lm-eval stages hold its engine alone (the baseline is
       released first) and its scoring buffers: an arm on torch (`torch_dtype`) scores `score_tokens`
       positions a pass, whose logits it holds in its dtype and again in float32; another backend's
@@ -237,7 +238,6 @@ def with_pipeline_steps(plan: MemoryPlan, model_config: dict[str, Any], baseline
     """
     shapes = DecoderShapes.from_config(model_config)
     serve = next(s for s in plan.steps if s.step == "serve").components[0]
-    fp32 = shapes.param_count * 4.0
     run = runtime("kiln run")
     steps = [StepPlan(s.step, tuple(run if c.name == "runtime (torch + transformers)" else c for c in s.components))
              if s.step == "quantize" else s for s in plan.steps]  # kiln's own process is a run's, not a bare import
@@ -253,9 +253,12 @@ def with_pipeline_steps(plan: MemoryPlan, model_config: dict[str, Any], baseline
     weights_ = Component(f"this arm: {serve.name}", serve.bytes, serve.formula)
     this = (weights_, *held)
     engine = [run, *this]
-    if export_fp32:
-        engine.append(Component("export: the checkpoint in float32, twice", 2 * fp32,
-                                "the traced torch model and the converted graph, while it builds"))
+    if export is not None:
+        stored = source_dtype(model_config)
+        size = DTYPE_BYTES.get(export, 4.0) + (DTYPE_BYTES[stored] if stored != export else 0.0)
+        engine.append(Component(f"export: the checkpoint in {export}", shapes.param_count * size,
+                                f"{shapes.param_count / 1e6:.1f}M params × {size:g} B, shared by the traced graph "
+                                "while it compresses"))
     steps.append(StepPlan("engine", tuple(engine)))
     quality = [run, weights_, *scoring]
     if torch_dtype:

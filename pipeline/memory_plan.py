@@ -41,7 +41,7 @@ def arm_plans(recipe: Any, config: dict[str, Any], *, context: int, batch: int =
         held, scoring = _buffers(engine, config, scored_tokens(recipe, engine), weights,
                                  generates=bool(recipe.evaluate.quality.lmeval))
         return with_pipeline_steps(p, config, baseline, reference=_reference(method, engine, config),
-                                   export_fp32=engine.backend == "openvino", torch_dtype=dtype,
+                                   export=_export_dtype(engine, config), torch_dtype=dtype,
                                    score_tokens=scored_tokens(recipe, engine), held=held, scoring=scoring)
 
     base = plan(None, base_engine)
@@ -138,6 +138,14 @@ def _torch_dtype(engine: Any, config: dict[str, Any]) -> str | None:
     """What a torch engine loads the checkpoint in (auto: as stored); None for another backend."""
     dtype = getattr(engine, "dtype", None) if engine.backend == "torch" else None
     return source_dtype(config) if dtype == "auto" else dtype
+
+
+def _export_dtype(engine: Any, config: dict[str, Any]) -> str | None:
+    """The dtype OpenVINO's build holds the checkpoint in (kiln.engine.openvino_export): as stored when it
+    compresses to int8 or int4, float32 for its exact fp32 IR; None for a backend that exports nothing."""
+    if engine.backend != "openvino":
+        return None
+    return "float32" if engine.weights == "fp32" else source_dtype(config)
 
 
 def _reference(method: Any, engine: Any, config: dict[str, Any]) -> str | None:

@@ -145,6 +145,13 @@ def test_a_torch_engine_holds_the_checkpoint_at_its_own_dtype_and_the_run_adds_i
     assert "benchmark" not in parts  # the baseline's own line: it has no baseline beside it
     assert with_pipeline_steps(bf16, LLAMA_31_8B, None, reference=None, torch_dtype="bfloat16").steps[-1].total == \
         run + params * 2 + SCORE_BATCH_TOKENS * 128256 * (2 + 4)
+    # OpenVINO's build: int8 from the bf16 checkpoint holds it as stored; its exact fp32 IR loads it in
+    # float32 while the stored pages are mapped (bench/scale.py; tests/engine/test_openvino_export_memory.py)
+    ov = plan_memory(LLAMA_31_8B, None, engine_dtype="int8", available_bytes=1 << 40)
+    ir = ov.steps[0].components[0].bytes
+    for export, per in (("bfloat16", 2), ("float32", 4 + 2)):
+        built = {s.step: s for s in with_pipeline_steps(ov, LLAMA_31_8B, bf16, reference="bfloat16", export=export).steps}
+        assert built["engine"].total == run + ir + params * per
     own = with_pipeline_steps(base, LLAMA_31_8B, None, reference=None)  # torch float32 is its own reference
     assert "reference" not in {s.step for s in own.steps}
     assert {s.step: s.total for s in own.steps}["engine"] == run + params * 4
