@@ -214,3 +214,18 @@ def engine_config(manifest: dict[str, Any], where: Path | str = MANIFEST) -> Eng
     except ValidationError as e:
         problems = [f"config.{'.'.join(map(str, x['loc'][1:] or x['loc']))}: {x['msg']}" for x in e.errors()]
         raise BadInput(f"{where}: invalid engine config. {REBUILD}", problems) from e
+
+
+# What an engine folder keeps of its checkpoint beside the weights: the tokenizer, its config, the model config.
+HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json", "chat_template.jinja", "tokenizer.model")
+
+
+def keep_checkpoint_files(checkpoint: Path, out_dir: Path) -> None:
+    """The checkpoint's tokenizer and config files in the engine's folder, hard-linked where one
+    filesystem holds both (a copy elsewhere): the cache holds their bytes once (issue 35)."""
+    from kiln.optimize.checkpoint import link_or_copy
+
+    for name in HF_FILES:
+        if (checkpoint / name).is_file():
+            link_or_copy(checkpoint / name, out_dir / name)

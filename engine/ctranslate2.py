@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import queue
 import random
-import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,8 +33,8 @@ from pydantic import Field
 
 from kiln.engine import full_logits
 from kiln.engine.base import (BACKENDS, REBUILD, Engine, EngineBackend, EngineConfig, GenerationRequest, Score,
-                              TokenEvent, check_request)
-from kiln.engine.openvino import HF_FILES, eos_ids_of
+                              TokenEvent, check_request, keep_checkpoint_files)
+from kiln.engine.openvino import eos_ids_of
 from kiln.core.errors import BadInput
 
 MODEL = "ct2"  # subfolder holding model.bin, config.json, vocabulary.json
@@ -101,9 +100,7 @@ class CTranslate2Backend(EngineBackend):
             # config field its loader expects and does not find, a rope or quantization type it lacks
             raise BadInput(f"{checkpoint}: CTranslate2 cannot convert it ({type(e).__name__}: {e}). "
                            "Use the `torch` backend.") from e
-        for name in HF_FILES:
-            if (checkpoint / name).is_file():
-                shutil.copy2(checkpoint / name, out_dir / name)
+        keep_checkpoint_files(checkpoint, out_dir)
         return {"format": "ctranslate2", "precision": cfg.quantization, "ctranslate2": __version__,
                 "weight_bytes": (out_dir / MODEL / "model.bin").stat().st_size,
                 "max_positions": getattr(hf, "max_position_embeddings", None),

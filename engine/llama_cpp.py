@@ -17,21 +17,18 @@ converted at `precision` with the same converter and tokenizer check.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any, ClassVar
 
 from kiln.core.errors import BadInput
-from kiln.engine.base import BACKENDS, REBUILD, Engine, EngineBackend
+from kiln.engine.base import BACKENDS, REBUILD, Engine, EngineBackend, keep_checkpoint_files
+from kiln.optimize.checkpoint import link_or_copy
 from kiln.engine.llama_cpp_config import LlamaCppConfig
 from kiln.engine.llama_cpp_library import LlamaLibraryEngine
 from kiln.engine.llama_cpp_server import LlamaServerEngine
 
 GGUF = "model.gguf"
-HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "special_tokens_map.json", "chat_template.jinja", "tokenizer.model")
 
 
 @BACKENDS.register("llama_cpp", LlamaCppConfig)
@@ -50,7 +47,7 @@ class LlamaCppBackend(EngineBackend):
         started = time.perf_counter()
         source = checkpoint / gguf.GGUF_FILE
         if source.is_file():
-            _link_or_copy(source, out_dir / GGUF)
+            link_or_copy(source, out_dir / GGUF)
             kind = _artifact_field(checkpoint, "type")
         else:
             method = _artifact_field(checkpoint, "method")
@@ -63,9 +60,7 @@ class LlamaCppBackend(EngineBackend):
             kind = self.config.precision  # type: ignore[attr-defined]
             gguf.convert(checkpoint, out_dir / GGUF, kind)
             gguf.check_tokenizer(out_dir / GGUF, checkpoint, list(gguf.SAMPLE_TEXT))
-        for name in HF_FILES:
-            if (checkpoint / name).is_file():
-                shutil.copy2(checkpoint / name, out_dir / name)
+        keep_checkpoint_files(checkpoint, out_dir)
         info = gguf.describe(out_dir / GGUF, kind)
         return {"format": "gguf", "file": GGUF, "type": kind, "llama_cpp": VERSION,
                 "bits_per_weight": info["bits_per_weight"], "weight_bytes": info["file_bytes"],
@@ -89,9 +84,3 @@ def _artifact_field(checkpoint: Path, key: str) -> str | None:
         return json.loads(manifest.read_text()).get(key)
     return None
 
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,12 +24,10 @@ from pydantic import Field, model_validator
 
 from kiln.engine import full_logits
 from kiln.engine.base import (BACKENDS, REBUILD, Engine, EngineBackend, EngineConfig, GenerationRequest, Score,
-                              TokenEvent, check_request)
+                              TokenEvent, check_request, keep_checkpoint_files)
 from kiln.core.errors import BadInput
 
 IR = "openvino_model.xml"
-HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "special_tokens_map.json", "chat_template.jinja", "tokenizer.model")
 
 
 class OpenVINOConfig(EngineConfig):
@@ -89,9 +86,7 @@ class OpenVINOBackend(EngineBackend):
             del model  # its constants point into hf's weights: gone before they are
         finally:
             release(hf)
-        for name in HF_FILES:
-            if (checkpoint / name).is_file():
-                shutil.copy2(checkpoint / name, out_dir / name)
+        keep_checkpoint_files(checkpoint, out_dir)
         return {"format": "openvino-ir", "precision": cfg.weights,
                 "weight_bytes": (out_dir / "openvino_model.bin").stat().st_size,
                 "max_positions": max_positions,

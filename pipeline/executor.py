@@ -29,7 +29,8 @@ class Executor(Protocol):
         and `eliminated` are as if the phase had run here."""
 
     def bring_back(self, arm: Any) -> None:
-        """`arm.artifact` as a folder on this machine: the report registers it."""
+        """Make `arm.artifact` registrable by the report: a folder on this machine, or already
+        uploaded whole to this run's `model/` (kiln.pipeline.model_registry.upload)."""
 
     def close(self) -> None:
         """Let go of whatever the executor holds (a cluster connection)."""
