@@ -13,6 +13,7 @@ from kiln.optimize.base import QUANTIZERS, ModelArtifact
 from kiln.optimize.memory import source_dtype
 from kiln.pipeline.demo import prepare_demo_data
 from kiln.pipeline.model_source import ResolvedModel
+from kiln.pipeline.rss import return_freed_memory
 from kiln.pipeline.stage_inputs import text_path, tokenized_prompts, tokenizer_of
 from kiln.pipeline.stages import RunContext, StageOutcome, peak_rss_bytes, run_stage
 
@@ -101,6 +102,7 @@ def engine(ctx: RunContext, role: str, art: ModelArtifact) -> Path:
 
     def compute(out: Path) -> dict[str, Any]:
         engine_dir = build_engine(cfg, art.path, art.manifest["sha256"], ctx.cache)
+        return_freed_memory()  # what the build freed (an export's model) is not held beside the parity check
         figures = _parity_smoke(ctx, engine_dir, art)
         if figures is None:
             return {"engine_dir": str(engine_dir), "metrics": {}}
@@ -142,7 +144,8 @@ def _parity_smoke(ctx: RunContext, engine_dir: Path, art: ModelArtifact) -> dict
     itself = manifest["backend"] == "torch" and manifest["config"].get("dtype") == dtype
     engine = load_engine(engine_dir) if itself else None
     answers = parity.reference_answers(engine, prompts) if itself else _reference_answers(ctx, checkpoint, dtype, prompts)
-    if engine is None:  # the reference is gone: now the engine under test loads
+    if engine is None:  # the reference is gone (its freed pages handed back): now the engine under test loads
+        return_freed_memory()
         engine = load_engine(engine_dir)
     try:
         label = f"the {manifest['backend']} engine {engine_dir.name} ({_precision(manifest)})"
