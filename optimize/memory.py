@@ -242,24 +242,13 @@ def with_pipeline_steps(plan: MemoryPlan, model_config: dict[str, Any], baseline
     steps = [StepPlan(s.step, tuple(run if c.name == "runtime (torch + transformers)" else c for c in s.components))
              if s.step == "quantize" else s for s in plan.steps]  # kiln's own process is a run's, not a bare import
     if reference is not None:
-        size = DTYPE_BYTES.get(reference, 4.0)
-        ref = [run, Component(f"parity reference (torch {reference})", shapes.param_count * size,
-                              f"{shapes.param_count / 1e6:.1f}M params × {size:g} B, freed before the engine loads")]
-        stored = source_dtype(model_config)
-        if stored != reference:
-            ref.append(Component("checkpoint pages the reference reads", shapes.param_count * DTYPE_BYTES[stored],
-                                 f"{shapes.param_count / 1e6:.1f}M params × {DTYPE_BYTES[stored]:g} B, mapped while it loads"))
-        steps.append(StepPlan("reference", tuple(ref)))
+        steps.append(StepPlan("reference", (run, *_checkpoint_held(shapes, model_config, reference, "parity reference (torch "
+                                                                  f"{reference})", "freed before the engine loads"))))
     weights_ = Component(f"this arm: {serve.name}", serve.bytes, serve.formula)
     this = (weights_, *held)
-    engine = [run, *this]
-    if export is not None:
-        stored = source_dtype(model_config)
-        size = DTYPE_BYTES.get(export, 4.0) + (DTYPE_BYTES[stored] if stored != export else 0.0)
-        engine.append(Component(f"export: the checkpoint in {export}", shapes.param_count * size,
-                                f"{shapes.param_count / 1e6:.1f}M params × {size:g} B, shared by the traced graph "
-                                "while it compresses"))
-    steps.append(StepPlan("engine", tuple(engine)))
+    exported = () if export is None else _checkpoint_held(shapes, model_config, export, f"export: the checkpoint in "
+                                                          f"{export}", "shared by the traced graph while it compresses")
+    steps.append(StepPlan("engine", (run, *this, *exported)))
     quality = [run, weights_, *scoring]
     if torch_dtype:
         per = DTYPE_BYTES.get(torch_dtype, 4.0) + 4.0
@@ -271,6 +260,17 @@ def with_pipeline_steps(plan: MemoryPlan, model_config: dict[str, Any], baseline
         base = next(s for s in baseline.steps if s.step == "serve").components[0]
         steps.append(StepPlan("benchmark", (run, *this, Component(f"baseline: {base.name}", base.bytes, base.formula))))
     return replace(plan, steps=tuple(steps))
+
+
+def _checkpoint_held(shapes: DecoderShapes, model_config: dict[str, Any], dtype: str, name: str,
+                     why: str) -> tuple[Component, ...]:
+    """The checkpoint loaded in `dtype`, and its pages as stored, mapped while it loads, where that differs."""
+    size, stored = DTYPE_BYTES.get(dtype, 4.0), source_dtype(model_config)
+    held = (Component(name, shapes.param_count * size, f"{shapes.param_count / 1e6:.1f}M params × {size:g} B, {why}"),)
+    if stored == dtype:
+        return held
+    return (*held, Component("checkpoint pages it reads", shapes.param_count * DTYPE_BYTES[stored],
+                             f"{shapes.param_count / 1e6:.1f}M params × {DTYPE_BYTES[stored]:g} B, mapped while it loads"))
 
 
 def parse_bytes(text: str) -> int:
