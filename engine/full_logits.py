@@ -8,7 +8,7 @@ log-probabilities in float64-safe numpy, and read out the continuation's log-lik
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -42,10 +42,17 @@ def next_token_logprobs(ids: Sequence[list[int]], logits_fn: LogitsFn, budget_to
     if any(len(s) == 0 for s in ids):
         raise BadInput("next_token_logprobs() needs non-empty token sequences.")
     out: list[np.ndarray | None] = [None] * len(ids)
-    for group in batches(ids, budget_tokens):
-        for i, logits in zip(group, logits_fn([list(ids[i]) for i in group]), strict=True):
-            out[i] = log_softmax(logits)
+    for i, logits in _each_sequence(ids, logits_fn, budget_tokens):
+        out[i] = log_softmax(logits)
     return out  # type: ignore[return-value]
+
+
+def _each_sequence(ids: Sequence[Sequence[int]], logits_fn: LogitsFn,
+                   budget_tokens: int) -> Iterator[tuple[int, np.ndarray]]:
+    """(index, [len, vocab] logits) of every sequence, a budget-sized batch at a time: only one
+    batch's logits need be held at once."""
+    for group in batches(ids, budget_tokens):
+        yield from zip(group, logits_fn([list(ids[i]) for i in group]), strict=True)
 
 
 def scores(pairs: Sequence[tuple[list[int], list[int]]], logits_fn: LogitsFn, budget_tokens: int) -> list[Score]:
@@ -58,14 +65,13 @@ def scores(pairs: Sequence[tuple[list[int], list[int]]], logits_fn: LogitsFn, bu
     results: list[Score | None] = [None] * len(pairs)
     # A batch's scores are read out as it comes: one batch's logits are held at a time, not every
     # sequence's [len, vocab] log-probabilities at once (1 GB for 2,048 tokens of a 128k vocabulary).
-    for group in batches(inputs, budget_tokens):
-        for i, logits in zip(group, logits_fn([inputs[i] for i in group]), strict=True):
-            ctx, cont = pairs[i]
-            predicting = log_softmax(logits[len(ctx) - 1 :])  # row j predicts cont[j]
-            target = np.asarray(cont)
-            lps = predicting[np.arange(len(cont)), target]
-            greedy = bool((predicting.argmax(axis=-1) == target).all())
-            results[i] = Score(float(lps.sum()), greedy, tuple(float(x) for x in lps))
+    for i, logits in _each_sequence(inputs, logits_fn, budget_tokens):
+        ctx, cont = pairs[i]
+        predicting = log_softmax(logits[len(ctx) - 1 :])  # row j predicts cont[j]
+        target = np.asarray(cont)
+        lps = predicting[np.arange(len(cont)), target]
+        greedy = bool((predicting.argmax(axis=-1) == target).all())
+        results[i] = Score(float(lps.sum()), greedy, tuple(float(x) for x in lps))
     return results  # type: ignore[return-value]
 
 

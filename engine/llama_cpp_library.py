@@ -58,7 +58,8 @@ class LlamaLibraryEngine(LlamaCppEngine):
         self._setup(tokenizer_dir, config)
         self.model = load_model(gguf_path)
         self._context: Any = None  # the generation context and its KV cache: made on the first decode
-        self.batch = new_batch(config.batch_size + config.parallel)  # every running sequence's token + a prefill chunk
+        self.capacity = config.batch_size + config.parallel  # every running sequence's token plus a prefill chunk
+        self.batch = new_batch(self.capacity)
         self.vocab = self.model.n_vocab()
         self.eog = frozenset(t for t in range(self.vocab) if lib.llama_vocab_is_eog(self.model.vocab, t))
         self._ids = itertools.count()
@@ -76,8 +77,8 @@ class LlamaLibraryEngine(LlamaCppEngine):
         made on first use, so an engine that only scores (a quality stage) never allocates it."""
         if self._context is None:
             c = self.config
-            self._context = new_context(self.model, c.parallel * c.ctx_per_slot, c.batch_size + c.parallel,
-                                        c.parallel, c.thread_count(), c.cache_type, c.flash_attn)
+            self._context = new_context(self.model, c.parallel * c.ctx_per_slot, self.capacity, c.parallel,
+                                        c.thread_count(), c.cache_type, c.flash_attn)
         return self._context
 
     # ----- generation -----------------------------------------------------------------------

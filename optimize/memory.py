@@ -239,8 +239,9 @@ def with_pipeline_steps(plan: MemoryPlan, model_config: dict[str, Any], baseline
     shapes = DecoderShapes.from_config(model_config)
     serve = next(s for s in plan.steps if s.step == "serve").components[0]
     run = runtime("kiln run")
-    steps = [StepPlan(s.step, tuple(run if c.name == "runtime (torch + transformers)" else c for c in s.components))
-             if s.step == "quantize" else s for s in plan.steps]  # kiln's own process is a run's, not a bare import
+    bare = runtime("torch + transformers")  # kiln's own process in a quantize step is a run's, not a bare import
+    steps = [StepPlan(s.step, tuple(run if c == bare else c for c in s.components)) if s.step == "quantize" else s
+             for s in plan.steps]
     if reference is not None:
         steps.append(StepPlan("reference", (run, *_checkpoint_held(shapes, model_config, reference, "parity reference (torch "
                                                                   f"{reference})", "freed before the engine loads"))))

@@ -38,11 +38,11 @@ def arm_plans(recipe: Any, config: dict[str, Any], *, context: int, batch: int =
         p = plan_memory(config, method, context=context, batch=batch, kv_dtype=kv_dtype, available_bytes=available,
                         engine_dtype=dtype or compressed)
         weights = next(s for s in p.steps if s.step == "serve").components[0].bytes
-        held, scoring = _buffers(engine, config, scored_tokens(recipe, engine), weights,
-                                 generates=bool(recipe.evaluate.quality.lmeval))
+        scored = scored_tokens(recipe, engine)
+        held, scoring = _buffers(engine, config, scored, weights, generates=bool(recipe.evaluate.quality.lmeval))
         return with_pipeline_steps(p, config, baseline, reference=_reference(method, engine, config),
                                    export=_export_dtype(engine, config), torch_dtype=dtype,
-                                   score_tokens=scored_tokens(recipe, engine), held=held, scoring=scoring)
+                                   score_tokens=scored, held=held, scoring=scoring)
 
     base = plan(None, base_engine)
     plans = {"baseline": (f"none → {base_engine.backend}", base)}
