@@ -290,10 +290,16 @@ def paired_log_ratio(base_nll: Any, cand_nll: Any, tokens: Any, *, relative: boo
     low, high, p, skew = _log_ratio_interval(delta, w, r, resid, se, confidence, iterations, seed)
     b_ppl, c_ppl = math.exp(base.sum() / w.sum()), math.exp(cand.sum() / w.sum())
     scale = 1.0 if relative else b_ppl
-    d0, lo, hi = (scale * math.expm1(v) for v in (r, low, high))
+    d0, lo, hi = (scale * _expm1(v) for v in (r, low, high))
     return Comparison(metric, b_ppl, c_ppl, d0, lo, hi, p, n,
                       f"paired log-ratio, widest of Student-t, Hall's skew-corrected t and bootstrap-t({iterations}, "
                       f"seed={seed})", confidence, relative, extra={"log_ratio": r, "log_ratio_se": se, "skewness": skew})
+
+
+def _expm1(v: float) -> float:
+    """exp(v) - 1, infinite past float's range: two documents give a Student-t end (1 degree of
+    freedom) far beyond it, and the interval then says "unbounded" instead of raising."""
+    return math.expm1(v) if v < 709.0 else math.inf
 
 
 def _log_ratio_interval(delta: np.ndarray, w: np.ndarray, r: float, resid: np.ndarray, se: float, confidence: float,

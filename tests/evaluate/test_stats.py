@@ -198,6 +198,14 @@ def test_log_ratio_point_values_and_student_t_part():
     assert paired_log_ratio(base, cand, tokens).extra["log_ratio_se"] == pytest.approx(ratios.std(ddof=1) / math.sqrt(30))
 
 
+def test_two_documents_give_an_unbounded_interval_not_an_error():
+    """Two documents (a recipe's max_documents: 2) put an end of the interval past float's range:
+    `kiln run` died with OverflowError in the report. The interval says "unbounded" instead."""
+    got = paired_log_ratio([675.1, 672.3], [675.4, 672.1], [63.0, 63.0])
+    assert got.difference == pytest.approx(math.expm1(0.1 / 126)) and got.n == 2
+    assert got.ci_low >= -1.0 and got.ci_high == math.inf
+
+
 def bootstrap_t_upper(ratios, seed, iterations=20_000, one_sided=0.025):
     """An independent bootstrap-t upper end on the mean (equal token counts), resampling by index."""
     n, m, se = ratios.size, ratios.mean(), ratios.std(ddof=1) / math.sqrt(ratios.size)
