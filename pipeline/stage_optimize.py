@@ -88,7 +88,7 @@ def engine(ctx: RunContext, role: str, art: ModelArtifact) -> Path:
     gate then compares the two models served the same way, so what it sees comes from the
     optimization, not from knobs that happen to suit one arm. Tuning the baseline separately
     would confound the two."""
-    from kiln.engine.base import BACKENDS
+    from kiln.engine.base import BACKENDS, MANIFEST as ENGINE_MANIFEST
     from kiln.engine.cache import build_engine
     from kiln.evaluate import parity
     from kiln.evaluate.tune import with_knobs
@@ -119,7 +119,8 @@ def engine(ctx: RunContext, role: str, art: ModelArtifact) -> Path:
                                               "parity": {"prompts": parity.PROMPTS, "tokens": parity.NEW_TOKENS,
                                                          "shortest": parity.SHORTEST_TEXTS},
                                               **({"revision": revision} if revision else {})},
-                        compute, artifacts=("parity.json",), portable=False)
+                        compute, artifacts=("parity.json",), portable=False,
+                        needs=lambda result: [Path(result["engine_dir"]) / ENGINE_MANIFEST])
     return Path(outcome.result["engine_dir"])
 
 

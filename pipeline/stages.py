@@ -106,7 +106,7 @@ def run_tags(ctx: RunContext) -> dict[str, str]:
 
 def run_stage(ctx: RunContext, stage: str, role: str, inputs: dict[str, Any],
               compute: Callable[[Path], dict[str, Any]], artifacts: tuple[str, ...] = (),
-              portable: bool = True) -> StageOutcome:
+              portable: bool = True, needs: Callable[[dict[str, Any]], list[Path]] | None = None) -> StageOutcome:
     """Return the stage's result, computing it only if no finished copy exists.
 
     `compute(out_dir)` writes files into out_dir and returns the result dict, whose "metrics"
@@ -128,6 +128,9 @@ def run_stage(ctx: RunContext, stage: str, role: str, inputs: dict[str, Any],
         # what the first computed, instead of computing it again and replacing files under a reader.
         with file_lock(stage_lock(ctx.cache, stage, key), on_wait=waiting):
             reused, source_run = _reuse(ctx, stage, key, path, portable)
+            if reused and needs and (gone := [p for p in needs(read_json(path / RESULT)) if not p.exists()]):
+                ctx.console.print(f"[yellow]! {escape(label)}: {escape(str(gone[0]))} is gone; computing the stage again[/yellow]")
+                reused, source_run = False, None
             if reused:
                 where = f" from the tracking server (run {source_run})" if source_run else ""
                 ctx.console.print(f"[dim]✓ {escape(label)}: unchanged inputs, reusing {key[:12]}{where}[/dim]")

@@ -1,14 +1,19 @@
 """Shared test fixtures: the demo model and data, and a tiny random Llama with the demo tokenizer.
 
 Environment is set at import time, before any test module imports transformers or MLflow:
-tests never reach a model hub, and they share kiln's one cache with `make` and every `kiln`
-command ($KILN_CACHE, else ~/.cache/kiln), so the demo model is converted and llama.cpp built once
-per machine, not per run. KILN_CACHE is set to it for the tests that read it.
+tests never reach a model hub. What is built or fetched once per machine (llama.cpp, the demo model
+and data, lm-eval's files, MLflow's empty store) comes from kiln's one cache ($KILN_CACHE, else
+~/.cache/kiln), shared with `make` and every `kiln` command. Stages and engines do not: KILN_CACHE is
+set to a cache of this session's own (`_session_cache`), so no test passes on what an older kiln, or
+a user, left in the machine's cache, and a CI machine whose cache was edited by hand runs as a new
+one does. The session's xdist workers share it; the controller deletes it at the end.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,7 +24,33 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
-os.environ["KILN_CACHE"] = str(kiln_cache())
+# The parts of the machine's cache a session links to: each is keyed by what built it, written
+# atomically under its own lock, and not what a test checks.
+MACHINE_PARTS = ("llama.cpp", "models", "data", "debs", "hf", "mlflow")
+SESSION_CACHE = "KILN_TEST_SESSION_CACHE"
+
+
+def _session_cache() -> tuple[Path, bool]:
+    """This session's cache and whether this process made it (an xdist worker inherits its
+    controller's through the environment)."""
+    if given := os.environ.get(SESSION_CACHE):
+        return Path(given), False
+    machine = kiln_cache()
+    path = Path(tempfile.mkdtemp(prefix="kiln-test-cache-"))
+    for part in MACHINE_PARTS:
+        (machine / part).mkdir(parents=True, exist_ok=True)
+        (path / part).symlink_to(machine / part, target_is_directory=True)
+    os.environ[SESSION_CACHE] = str(path)
+    return path, True
+
+
+_CACHE, _MADE_HERE = _session_cache()
+os.environ["KILN_CACHE"] = str(_CACHE)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _MADE_HERE and not hasattr(session.config, "workerinput"):
+        shutil.rmtree(_CACHE, ignore_errors=True)
 
 
 def build_tiny_llama(tokenizer_dir: Path, out: Path) -> Path:
