@@ -24,6 +24,7 @@ from types import ModuleType
 from typing import Any
 
 from kiln.core.errors import BadInput
+from kiln.engine.mapped_pages import drop_behind
 
 GGML_TYPE = {"f32": 0, "f16": 1}  # ggml_type of the KV cache
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # llama_flash_attn_type
@@ -57,8 +58,9 @@ def load_model(gguf_path: Path) -> Any:
     """The GGUF file as a llama.cpp model (`_internals.LlamaModel`), ready for contexts."""
     internals = binding()
     internals.llama_cpp.llama_backend_init()
-    return internals.LlamaModel(path_model=str(gguf_path), params=internals.llama_cpp.llama_model_default_params(),
-                                verbose=True)
+    with drop_behind(gguf_path):  # the tensors it repacks at load (Q4_K) are not held twice (mapped_pages.py)
+        return internals.LlamaModel(path_model=str(gguf_path), params=internals.llama_cpp.llama_model_default_params(),
+                                    verbose=True)
 
 
 def new_context(model: Any, n_ctx: int, n_batch: int, n_seqs: int, threads: int, cache_type: str,
