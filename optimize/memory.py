@@ -226,8 +226,9 @@ def with_pipeline_steps(plan: MemoryPlan, model_config: dict[str, Any], baseline
       the checkpoint's pages as stored are mapped too, when it converts them to another dtype;
     - engine: the built engine, and what it allocates beside its weights when it generates (`held`,
       e.g. llama.cpp's KV cache for its slots); one exported from the checkpoint (OpenVINO traces the
-      torch model, whose weights the converted graph shares, and compresses it) holds the checkpoint
-      in the dtype `export` names while it builds, and its pages as stored where that is wider;
+      torch model, whose weights the converted graph shares, and compresses it) holds instead, while
+      it builds, the checkpoint in the dtype `export` names and its pages as stored where that is
+      wider: the larger of the two phases, as the export is handed back before the engine loads;
     - quality: the arm's perplexity and lm-eval stages hold its engine alone (the baseline is
       released first) and its scoring buffers: an arm on torch (`torch_dtype`) scores `score_tokens`
       positions a pass, whose logits it holds in its dtype and again in float32; another backend's
@@ -249,7 +250,7 @@ def with_pipeline_steps(plan: MemoryPlan, model_config: dict[str, Any], baseline
     this = (weights_, *held)
     exported = () if export is None else _checkpoint_held(shapes, model_config, export, f"export: the checkpoint in "
                                                           f"{export}", "shared by the traced graph while it compresses")
-    steps.append(StepPlan("engine", (run, *this, *exported)))
+    steps.append(StepPlan("engine", (run, weights_, *_larger(exported, held))))  # the export is freed first
     quality = [run, weights_, *scoring]
     if torch_dtype:
         per = DTYPE_BYTES.get(torch_dtype, 4.0) + 4.0
@@ -261,6 +262,10 @@ def with_pipeline_steps(plan: MemoryPlan, model_config: dict[str, Any], baseline
         base = next(s for s in baseline.steps if s.step == "serve").components[0]
         steps.append(StepPlan("benchmark", (run, *this, Component(f"baseline: {base.name}", base.bytes, base.formula))))
     return replace(plan, steps=tuple(steps))
+
+
+def _larger(a: tuple[Component, ...], b: tuple[Component, ...]) -> tuple[Component, ...]:
+    return a if sum(c.bytes for c in a) > sum(c.bytes for c in b) else b
 
 
 def _checkpoint_held(shapes: DecoderShapes, model_config: dict[str, Any], dtype: str, name: str,

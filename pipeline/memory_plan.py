@@ -73,8 +73,11 @@ def _buffers(engine: Any, config: dict[str, Any], scored: int, weights: float,
       decode; its scorer's own context (a KV cache of ctx_per_slot tokens, an output buffer and a
       compute graph of batch_size rows of logits) and the scored logits, held once and log-softmaxed
       a sequence at a time;
-    - OpenVINO: its CPU plugin's compiled model beside the IR's mapped weights, twice the weights
-      (bench/scale.py at 135M and 1B; its paged KV cache grows with use, small in these stages);
+    - OpenVINO: its CPU plugin's repacked copy of the weights, once per compiled model (the IR's
+      mapped pages are dropped behind the repack, engine/mapped_pages.py): the generation pipeline
+      and the scorer are two, both alive in a stage that generates and scores (the engine stage's
+      parity check, the benchmark's token agreement; a quality stage only when lm-eval generates);
+      its paged KV cache grows with use, small in these stages;
     - OpenVINO and CTranslate2's scoring: the batch's logits and one sequence's log-probs."""
     if engine.backend == "torch":
         return (), ()
@@ -82,8 +85,9 @@ def _buffers(engine: Any, config: dict[str, Any], scored: int, weights: float,
     logits = Component(f"scoring logits ({engine.backend})", 2 * scored * shapes.vocab * 4,
                        f"{scored} tokens × {shapes.vocab} vocab × 4 B, the batch's and a sequence's log-probs")
     if engine.backend == "openvino":
-        compiled = Component("compiled copy of the weights (OpenVINO CPU)", weights, "the IR's weights again, measured")
-        return (compiled,), (compiled, logits)
+        second = Component("second compiled model (OpenVINO CPU: the scorer beside the generation pipeline)", weights,
+                           "the IR's weights again, repacked")
+        return (second,), (*((second,) if generates else ()), logits)
     if engine.backend != "llama_cpp":
         return (), (logits,)
     per = shapes.kv_bytes_per_token(DTYPE_BYTES["float16" if engine.cache_type == "f16" else "float32"])

@@ -55,6 +55,13 @@ def test_a_line_per_arm_and_exit_0_when_all_fit(search):
     assert set(rows) == {"baseline", "q8", "int8", "ov"}
     assert "none → torch" in rows["baseline"] and "gguf → llama_cpp" in rows["q8"]
     assert all(row.rstrip(" │").endswith("yes") for row in rows.values())
+    # ov's quality step: kiln run 0.75 + the int8 IR 7.48 + its scorer's logits (1,024 tokens x 128,256 vocab
+    # x 4 B, twice) 0.98. Its scorer alone: no generation pipeline, the IR's pages dropped behind the repack.
+    assert "9.21 GiB" in rows["ov"]
+    # ov's engine step: kiln run 0.75 + the int8 IR it writes 7.48 + the bf16 checkpoint its export holds
+    # 14.96, the larger phase (serving, the scorer beside the pipeline: 7.48), since the export is handed
+    # back before the engine loads (1B measured 3.82 GiB; the two phases summed planned 5.35).
+    assert "23.19 GiB" in rows["ov"]
 
 
 def test_a_candidate_that_does_not_fit_is_refused_with_numbers_and_the_change(search):
@@ -73,7 +80,8 @@ def test_a_candidate_that_does_not_fit_is_refused_with_numbers_and_the_change(se
     # kiln run 0.75 + q8_0 7.95 + its KV cache (4 slots x 2,048 tokens x 128 KiB, 1 GiB) + the float32 baseline 29.92
     assert "q8: the benchmark step needs 39.61 GiB but 24.00 GiB is available on cpu" in err
     assert "hold the baseline's engine beside this arm's in one process" in err
-    # kiln run 0.75 + the int8 IR 7.48, twice (its CPU plugin compiles a copy) + the float32 baseline 29.92
+    # kiln run 0.75 + the int8 IR 7.48, twice (the generation pipeline and the scorer for token agreement each
+    # compile a copy) + the float32 baseline 29.92
     assert "ov: the benchmark step needs 45.62 GiB" in err and "remove it from `candidates` (candidates.2)" in err
 
 
