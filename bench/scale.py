@@ -16,8 +16,11 @@ weights say nothing about quality, so these runs measure memory, time and speed 
 run's stage manifests: wall time and peak memory per stage (kiln's own VmHWM and its children's
 summed PSS), whether a stage exceeded 1.3 x the weight bytes it holds + 1 GiB; decode tok/s at batch
 1 per arm (the benchmark stage, prompt excluded), `llama-bench` tg64 of the q8_0 and q4_K_M GGUFs
-(bench/llama_cpp_runtimes.py's code) and MBU against the measured copy bandwidth; and
-`kiln plan-memory`'s prediction for each stage beside the measured peak.
+(bench/llama_cpp_runtimes.py's code) and MBU against the measured copy bandwidth; the search's pick
+and kiln's q8_0 engine driven directly, each between two `llama-bench` q8_0 runs (`--framed-rounds`,
+`framed_pick`: the benchmark stage and `llama-bench` run minutes apart, and this machine's speed
+moves by up to 40% between moments); and `kiln plan-memory`'s prediction for each stage beside the
+measured peak.
 
     flock /tmp/kiln-heavy.lock .venv/bin/python bench/scale.py --size 1b          # build, plan, run
     .venv/bin/python bench/scale.py --size 8b --plan-only --available 20G         # build + plan only
@@ -323,6 +326,49 @@ def bench_gguf(stages: dict[str, dict[str, Any]], runs: int = 3, threads: int = 
     return out
 
 
+def framed_pick(result: dict[str, Any], rounds: int, threads: int = 2, n: int = 64) -> dict[str, Any] | None:
+    """The search's pick, and kiln's q8_0 engine, each against `llama-bench` q8_0 of the same checkpoint
+    measured right before and right after it (bench/llama_cpp_runtimes.py's framing): on this shared
+    machine the speed of one moment differs from the next by up to 40%, so a ratio of the benchmark
+    stage's figure to a `llama-bench` run minutes later says little. Each figure is the engine driven
+    directly, as kiln's evaluate stage drives it (a 16-token prompt, then the median of three 64-token
+    greedy decodes, first token excluded), over the mean of its two frames (tg64 at depth 16, the same
+    positions); the arms alternate order round by round. Median [min, max] of the rounds."""
+    from kiln.engine.loader import load_engine
+
+    search = Path(result["run"]["run_dir"]) / "search.json"  # absent when the run stopped before its verdict
+    pick = json.loads(search.read_text()).get("winner") if rounds > 0 and search.is_file() else None
+    q8 = result.get("llama_bench", {}).get("llama-q8_0")
+    if not pick or not q8:
+        return None
+    arms = [pick] + (["llama-q8_0"] if pick != "llama-q8_0" else [])
+    stages = result["stages"]
+    engines = {a: load_engine(Path(json.loads((Path(stages[f"{a}/engine-candidate"]["path"]) / "result.json")
+                                              .read_text())["engine_dir"])) for a in arms}
+    rates: dict[str, list[float]] = {a: [] for a in arms}
+    ratios: dict[str, list[float]] = {a: [] for a in arms}
+    frames: list[float] = []
+    try:
+        for e in engines.values():
+            llama_cpp_runtimes.direct_rate(e, 8)  # warm-up
+        for r in range(rounds):
+            for arm in arms if r % 2 == 0 else arms[::-1]:
+                before = llama_cpp_runtimes.cpu_engines.llama_bench(Path(q8["gguf"]), threads, n, 16, prefill=False)
+                rate = statistics.median(llama_cpp_runtimes.direct_rate(engines[arm], n) for _ in range(3))
+                after = llama_cpp_runtimes.cpu_engines.llama_bench(Path(q8["gguf"]), threads, n, 16, prefill=False)
+                pair = [before["bench_tg_tok_s"], after["bench_tg_tok_s"]]
+                frames += pair
+                rates[arm].append(round(rate, 2))
+                ratios[arm].append(round(rate / statistics.mean(pair), 3))
+    finally:
+        for e in engines.values():
+            e.close()
+    spread = llama_cpp_runtimes._spread
+    return {"pick": pick, "rounds": rounds, "llama_bench_q8_0_tok_s": spread(frames),
+            "arms": {a: {"tok_s": spread(rates[a]), "over_llama_bench_q8_0": spread(ratios[a]),
+                         "over_llama_bench_q8_0_rounds": ratios[a]} for a in arms}}
+
+
 def measure_size(size: str, args: argparse.Namespace) -> None:
     """Build (or find) the checkpoint, plan it, run it, and write bench/results/scale-<size>.json."""
     import yaml
@@ -365,6 +411,7 @@ def measure_size(size: str, args: argparse.Namespace) -> None:
         if result["run"]["run_dir"]:
             result["stages"] = stage_records(Path(result["run"]["run_dir"]))
             result["llama_bench"] = bench_gguf(result["stages"], args.bench_runs)
+            result["framed"] = framed_pick(result, args.framed_rounds)
         result["bandwidth_gb_s"] = round(measure_bandwidth(), 1)
         result["load_average_start"], result["load_average_end"] = load0, os.getloadavg()
         result["contention"] = contention.between(busy0, contention.read())
@@ -509,6 +556,13 @@ def print_table(paths: list[Path]) -> None:
             print(f"  {arm:<16}{d.get('tok_s') or 0:>10.2f}{cells[0]:>7}{cells[1]:>19}{cells[2]:>19}")
         for arm, lb in r.get("llama_bench", {}).items():
             print(f"  llama-bench {arm}: tg64 @16 {lb['tg_tok_s'][0]:.2f} tok/s [{lb['tg_tok_s'][1]}, {lb['tg_tok_s'][2]}]")
+        if framed := r.get("framed"):
+            print(f"  framed by llama-bench q8_0 ({framed['rounds']} rounds, its frames "
+                  f"{framed['llama_bench_q8_0_tok_s'][0]:.1f} tok/s [{framed['llama_bench_q8_0_tok_s'][1]}, "
+                  f"{framed['llama_bench_q8_0_tok_s'][2]}]); the pick is {framed['pick']}:")
+            for arm, d in framed["arms"].items():
+                v = d["over_llama_bench_q8_0"]
+                print(f"    {arm:<16}{d['tok_s'][0]:>8.2f} tok/s, {v[0]:.3f}x [{v[1]:.3f}, {v[2]:.3f}] llama-bench q8_0")
 
 
 CANDIDATE_METHOD = {c["name"]: c["optimize"]["method"] for c in CANDIDATES}
@@ -592,6 +646,8 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="change the written recipe (a dotted key, a YAML value), as a refusal's fix says")
     p.add_argument("--bench-runs", type=int, default=3, help="llama-bench runs per GGUF (each -r 2, two depths)")
+    p.add_argument("--framed-rounds", type=int, default=5, help="rounds of the pick (and kiln's q8_0) driven "
+                   "directly between two llama-bench q8_0 runs (0: none)")
     p.add_argument("--fresh", action="append", default=[], help="kiln run --fresh STAGE: measure it again "
                    "(benchmark: decode beside this run's llama-bench)")
     p.add_argument("--from-run", type=Path, default=None, help="read this finished run folder instead of running")
