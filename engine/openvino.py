@@ -249,4 +249,4 @@ class OpenVINOEngine(Engine):
     def close(self) -> None:
         for handle, _, _ in self._live.values():
             handle.cancel()
-        self._live, self._scorer, self._pipeline = {}, None, None
+        self._live, self._scorer, self._pipeline, self._stepped = {}, None, None, False
