@@ -8,15 +8,16 @@ log-probabilities in float64-safe numpy, and read out the continuation's log-lik
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from kiln.engine.base import Score
 from kiln.core.errors import BadInput
 
-# logits_fn(batch of token-id lists) -> list of [len(seq), vocab] float32 logits, one per sequence
-LogitsFn = Callable[[list[list[int]]], list[np.ndarray]]
+# logits_fn(batch of token-id lists) -> [len(seq), vocab] float32 logits, one per sequence, in order: a
+# list, or an iterator that hands each over as it is computed (llama.cpp's scorer)
+LogitsFn = Callable[[list[list[int]]], Iterable[np.ndarray]]
 
 
 def batches(seqs: Sequence[Sequence[int]], budget_tokens: int) -> list[list[int]]:
@@ -52,7 +53,10 @@ def _each_sequence(ids: Sequence[Sequence[int]], logits_fn: LogitsFn,
     """(index, [len, vocab] logits) of every sequence, a budget-sized batch at a time: only one
     batch's logits need be held at once."""
     for group in batches(ids, budget_tokens):
-        yield from zip(group, logits_fn([list(ids[i]) for i in group]), strict=True)
+        # Not zip(): its reused result tuple would hold the last sequence's logits while the next is made.
+        handed = iter(logits_fn([list(ids[i]) for i in group]))
+        for i in group:
+            yield i, next(handed)
 
 
 def scores(pairs: Sequence[tuple[list[int], list[int]]], logits_fn: LogitsFn, budget_tokens: int) -> list[Score]:
@@ -72,6 +76,7 @@ def scores(pairs: Sequence[tuple[list[int], list[int]]], logits_fn: LogitsFn, bu
         lps = predicting[np.arange(len(cont)), target]
         greedy = bool((predicting.argmax(axis=-1) == target).all())
         results[i] = Score(float(lps.sum()), greedy, tuple(float(x) for x in lps))
+        del logits, predicting  # a streaming logits_fn then fills the next sequence without this one beside it
     return results  # type: ignore[return-value]
 
 

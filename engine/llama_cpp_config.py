@@ -33,7 +33,8 @@ class LlamaCppConfig(EngineConfig):
                               "in both runtimes and in scoring")
     batch_size: int = Field(
         512, ge=1, description="prompt tokens per forward step, in both runtimes (llama-server --batch-size; "
-        "the library runtime's prefill chunk each step) and in scoring (tokens per decode)")
+        "the library runtime's prefill chunk each step) and in scoring, up to 64 (tokens per decode: each "
+        "holds that many rows of logits)")
     # Numerics shared by generation (either runtime) and scoring (in-process): on the tiny f32 Llama the
     # defaults put next-token log-probs up to 1.1e-3 from torch fp32 (flash attention 1.1e-3, f16 cache
     # 3e-4); f32 + off gives 3e-6.

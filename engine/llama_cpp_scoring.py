@@ -14,7 +14,7 @@ that only generates never pays for it).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,12 @@ from kiln.engine.llama_cpp_binding import binding, check_vocab, fill_batch, load
 from kiln.engine.llama_cpp_config import LlamaCppConfig
 
 
+# Positions the scorer decodes a step. Its output buffer and compute graph each hold this many rows
+# of logits (at a 128k vocabulary 64 rows are 33 MB, engine.batch_size's 512 are 263 MB); at 1B
+# scoring was no slower at 64 than at 256 or 512 on 2 cores, and slower at 32 (docs/engines.md).
+SCORING_ROWS = 64
+
+
 class LlamaLogits:
     """A llama.cpp context that returns logits for every token of packed sequences."""
 
@@ -35,40 +41,48 @@ class LlamaLogits:
         """`model`: a GGUF file to load, or a loaded `LlamaModel` to share (the caller keeps it)."""
         self.owns_model = isinstance(model, (str, Path))
         self.model = load_model(model) if self.owns_model else model
-        n_batch = min(n_batch, n_ctx)
+        n_batch = min(n_batch, n_ctx, SCORING_ROWS)
         max_seqs = min(max_seqs, n_batch)  # new_context: no more sequences than output rows
         self.context = new_context(self.model, n_ctx, n_batch, max_seqs, threads, cache_type, flash_attn)
         self.batch = new_batch(n_batch)
         self.lib, self.n_ctx, self.n_batch, self.max_seqs = binding().llama_cpp, n_ctx, n_batch, max_seqs
         self.vocab = self.model.n_vocab()
 
-    def __call__(self, seqs: list[list[int]]) -> list[np.ndarray]:
-        """[len(seq), vocab] float32 logits per sequence; sequences are packed max_seqs at a time."""
-        out: list[np.ndarray] = []
+    def __call__(self, seqs: list[list[int]]) -> Iterator[np.ndarray]:
+        """[len(seq), vocab] float32 logits per sequence, in order, each handed over as soon as its last
+        position is decoded; sequences are packed max_seqs at a time."""
         for start in range(0, len(seqs), self.max_seqs):
-            out += self._group(seqs[start:start + self.max_seqs])
-        return out
+            yield from self._group(seqs[start:start + self.max_seqs])
 
-    def _group(self, seqs: list[list[int]]) -> list[np.ndarray]:
+    def _group(self, seqs: list[list[int]]) -> Iterator[np.ndarray]:
         if sum(map(len, seqs)) > self.n_ctx:
             raise BadInput(f"{sum(map(len, seqs))} tokens to score at once exceed the scoring context of "
                            f"{self.n_ctx}: raise engine.ctx_per_slot.")
         check_vocab((t for s in seqs for t in s), self.vocab)
         self.lib.llama_memory_clear(self.context.memory, True)
         # (token, position, sequence, wants logits) in order: a sequence cut between two decodes continues
-        # from the cache.
+        # from the cache. One sequence's logits are held at a time (its rows copied in as they come), not
+        # the group's: the caller reads each out before the next is filled.
         flat = [(t, pos, k, True) for k, s in enumerate(seqs) for pos, t in enumerate(s)]
-        logits = np.empty((len(flat), self.vocab), dtype=np.float32)  # each chunk copied in once: one copy held
+        k, filled, current = 0, 0, None
         for start in range(0, len(flat), self.n_batch):
-            self._decode(flat[start:start + self.n_batch], logits[start:start + self.n_batch])
-        bounds = np.cumsum([0, *map(len, seqs)])
-        return [logits[bounds[k]:bounds[k + 1]] for k in range(len(seqs))]
+            rows = self._decode(flat[start:start + self.n_batch])
+            while len(rows):
+                if current is None:
+                    current = np.empty((len(seqs[k]), self.vocab), dtype=np.float32)
+                take = min(len(rows), len(current) - filled)
+                current[filled:filled + take] = rows[:take]
+                rows, filled = rows[take:], filled + take
+                if filled == len(current):
+                    yield current
+                    current, k, filled = None, k + 1, 0  # the caller holds it now, or has let it go
 
-    def _decode(self, chunk: list[tuple[int, int, int, bool]], into: np.ndarray) -> None:
+    def _decode(self, chunk: list[tuple[int, int, int, bool]]) -> np.ndarray:
+        """The chunk's logits, a row per token: a view of llama.cpp's buffer, valid until the next decode."""
         fill_batch(self.batch, chunk)
         self.context.decode(self.batch)
         logits = self.lib.llama_get_logits(self.context.ctx)  # a float*: one row per token, contiguous
-        into[:] = np.ctypeslib.as_array(logits, shape=(len(chunk), self.vocab))
+        return np.ctypeslib.as_array(logits, shape=(len(chunk), self.vocab))
 
     def close(self) -> None:
         self.batch.close()
@@ -97,7 +111,7 @@ class LlamaCppEngine(Engine):
         """The GGUF file the scorer loads, or a loaded model it shares."""
         raise NotImplementedError
 
-    def _logits(self, seqs: list[list[int]]) -> list[np.ndarray]:
+    def _logits(self, seqs: list[list[int]]) -> Iterator[np.ndarray]:
         if max(map(len, seqs)) > self.max_positions:
             raise BadInput(f"A sequence of {max(map(len, seqs))} tokens to score exceeds engine.ctx_per_slot "
                            f"({self.max_positions}): raise it.")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kiln.engine.llama_cpp_scoring import SCORING_ROWS
 from kiln.evaluate import parity
 from kiln.evaluate.quality.perplexity import BATCH
 from kiln.optimize.architecture import DecoderShapes
@@ -39,7 +40,9 @@ def arm_plans(recipe: Any, config: dict[str, Any], *, context: int, batch: int =
                         engine_dtype=dtype or compressed)
         weights = next(s for s in p.steps if s.step == "serve").components[0].bytes
         scored = scored_tokens(recipe, engine)
-        held, scoring = _buffers(engine, config, scored, weights, generates=bool(recipe.evaluate.quality.lmeval))
+        q = recipe.evaluate.quality
+        longest = scored if q.lmeval else min(scored, q.perplexity.seq_len)
+        held, scoring = _buffers(engine, config, (scored, longest), weights, generates=bool(q.lmeval))
         return with_pipeline_steps(p, config, baseline, reference=_reference(method, engine, config),
                                    export=_export_dtype(engine, config), torch_dtype=dtype,
                                    score_tokens=scored, held=held, scoring=scoring)
@@ -63,7 +66,7 @@ def scored_tokens(recipe: Any, engine: Any) -> int:
     return budget if q.lmeval else min(budget, BATCH * q.perplexity.seq_len)
 
 
-def _buffers(engine: Any, config: dict[str, Any], scored: int, weights: float,
+def _buffers(engine: Any, config: dict[str, Any], scored: tuple[int, int], weights: float,
              generates: bool) -> tuple[tuple[Component, ...], tuple[Component, ...]]:
     """(what the engine allocates beside its weights when it generates, what it holds beside them
     while it scores) for a backend other than torch, whose scoring logits `with_pipeline_steps`
@@ -71,8 +74,8 @@ def _buffers(engine: Any, config: dict[str, Any], scored: int, weights: float,
 
     - llama.cpp: the KV cache of its slots (parallel x ctx_per_slot tokens), made on the first
       decode; its scorer's own context (a KV cache of ctx_per_slot tokens, an output buffer and a
-      compute graph of batch_size rows of logits) and the scored logits, held once and log-softmaxed
-      a sequence at a time;
+      compute graph of SCORING_ROWS rows of logits) and one sequence's logits and log-probs (the
+      scorer hands each sequence over as it is decoded);
     - OpenVINO: its CPU plugin's repacked copy of the weights, once per compiled model (the IR's
       mapped pages are dropped behind the repack, engine/mapped_pages.py): the generation pipeline
       and the scorer are two, both alive in a stage that generates and scores (the engine stage's
@@ -82,8 +85,10 @@ def _buffers(engine: Any, config: dict[str, Any], scored: int, weights: float,
     if engine.backend == "torch":
         return (), ()
     shapes = DecoderShapes.from_config(config)
-    logits = Component(f"scoring logits ({engine.backend})", 2 * scored * shapes.vocab * 4,
-                       f"{scored} tokens × {shapes.vocab} vocab × 4 B, the batch's and a sequence's log-probs")
+    tokens = scored[1] if engine.backend == "llama_cpp" else scored[0]  # `scored`: (a call's, the longest sequence)
+    what = "a sequence's logits and log-probs" if engine.backend == "llama_cpp" else "the batch's and a sequence's log-probs"
+    logits = Component(f"scoring logits ({engine.backend})", 2 * tokens * shapes.vocab * 4,
+                       f"{tokens} tokens × {shapes.vocab} vocab × 4 B, {what}")
     if engine.backend == "openvino":
         second = Component("second compiled model (OpenVINO CPU: the scorer beside the generation pipeline)", weights,
                            "the IR's weights again, repacked")
@@ -94,9 +99,9 @@ def _buffers(engine: Any, config: dict[str, Any], scored: int, weights: float,
     slots = engine.parallel * engine.ctx_per_slot
     kv = Component(f"KV cache ({engine.cache_type}, {engine.parallel} slots × {engine.ctx_per_slot} tokens)",
                    per * slots, f"{slots} tokens × {human(per)}, made on the first decode")
-    scorer = Component("scoring context (llama.cpp)", per * engine.ctx_per_slot + 2 * engine.batch_size * shapes.vocab * 4,
-                       f"KV {engine.ctx_per_slot} tokens × {human(per)} + 2 × {engine.batch_size} rows × "
-                       f"{shapes.vocab} vocab × 4 B")
+    rows = min(engine.batch_size, engine.ctx_per_slot, SCORING_ROWS)
+    scorer = Component("scoring context (llama.cpp)", per * engine.ctx_per_slot + 2 * rows * shapes.vocab * 4,
+                       f"KV {engine.ctx_per_slot} tokens × {human(per)} + 2 × {rows} rows × {shapes.vocab} vocab × 4 B")
     return (kv,), (*((kv,) if generates else ()), scorer, logits)
 
 

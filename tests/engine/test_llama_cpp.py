@@ -425,6 +425,42 @@ def test_scoring_a_sequence_longer_than_a_batch(tiny_model_dir, tmp_path, torch_
         engine.close()
 
 
+def test_the_scorer_hands_each_sequence_over_as_it_is_decoded(tiny_model_dir, tmp_path, torch_engine, monkeypatch):
+    """The scorer decodes SCORING_ROWS positions a step whatever engine.batch_size is (its output buffer
+    and compute graph hold that many rows of logits: 33 MB each at a 128k vocabulary, not 263 at 512),
+    and hands a sequence over as soon as its last position is decoded, so a caller holds one sequence's
+    logits, not the group's; each is its own array, not llama.cpp's buffer, which the next decode
+    overwrites."""
+    from kiln.engine import full_logits
+    from kiln.engine.llama_cpp_scoring import SCORING_ROWS
+
+    engine = parity.build(LlamaCppConfig(runtime="library", threads=1, parallel=1, ctx_per_slot=512, batch_size=512,
+                                         **EXACT), tiny_model_dir, tmp_path / "e")
+    try:
+        ps = mixed_prompts(engine.vocab_size, 6)
+        seqs = [ps[1], (ps[6] * 3)[:150], ps[7], ps[4]]  # 7, 150 (across three decodes), 1 and 40 tokens
+        engine.next_token_logprobs([ps[0]])  # makes the scorer
+        scorer = engine.scorer
+        assert scorer.n_batch == SCORING_ROWS == 64
+        decoded = []
+        decode = scorer._decode
+        monkeypatch.setattr(scorer, "_decode", lambda chunk: decoded.append(len(chunk)) or decode(chunk))
+        handed = scorer(seqs)
+        first = next(handed)
+        assert decoded == [64]  # the first sequence's 7 positions: handed over after one decode
+        second = next(handed)
+        assert decoded == [64, 64, 64]  # 7 + 150 positions end in the third decode
+        got = [first, second, *handed]
+        assert decoded == [64, 64, 64, 6]  # 198 positions in all
+        for g, seq in zip(got, seqs, strict=True):
+            want = torch_engine.next_token_logprobs([seq])[0]
+            assert g.shape == want.shape == (len(seq), engine.vocab_size)
+            assert np.abs(full_logits.log_softmax(g) - want).max() < parity.FULL["logprob_atol"]
+        assert not any(np.shares_memory(a, b) for i, a in enumerate(got) for b in got[i + 1:])
+    finally:
+        engine.close()
+
+
 def test_recipe_validation(tmp_path, tiny_model_dir):
     """A recipe gating perplexity, agreement and lm-eval on llama_cpp validates (it scores now); a
     gguf artifact still needs that engine."""

@@ -62,6 +62,11 @@ def test_a_line_per_arm_and_exit_0_when_all_fit(search):
     # 14.96, the larger phase (serving, the scorer beside the pipeline: 7.48), since the export is handed
     # back before the engine loads (1B measured 3.82 GiB; the two phases summed planned 5.35).
     assert "23.19 GiB" in rows["ov"]
+    # q8's quality step: kiln run 0.75 + the q8_0 file 7.95 + its scorer's context (KV 2,048 tokens x 128 KiB
+    # 0.25, and 64 rows of logits twice: the output buffer and the compute graph, 0.06) + one 256-token
+    # document's logits and log-probs 0.24: the scorer hands a sequence over as it is decoded (before:
+    # 512 rows and four documents' logits, 10.41).
+    assert "9.25 GiB" in rows["q8"]
 
 
 def test_a_candidate_that_does_not_fit_is_refused_with_numbers_and_the_change(search):
