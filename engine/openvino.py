@@ -237,8 +237,9 @@ class OpenVINOEngine(Engine):
             out = self._scorer.infer({"input_ids": ids, "attention_mask": mask,
                                       "position_ids": np.broadcast_to(np.arange(ids.shape[1]), ids.shape).copy(),
                                       "beam_idx": np.arange(len(seqs), dtype=np.int32)})
-        logits = out["logits"]
-        return [np.array(logits[i, : len(s)]) for i, s in enumerate(seqs)]
+        logits = out["logits"]  # the infer request's own buffer, [batch, width, vocab], kept between calls
+        # a sequence's copy at a time, as the caller reads them out: not the batch's again beside the buffer
+        return (np.array(logits[i, : len(s)]) for i, s in enumerate(seqs))
 
     def score(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[Score]:
         return full_logits.scores(pairs, self._logits, self.config.score_batch_tokens)

@@ -11,6 +11,7 @@ import json
 import numpy as np
 import pytest
 
+from kiln.engine import full_logits
 from kiln.engine.base import GenerationRequest
 from kiln.core.errors import BadInput
 from tests.engine import parity
@@ -50,6 +51,20 @@ def test_scores_and_distributions_match_torch(ov_fp32, torch_engine):
     for g, w, p in zip(got, want, ps[:3], strict=True):
         assert g.shape == (len(p), len(torch_engine.tokenizer))
         assert np.abs(g - w).max() < parity.FULL["logprob_atol"]
+
+
+def test_the_scorer_copies_a_sequence_at_a_time_out_of_its_buffer(ov_fp32, torch_engine):
+    """The batch's logits stay in the infer request's own buffer (kept between calls); each sequence is
+    copied out as the caller reads it, so the batch is not held a second time beside the buffer."""
+    ps = parity.prompts(torch_engine.tokenizer)[:3]
+    handed = ov_fp32._logits(ps)
+    first = next(handed)
+    buffer = ov_fp32._scorer.get_tensor("logits").data
+    assert buffer.shape[:2] == (3, max(map(len, ps))) and not np.shares_memory(first, buffer)
+    got = [first, *handed]
+    want = torch_engine.next_token_logprobs(ps)
+    for g, w in zip(got, want, strict=True):
+        assert np.abs(full_logits.log_softmax(g) - w).max() < parity.FULL["logprob_atol"]
 
 
 def test_late_request_joins_running_batch(ov_fp32):
