@@ -24,8 +24,12 @@ from kiln.core.errors import DoesNotFit
 RUNTIME_BYTES = {"torch + transformers": 467 << 20, "torch + transformers + gptqmodel": 595 << 20,
                  # kiln run's own process when a stage starts: those libraries, MLflow, the engines' (llama.cpp,
                  # OpenVINO), and what a run keeps (tokenizers, prompts, token ids): bench/scale.py's start
-                 # figures, 0.68-0.75 GiB at 135M and 1B (2026-12-05).
-                 "kiln run": 768 << 20}
+                 # figures for the build stages, 0.68-0.75 GiB at 135M, 1B and 3B (2026-12-05).
+                 "kiln run": 768 << 20,
+                 # ... and when a quality or benchmark stage starts, after the engine stages: transformers'
+                 # model code the torch engines imported (~250 MiB, kept once loaded), the evaluation text's
+                 # token ids: 0.83 GiB at 135M, 0.90 at 1B, 1.08 at 3B (2026-12-05).
+                 "kiln run, evaluating": 920 << 20}
 # engine/hf_torch.py TorchEngineConfig.score_batch_tokens' default: padded tokens per scoring pass.
 SCORE_BATCH_TOKENS = 4096
 SCORING = "scoring logits (torch)"
@@ -143,7 +147,8 @@ def quantized_weights(shapes: DecoderShapes, skip: list[str], bits: float, group
 
 
 def runtime(libraries: str) -> Component:
-    how = "its process when a stage starts, measured" if libraries == "kiln run" else "resident size after import, measured"
+    how = "its process when a stage starts, measured" if libraries.startswith("kiln run") else \
+        "resident size after import, measured"
     return Component(f"runtime ({libraries})", RUNTIME_BYTES[libraries], how)
 
 
@@ -218,8 +223,8 @@ def with_pipeline_steps(plan: MemoryPlan, model_config: dict[str, Any], baseline
                         score_tokens: int = SCORE_BATCH_TOKENS, held: tuple[Component, ...] = (),
                         scoring: tuple[Component, ...] = ()) -> MemoryPlan:
     """`plan` (one arm's quantize and serve steps) with the steps a `kiln run` adds, each what kiln's
-    process (its runtime: "kiln run", measured) and its children hold at once (bench/scale.py measures
-    them at 135M, 1B, 3B and 8B):
+    process (its runtime: "kiln run", measured; "kiln run, evaluating" from the quality stages on) and
+    its children hold at once (bench/scale.py measures them at 135M, 1B, 3B and 8B):
 
     - reference: the parity smoke check's torch reference, in the dtype `reference` names (None:
       the engine is its own reference), loaded and freed before the engine loads; while it loads
@@ -251,7 +256,8 @@ def with_pipeline_steps(plan: MemoryPlan, model_config: dict[str, Any], baseline
     exported = () if export is None else _checkpoint_held(shapes, model_config, export, f"export: the checkpoint in "
                                                           f"{export}", "shared by the traced graph while it compresses")
     steps.append(StepPlan("engine", (run, weights_, *_larger(exported, held))))  # the export is freed first
-    quality = [run, weights_, *scoring]
+    evaluating = runtime("kiln run, evaluating")
+    quality = [evaluating, weights_, *scoring]
     if torch_dtype:
         per = DTYPE_BYTES.get(torch_dtype, 4.0) + 4.0
         quality.append(Component(SCORING, score_tokens * shapes.vocab * per,
@@ -260,7 +266,8 @@ def with_pipeline_steps(plan: MemoryPlan, model_config: dict[str, Any], baseline
     steps.append(StepPlan("quality", tuple(quality)))
     if baseline is not None:
         base = next(s for s in baseline.steps if s.step == "serve").components[0]
-        steps.append(StepPlan("benchmark", (run, *this, Component(f"baseline: {base.name}", base.bytes, base.formula))))
+        steps.append(StepPlan("benchmark", (evaluating, *this, Component(f"baseline: {base.name}", base.bytes,
+                                                                          base.formula))))
     return replace(plan, steps=tuple(steps))
 
 

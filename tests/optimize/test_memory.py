@@ -122,7 +122,8 @@ def test_a_torch_engine_holds_the_checkpoint_at_its_own_dtype_and_the_run_adds_i
     from kiln.optimize.gguf import GgufConfig
     from kiln.optimize.memory import RUNTIME_BYTES, SCORE_BATCH_TOKENS, Component, with_pipeline_steps
 
-    params, run = 8_030_261_248, RUNTIME_BYTES["kiln run"]
+    params, run, evaluating = 8_030_261_248, RUNTIME_BYTES["kiln run"], RUNTIME_BYTES["kiln run, evaluating"]
+    assert evaluating > run  # a quality stage starts holding what the engine stages imported
     base = plan_memory(LLAMA_31_8B, None, engine_dtype="float32", available_bytes=1 << 40)
     assert base.steps[0].components[0].bytes == params * 4
     bf16 = plan_memory(LLAMA_31_8B, None, engine_dtype="bfloat16", available_bytes=1 << 40)
@@ -136,15 +137,15 @@ def test_a_torch_engine_holds_the_checkpoint_at_its_own_dtype_and_the_run_adds_i
     assert steps["quantize"].total == q8.steps[0].total - RUNTIME_BYTES["torch + transformers"] + run  # kiln's process: a run's
     assert steps["reference"].total == run + params * 2  # as stored: no pages mapped beside a copy
     assert steps["engine"].total == run + gguf + (1 << 30)  # the reference is gone by then; the KV cache it allocates
-    assert steps["quality"].total == run + gguf + (1 << 29)  # this arm alone, and what it holds to score
-    assert steps["benchmark"].total == run + gguf + (1 << 30) + params * 2  # beside the bf16 baseline
+    assert steps["quality"].total == evaluating + gguf + (1 << 29)  # this arm alone, and what it holds to score
+    assert steps["benchmark"].total == evaluating + gguf + (1 << 30) + params * 2  # beside the bf16 baseline
     exact = with_pipeline_steps(bf16, LLAMA_31_8B, None, reference="float32", score_tokens=512, torch_dtype="bfloat16")
     parts = {s.step: s for s in exact.steps}
     assert parts["reference"].total == run + params * 4 + params * 2  # + the pages the reference reads
-    assert parts["quality"].total == run + params * 2 + 512 * 128256 * (2 + 4)  # torch's logits, bf16 and float32
+    assert parts["quality"].total == evaluating + params * 2 + 512 * 128256 * (2 + 4)  # torch's logits, bf16 and float32
     assert "benchmark" not in parts  # the baseline's own line: it has no baseline beside it
     assert with_pipeline_steps(bf16, LLAMA_31_8B, None, reference=None, torch_dtype="bfloat16").steps[-1].total == \
-        run + params * 2 + SCORE_BATCH_TOKENS * 128256 * (2 + 4)
+        evaluating + params * 2 + SCORE_BATCH_TOKENS * 128256 * (2 + 4)
     # OpenVINO's build: int8 from the bf16 checkpoint holds it as stored; its exact fp32 IR loads it in
     # float32 while the stored pages are mapped (bench/scale.py; tests/engine/test_openvino_export_memory.py)
     ov = plan_memory(LLAMA_31_8B, None, engine_dtype="int8", available_bytes=1 << 40)
