@@ -265,9 +265,8 @@ def with_pipeline_steps(plan: MemoryPlan, model_config: dict[str, Any], baseline
                                  per_token=shapes.vocab * per))
     steps.append(StepPlan("quality", tuple(quality)))
     if baseline is not None:
-        base = next(s for s in baseline.steps if s.step == "serve").components[0]
-        steps.append(StepPlan("benchmark", (evaluating, *this, Component(f"baseline: {base.name}", base.bytes,
-                                                                          base.formula))))
+        b = next(s for s in baseline.steps if s.step == "serve").components[0]
+        steps.append(StepPlan("benchmark", (evaluating, *this, Component(f"baseline: {b.name}", b.bytes, b.formula))))
     return replace(plan, steps=tuple(steps))
 
 
