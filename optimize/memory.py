@@ -26,9 +26,10 @@ RUNTIME_BYTES = {"torch + transformers": 467 << 20, "torch + transformers + gptq
                  # OpenVINO), and what a run keeps (tokenizers, prompts, token ids): bench/scale.py's start
                  # figures for the build stages, 0.68-0.75 GiB at 135M, 1B and 3B (2026-12-05).
                  "kiln run": 768 << 20,
-                 # ... and when a quality or benchmark stage starts, after the engine stages: transformers'
-                 # model code the torch engines imported (~250 MiB, kept once loaded), the evaluation text's
-                 # token ids: 0.83 GiB at 135M, 0.90 at 1B, 1.08 at 3B (2026-12-05).
+                 # ... and when a quality or benchmark stage starts: what the engine stages left loaded (the
+                 # libraries of OpenVINO's export, NNCF's among them, and transformers' model code, kept once
+                 # imported), the evaluation text's token ids: 0.83 GiB at 135M, 0.89 at 1B, 1.08 at 3B
+                 # (bench/scale.py, 2026-12-05).
                  "kiln run, evaluating": 920 << 20}
 # engine/hf_torch.py TorchEngineConfig.score_batch_tokens' default: padded tokens per scoring pass.
 SCORE_BATCH_TOKENS = 4096
