@@ -112,7 +112,7 @@ def eos_ids_of(engine_dir: Path, tokenizer) -> frozenset[int]:
 
 class OpenVINOEngine(Engine):
     def __init__(self, engine_dir: Path, config: OpenVINOConfig, max_positions: int | None = None):
-        import openvino_genai as og
+        import openvino_genai  # noqa: F401 - missing, it fails the load, not the first request
         from transformers import AutoTokenizer
 
         if not (engine_dir / IR).is_file():
@@ -122,7 +122,6 @@ class OpenVINOEngine(Engine):
         self.tokenizer = AutoTokenizer.from_pretrained(engine_dir)
         self.eos_ids = eos_ids_of(engine_dir, self.tokenizer)
         self.max_positions = max_positions or 1 << 30
-        self._og = og
         self._pipeline: Any = None  # the continuous-batching pipeline, made on the first request
         self._stepped = False  # its first step (the CPU plugin's repack) has run
         self._live: dict[int, tuple[Any, GenerationRequest, list[int]]] = {}  # id -> handle, request, [produced]
@@ -132,10 +131,12 @@ class OpenVINOEngine(Engine):
     @property
     def _pipe(self) -> Any:
         if self._pipeline is None:
-            sched = self._og.SchedulerConfig()
+            import openvino_genai as og
+
+            sched = og.SchedulerConfig()
             sched.cache_size, sched.max_num_seqs = self.config.kv_cache_gib, self.config.max_batch_size
             sched.max_num_batched_tokens, sched.dynamic_split_fuse = self.config.max_batched_tokens, True
-            self._pipeline = self._og.ContinuousBatchingPipeline(str(self.engine_dir), sched, "CPU", self._properties())
+            self._pipeline = og.ContinuousBatchingPipeline(str(self.engine_dir), sched, "CPU", self._properties())
         return self._pipeline
 
     def _properties(self) -> dict[str, Any]:
@@ -178,12 +179,9 @@ class OpenVINOEngine(Engine):
     def step(self) -> list[TokenEvent]:
         import openvino_genai as og
 
-        if self._stepped:
+        with contextlib.nullcontext() if self._stepped else drop_behind(self.engine_dir / WEIGHTS):
             self._pipe.step()
-        else:
-            with drop_behind(self.engine_dir / WEIGHTS):
-                self._pipe.step()
-            self._stepped = True
+        self._stepped = True
         now = time.perf_counter()
         events: list[TokenEvent] = []
         for seq_id, (handle, request, produced) in list(self._live.items()):

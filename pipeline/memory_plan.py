@@ -42,7 +42,7 @@ def arm_plans(recipe: Any, config: dict[str, Any], *, context: int, batch: int =
         scored = scored_tokens(recipe, engine)
         q = recipe.evaluate.quality
         longest = scored if q.lmeval else min(scored, q.perplexity.seq_len)
-        held, scoring = _buffers(engine, config, (scored, longest), weights, generates=bool(q.lmeval))
+        held, scoring = _buffers(engine, config, scored, longest, weights, generates=bool(q.lmeval))
         return with_pipeline_steps(p, config, baseline, reference=_reference(method, engine, config),
                                    export=_export_dtype(engine, config), torch_dtype=dtype,
                                    score_tokens=scored, held=held, scoring=scoring)
@@ -66,11 +66,12 @@ def scored_tokens(recipe: Any, engine: Any) -> int:
     return budget if q.lmeval else min(budget, BATCH * q.perplexity.seq_len)
 
 
-def _buffers(engine: Any, config: dict[str, Any], scored: tuple[int, int], weights: float,
+def _buffers(engine: Any, config: dict[str, Any], scored: int, longest: int, weights: float,
              generates: bool) -> tuple[tuple[Component, ...], tuple[Component, ...]]:
     """(what the engine allocates beside its weights when it generates, what it holds beside them
     while it scores) for a backend other than torch, whose scoring logits `with_pipeline_steps`
-    counts itself. `generates`: the quality stages generate too (lm-eval's generate_until tasks).
+    counts itself. `scored`: positions one call scores; `longest`: the longest sequence among them;
+    `generates`: the quality stages generate too (lm-eval's generate_until tasks).
 
     - llama.cpp: the KV cache of its slots (parallel x ctx_per_slot tokens), made on the first
       decode; its scorer's own context (a KV cache of ctx_per_slot tokens, an output buffer and a
@@ -85,7 +86,7 @@ def _buffers(engine: Any, config: dict[str, Any], scored: tuple[int, int], weigh
     if engine.backend == "torch":
         return (), ()
     shapes = DecoderShapes.from_config(config)
-    tokens = scored[1] if engine.backend == "llama_cpp" else scored[0]  # `scored`: (a call's, the longest sequence)
+    tokens = longest if engine.backend == "llama_cpp" else scored  # a sequence at a time, or a call's batch
     what = "a sequence's logits and log-probs" if engine.backend == "llama_cpp" else "the batch's and a sequence's log-probs"
     logits = Component(f"scoring logits ({engine.backend})", 2 * tokens * shapes.vocab * 4,
                        f"{tokens} tokens × {shapes.vocab} vocab × 4 B, {what}")

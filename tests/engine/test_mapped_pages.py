@@ -1,5 +1,6 @@
 """Drop-behind of mapped weights files (engine/mapped_pages.py), alone and in the engines that use it."""
 
+import hashlib
 import mmap
 import os
 import threading
@@ -9,6 +10,10 @@ from pathlib import Path
 from kiln.engine.mapped_pages import drop_behind, release, resident
 
 MIB = 1 << 20
+
+
+def hashlib_of(m: mmap.mmap) -> str:
+    return hashlib.sha256(m).hexdigest()
 
 
 def _file(tmp_path: Path, mib: int = 16) -> Path:
@@ -50,12 +55,6 @@ def test_drop_behind_keeps_a_one_pass_reader_from_holding_the_file(tmp_path):
         assert resident(path) < MIB
     assert most < 32 * MIB, most
     assert not any(t.name == "kiln-drop-behind" for t in threading.enumerate())
-
-
-def hashlib_of(m: mmap.mmap) -> str:
-    import hashlib
-
-    return hashlib.sha256(m).hexdigest()
 
 
 def test_llama_cpp_holds_no_mapped_copy_after_load(tiny_model_dir, tmp_path, torch_engine):
