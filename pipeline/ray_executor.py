@@ -33,7 +33,7 @@ from kiln.optimize.base import ModelArtifact
 from kiln.pipeline.executor import CONFIRM
 from kiln.pipeline.github_changes import GPU_BACKENDS
 from kiln.pipeline.stages import RESULT, RunContext, StageOutcome
-from kiln.pipeline.tracking import STAGE_KEY, Tracker, redact_uri
+from kiln.pipeline.tracking import CANDIDATE_TAG, STAGE_KEY, Tracker, redact_uri
 
 TIMED = "kiln_timed"  # the custom resource every node declares once: {"kiln_timed": 1}
 NODE_TAG, HARDWARE_TAG = "kiln.node", "kiln.hardware"  # on every stage run a node computed
@@ -122,7 +122,7 @@ class RayExecutor:
                                 "name": f"kiln {arm.name} {phase}"}
         timed = phase in timed_phases(arm.ctx.recipe)
         allowed = timed_nodes(self.nodes, self.hardware, self.address) if timed else []
-        home = self.home.get(arm.name)
+        home = self.home.get(arm.name) or built_on(self.ctx.tracker, arm.ctx.recipe.name, arm.name, self.nodes)
         if timed:
             opts["resources"] = {TIMED: 1}
         if home and not strict and (not timed or home in allowed):
@@ -363,6 +363,18 @@ def _node_report(arm: Any, ctx: RunContext) -> dict[str, Any]:
     return {"node": node.__dict__, "records": records, "timed": timed, "eliminated": arm.eliminated,
             "engines": {role: str(p) for role, p in arm.engines.items()},
             "artifact": {"path": str(arm.artifact.path), "manifest": arm.artifact.manifest} if arm.artifact else None}
+
+
+def built_on(tracker: Tracker, recipe: str, candidate: str, nodes: dict[str, Node]) -> str | None:
+    """The id of the node, still in the cluster, that last built `candidate`'s engine for `recipe`:
+    where a rerun of a killed search sends the candidate's phases, since that node's cache holds its
+    build (a driver knows its own builds' nodes; this is the one it lost)."""
+    runs = tracker.client.search_runs(
+        [tracker.experiment_id], f"tags.`kiln.recipe` = '{recipe}' and tags.`{CANDIDATE_TAG}` = '{candidate}' and "
+        "tags.`kiln.stage` = 'engine' and tags.`kiln.role` = 'candidate' and tags.`kiln.reused` = 'false' and "
+        "attributes.status = 'FINISHED'", max_results=1, order_by=["attributes.start_time DESC"])
+    name = runs[0].data.tags.get(NODE_TAG) if runs else None
+    return next((n.id for n in nodes.values() if n.name == name), None)
 
 
 def computed_on(tracker: Tracker, key: str) -> str | None:

@@ -34,6 +34,7 @@ from kiln.pipeline.evidence import evidence_from_run
 from kiln.pipeline.executor import CONFIRM, Executor, LocalExecutor
 from kiln.pipeline.phases import PHASES, for_family, objective_phase, up_to
 from kiln.pipeline.stages import RunContext, run_stage, run_tags
+from kiln.pipeline.tracking import CANDIDATE_TAG
 
 
 class NothingBuilt(KilnError):
@@ -210,7 +211,7 @@ def _final(arms: list[Arm], shared: Any, executor: Executor, policy: GateSection
 
 
 def _arm(ctx: RunContext, name: str, view: Any, policy: GateSection) -> Arm:
-    tags = {"kiln.stage": "candidate", "kiln.candidate": name, **run_tags(ctx)}
+    tags = {"kiln.stage": "candidate", CANDIDATE_TAG: name, **run_tags(ctx)}
     run_id = ctx.tracker.start(f"candidate {name}", tags, parent=ctx.parent_run)
     folder = ctx.run_dir / "candidates" / name
     (folder / "stages").mkdir(parents=True)

@@ -25,7 +25,7 @@ from rich.markup import escape
 
 from kiln.core.files import atomic_dir, atomic_write_json, file_lock, hash_of, read_json
 from kiln.pipeline.rss import StageMemory, peak_rss_bytes  # noqa: F401 - peak_rss_bytes: stage_optimize and bench import it from here
-from kiln.pipeline.tracking import STAGE_KEY, Tracker, flatten
+from kiln.pipeline.tracking import CANDIDATE_TAG, STAGE_KEY, Tracker, flatten
 from kiln.core.versions import environment
 
 log = logging.getLogger("kiln")
@@ -121,8 +121,9 @@ def run_stage(ctx: RunContext, stage: str, role: str, inputs: dict[str, Any],
     def waiting() -> None:
         ctx.console.print(f"[dim]… {escape(label)}: another kiln run is computing it; waiting[/dim]")
 
-    run_id = ctx.tracker.start(label, {"kiln.stage": stage, "kiln.role": role, STAGE_KEY: key, **run_tags(ctx)},
-                               parent=ctx.parent_run)
+    tags = {"kiln.stage": stage, "kiln.role": role, STAGE_KEY: key, **run_tags(ctx),
+            **({CANDIDATE_TAG: ctx.arm} if ctx.arm else {})}  # a search's resume finds where each arm was built
+    run_id = ctx.tracker.start(label, tags, parent=ctx.parent_run)
     try:
         # One process at a time per stage key: a second run on the same cache waits, then reuses
         # what the first computed, instead of computing it again and replacing files under a reader.

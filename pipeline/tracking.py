@@ -32,6 +32,7 @@ from kiln.core import credentials
 from kiln.core.errors import BadInput
 
 STAGE_KEY = "kiln.stage_key"
+CANDIDATE_TAG = "kiln.candidate"  # a search candidate's run and each of its stage runs
 VERDICT = "kiln.verdict"
 PASSED = "kiln.passed"  # 1 when the run's verdict is a pass (exit 0), else 0: a column the runs table sorts by
 # MLflow 3's experiment kind. Its 3.17 UI takes the kind from a per-browser switch (GenAI / Model

@@ -142,6 +142,8 @@ def test_each_candidate_is_an_mlflow_child_run(search_run):
     assert statuses == {"fp32-copy": "winner", "torch-int8": "eliminated", "ct2-int8": "eliminated"}
     stages = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{runs[0].info.run_id}'")
     assert stages, "a candidate's stages are children of its run"
+    # and name it: a rerun of a killed search on Ray finds where each candidate was built by it
+    assert {s.data.tags["kiln.candidate"] for s in stages} == {runs[0].data.tags["kiln.candidate"]}
 
 
 def test_a_second_run_reuses_every_stage_but_the_confirmation(search_run):
@@ -380,7 +382,11 @@ def test_a_champion_no_candidate_beats_is_kept_and_no_challenger_is_set(search_r
     challenger_before = client.get_model_version_by_alias("tiny-search", "challenger").version
     same = {"name": "fp32-b8", "optimize": {"method": "none"},
             "engine": {"backend": "torch", "threads": 2, "max_batch_size": 8}}
-    recipe, _ = _variant(search_run, tmp_path, "vs-champion", candidates=[{"name": "prod", "champion": True}, same])
+    # Its speed is judged against the champion only: the bound against the checkpoint, taken from 3 pairs
+    # while the other test worker runs, went Inconclusive once in CI (exit 3, before the duel ran).
+    checks = [c for c in CHECKS if c["kind"] != "performance"]
+    recipe, _ = _variant(search_run, tmp_path, "vs-champion", candidates=[{"name": "prod", "champion": True}, same],
+                         gate__checks=checks)
     proc = kiln("run", str(recipe), cwd=work)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = _newest_run(work)

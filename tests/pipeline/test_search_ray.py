@@ -163,6 +163,37 @@ def test_a_killed_driver_is_resumed_by_running_again_reusing_finished_stages(tmp
     assert any(r["quality-candidate"]["reused"] for r in records.values()), records
 
 
+def test_a_rerun_finds_the_node_that_built_each_candidate(tmp_path):
+    """A rerun's driver does not know where the killed one's builds ran; the tracking server does. The
+    newest engine build a node computed for this recipe's candidate, on a node still in the cluster."""
+    from kiln.pipeline.ray_executor import NODE_TAG, Node, built_on
+    from kiln.pipeline.tracking import Tracker
+
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "resume")
+    head, worker, gone = (Node(i * 16, f"192.0.2.{n}", 1.0, True) for n, i in ((1, "a"), (2, "b"), (3, "c")))
+    nodes = {n.id: n for n in (head, worker)}
+
+    def build(candidate: str, node: Node, reused: bool = False, status: str = "FINISHED",
+              recipe: str = "ray-search", stage: str = "engine") -> None:
+        run = tracker.start("build", {"kiln.recipe": recipe, "kiln.candidate": candidate, "kiln.stage": stage,
+                                      "kiln.role": "candidate", "kiln.reused": str(reused).lower()})
+        tracker.log(run, tags={} if reused else {NODE_TAG: node.name})
+        tracker.end(run, status)
+        time.sleep(0.01)  # start times apart: newest first
+
+    assert built_on(tracker, "ray-search", "fp32-copy", nodes) is None  # nothing built yet: Ray places it
+    build("fp32-copy", head)
+    build("fp32-copy", worker, reused=True)  # a reuse holds nothing new
+    build("fp32-copy", worker, stage="optimize")  # the engine is what takes minutes and is node-bound
+    build("fp32-copy", worker, recipe="other")
+    build("ct2-int8", worker)
+    build("fp32-copy", worker, status="KILLED")  # a build the kill cut short left nothing there
+    assert built_on(tracker, "ray-search", "fp32-copy", nodes) == head.id
+    assert built_on(tracker, "ray-search", "ct2-int8", nodes) == worker.id
+    build("ct2-int8", gone)  # its newest build's node left the cluster
+    assert built_on(tracker, "ray-search", "ct2-int8", nodes) is None
+
+
 def test_an_unreachable_cluster_fails_in_seconds_naming_the_address(tmp_path, tiny_model_dir, store):
     address = f"127.0.0.1:{free_port()}"
     recipe = _recipe(tmp_path / "search.yaml", tiny_model_dir, address, "ray-unreachable")
