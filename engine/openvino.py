@@ -9,7 +9,7 @@ with a fresh KV state per batch (the pipeline only returns the sampled token's l
 the two is created on first use only (a quality stage only scores, a benchmark only generates), and
 its first inference, where the CPU plugin repacks the weights it maps from the IR's `.bin`, runs
 under `drop_behind` (mapped_pages.py): the mapped pages are not held beside the repacked copy (1B
-int8 scorer: peak 2.72 -> 1.57 GiB, measured).
+int8 scorer: peak 2.72 -> 1.57 GiB, measured); the pipeline's is a one-token warm-up as it is made.
 
 Everything installs from PyPI into kiln's own environment (pins in docs/engines.md).
 """
@@ -57,6 +57,20 @@ class OpenVINOConfig(EngineConfig):
             raise ValueError("activations: bf16 needs kv_cache_precision f16 or u8: OpenVINO's CPU plugin "
                              "refuses an f32 KV cache with bf16 inference")
         return self
+
+
+def warm_up(pipeline: Any) -> None:
+    """One token from a two-token prompt through `pipeline.generate`, where the CPU plugin repacks the
+    weights. Not through `step()`: openvino-genai's binding holds the GIL for a step and releases it
+    for `generate`, and drop_behind's thread needs it (1B int8: 2.36 GiB above the start at the first
+    step, the IR's pages resident beside the repack until it ended; 1.19 GiB through generate)."""
+    import numpy as np
+    import openvino as ov
+    import openvino_genai as og
+
+    config = og.GenerationConfig()
+    config.max_new_tokens, config.ignore_eos, config.do_sample = 1, True, False
+    pipeline.generate([ov.Tensor(np.zeros((1, 2), dtype=np.int64))], [config])
 
 
 @BACKENDS.register("openvino", OpenVINOConfig)
@@ -123,7 +137,6 @@ class OpenVINOEngine(Engine):
         self.eos_ids = eos_ids_of(engine_dir, self.tokenizer)
         self.max_positions = max_positions or 1 << 30
         self._pipeline: Any = None  # the continuous-batching pipeline, made on the first request
-        self._stepped = False  # its first step (the CPU plugin's repack) has run
         self._live: dict[int, tuple[Any, GenerationRequest, list[int]]] = {}  # id -> handle, request, [produced]
         self._next_id = 0
         self._scorer = None  # compiled plain IR, made on first score/next_token_logprobs
@@ -136,7 +149,10 @@ class OpenVINOEngine(Engine):
             sched = og.SchedulerConfig()
             sched.cache_size, sched.max_num_seqs = self.config.kv_cache_gib, self.config.max_batch_size
             sched.max_num_batched_tokens, sched.dynamic_split_fuse = self.config.max_batched_tokens, True
-            self._pipeline = og.ContinuousBatchingPipeline(str(self.engine_dir), sched, "CPU", self._properties())
+            pipeline = og.ContinuousBatchingPipeline(str(self.engine_dir), sched, "CPU", self._properties())
+            with drop_behind(self.engine_dir / WEIGHTS):
+                warm_up(pipeline)
+            self._pipeline = pipeline
         return self._pipeline
 
     def _properties(self) -> dict[str, Any]:
@@ -179,9 +195,7 @@ class OpenVINOEngine(Engine):
     def step(self) -> list[TokenEvent]:
         import openvino_genai as og
 
-        with contextlib.nullcontext() if self._stepped else drop_behind(self.engine_dir / WEIGHTS):
-            self._pipe.step()
-        self._stepped = True
+        self._pipe.step()
         now = time.perf_counter()
         events: list[TokenEvent] = []
         for seq_id, (handle, request, produced) in list(self._live.items()):
@@ -248,4 +262,4 @@ class OpenVINOEngine(Engine):
     def close(self) -> None:
         for handle, _, _ in self._live.values():
             handle.cancel()
-        self._live, self._scorer, self._pipeline, self._stepped = {}, None, None, False
+        self._live, self._scorer, self._pipeline = {}, None, None
