@@ -222,7 +222,7 @@ def plan_memory(model_config: dict[str, Any], method_config: Any = None, *, cont
 def with_pipeline_steps(plan: MemoryPlan, model_config: dict[str, Any], baseline: MemoryPlan | None, *,
                         reference: str | None, export: str | None = None, torch_dtype: str | None = None,
                         score_tokens: int = SCORE_BATCH_TOKENS, held: tuple[Component, ...] = (),
-                        scoring: tuple[Component, ...] = ()) -> MemoryPlan:
+                        scoring: tuple[Component, ...] = (), compared: tuple[Component, ...] | None = None) -> MemoryPlan:
     """`plan` (one arm's quantize and serve steps) with the steps a `kiln run` adds, each what kiln's
     process (its runtime: "kiln run", measured; "kiln run, evaluating" from the quality stages on) and
     its children hold at once (bench/scale.py measures them at 135M, 1B, 3B and 8B):
@@ -240,8 +240,9 @@ def with_pipeline_steps(plan: MemoryPlan, model_config: dict[str, Any], baseline
       positions a pass, whose logits it holds in its dtype and again in float32; another backend's
       are the caller's `scoring` (what it holds while it scores: its own context, its logits);
     - benchmark: the stages that set the arm beside the baseline (the decode benchmark, token
-      agreement, the served text, the load stage) hold both engines in one process (agreement's
-      logits, one document's at a time, are not counted: small beside the weights).
+      agreement, the served text, the load stage) hold both engines in one process, the arm's with
+      what it allocates there (`compared`; default `held`; agreement's logits, one document's at a
+      time, are not counted: small beside the weights).
     """
     shapes = DecoderShapes.from_config(model_config)
     serve = next(s for s in plan.steps if s.step == "serve").components[0]
@@ -253,7 +254,7 @@ def with_pipeline_steps(plan: MemoryPlan, model_config: dict[str, Any], baseline
         steps.append(StepPlan("reference", (run, *_checkpoint_held(shapes, model_config, reference, "parity reference (torch "
                                                                   f"{reference})", "freed before the engine loads"))))
     weights_ = Component(f"this arm: {serve.name}", serve.bytes, serve.formula)
-    this = (weights_, *held)
+    this = (weights_, *(held if compared is None else compared))
     exported = () if export is None else _checkpoint_held(shapes, model_config, export, f"export: the checkpoint in "
                                                           f"{export}", "shared by the traced graph while it compresses")
     steps.append(StepPlan("engine", (run, weights_, *_larger(exported, held))))  # the export is freed first

@@ -4,7 +4,7 @@ every step a `kiln run` takes (quantize, serve, the parity reference, the engine
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from kiln.engine.llama_cpp_scoring import SCORING_ROWS
 from kiln.evaluate import parity
@@ -42,10 +42,13 @@ def arm_plans(recipe: Any, config: dict[str, Any], *, context: int, batch: int =
         scored = scored_tokens(recipe, engine)
         q = recipe.evaluate.quality
         longest = scored if q.lmeval else min(scored, q.perplexity.seq_len)
-        held, scoring = _buffers(engine, config, scored, longest, weights, generates=bool(q.lmeval))
+        b = _buffers(engine, config, scored, longest, weights, context * batch)
+        generates = b.generating + b.both if q.lmeval else ()  # lm-eval's generate_until tasks
         return with_pipeline_steps(p, config, baseline, reference=_reference(method, engine, config),
-                                   export=_export_dtype(engine, config), torch_dtype=dtype,
-                                   score_tokens=scored, held=held, scoring=scoring)
+                                   export=_export_dtype(engine, config), torch_dtype=dtype, score_tokens=scored,
+                                   held=b.generating + b.both,  # the parity check generates and scores
+                                   scoring=b.scoring + generates,
+                                   compared=b.generating + (b.both if q.agreement else ()))
 
     base = plan(None, base_engine)
     plans = {"baseline": (f"none → {base_engine.backend}", base)}
@@ -66,36 +69,49 @@ def scored_tokens(recipe: Any, engine: Any) -> int:
     return budget if q.lmeval else min(budget, BATCH * q.perplexity.seq_len)
 
 
-def _buffers(engine: Any, config: dict[str, Any], scored: int, longest: int, weights: float,
-             generates: bool) -> tuple[tuple[Component, ...], tuple[Component, ...]]:
-    """(what the engine allocates beside its weights when it generates, what it holds beside them
-    while it scores) for a backend other than torch, whose scoring logits `with_pipeline_steps`
-    counts itself. `scored`: positions one call scores; `longest`: the longest sequence among them;
-    `generates`: the quality stages generate too (lm-eval's generate_until tasks).
+class Buffers(NamedTuple):
+    """What an engine other than torch holds beside its weights: when it generates, when it scores
+    (torch's scoring logits `with_pipeline_steps` counts itself), and in addition when one stage does both."""
 
-    - llama.cpp: the KV cache of its slots (parallel x ctx_per_slot tokens), made on the first
-      decode; its scorer's own context (a KV cache of ctx_per_slot tokens, an output buffer and a
-      compute graph of SCORING_ROWS rows of logits) and one sequence's logits and log-probs (the
-      scorer hands each sequence over as it is decoded);
-    - OpenVINO: its CPU plugin's repacked copy of the weights, once per compiled model (the IR's
-      mapped pages are dropped behind the repack, engine/mapped_pages.py): the generation pipeline
-      and the scorer are two, both alive in a stage that generates and scores (the engine stage's
-      parity check, the benchmark's token agreement; a quality stage only when lm-eval generates);
-      its paged KV cache grows with use, small in these stages;
-    - OpenVINO and CTranslate2's scoring: the batch's logits and one sequence's log-probs."""
+    generating: tuple[Component, ...]
+    scoring: tuple[Component, ...]
+    both: tuple[Component, ...]
+
+
+# OpenVINO's generation pipeline beside its weights, per token of a prefill step, in units of the MLP's
+# width x 4 B: its buffers grew by 0.18 GiB for a 1,000-token prompt in one step at 1B (intermediate
+# 8,192; 0.04 GiB in 256-token steps), KV blocks aside (measured on the 1B int8 IR, docs/engines.md: the fifth round).
+OPENVINO_PREFILL_WIDTHS = 6
+
+
+def _buffers(engine: Any, config: dict[str, Any], scored: int, longest: int, weights: float,
+             tokens: int) -> Buffers:
+    """What `engine` allocates beside its weights. `scored`: positions one scoring call scores;
+    `longest`: the longest sequence among them; `tokens`: the context its requests hold at once.
+
+    - llama.cpp: when it generates, the KV cache of its slots (parallel x ctx_per_slot tokens), made on
+      the first decode; when it scores, its scorer's own context (a KV cache of ctx_per_slot tokens, an
+      output buffer and a compute graph of SCORING_ROWS rows of logits) and one sequence's logits and
+      log-probs (the scorer hands each sequence over as it is decoded);
+    - OpenVINO: when it generates, its pipeline's KV blocks as the requests fill them and one prefill
+      step's buffers; when it scores, the batch's logits and a sequence's log-probs; a stage that does
+      both (the engine stage's parity check, token agreement, lm-eval's generate_until tasks) holds two
+      compiled models, each with the weights repacked (the IR's mapped pages are dropped behind the
+      repack, engine/mapped_pages.py);
+    - CTranslate2, when it scores: the batch's logits and a sequence's log-probs."""
     if engine.backend == "torch":
-        return (), ()
+        return Buffers((), (), ())
     shapes = DecoderShapes.from_config(config)
-    tokens = longest if engine.backend == "llama_cpp" else scored  # a sequence at a time, or a call's batch
+    kept = longest if engine.backend == "llama_cpp" else scored  # a sequence at a time, or a call's batch
     what = "a sequence's logits and log-probs" if engine.backend == "llama_cpp" else "the batch's and a sequence's log-probs"
-    logits = Component(f"scoring logits ({engine.backend})", 2 * tokens * shapes.vocab * 4,
-                       f"{tokens} tokens × {shapes.vocab} vocab × 4 B, {what}")
+    logits = Component(f"scoring logits ({engine.backend})", 2 * kept * shapes.vocab * 4,
+                       f"{kept} tokens × {shapes.vocab} vocab × 4 B, {what}")
     if engine.backend == "openvino":
-        second = Component("second compiled model (OpenVINO CPU: the scorer beside the generation pipeline)", weights,
-                           "the IR's weights again, repacked")
-        return (second,), (*((second,) if generates else ()), logits)
+        return Buffers((_openvino_pipeline(engine, shapes, tokens),), (logits,),
+                       (Component("second compiled model (OpenVINO CPU: the scorer beside the generation pipeline)",
+                                  weights, "the IR's weights again, repacked"),))
     if engine.backend != "llama_cpp":
-        return (), (logits,)
+        return Buffers((), (logits,), ())
     per = shapes.kv_bytes_per_token(DTYPE_BYTES["float16" if engine.cache_type == "f16" else "float32"])
     slots = engine.parallel * engine.ctx_per_slot
     kv = Component(f"KV cache ({engine.cache_type}, {engine.parallel} slots × {engine.ctx_per_slot} tokens)",
@@ -103,7 +119,17 @@ def _buffers(engine: Any, config: dict[str, Any], scored: int, longest: int, wei
     rows = min(engine.batch_size, engine.ctx_per_slot, SCORING_ROWS)
     scorer = Component("scoring context (llama.cpp)", per * engine.ctx_per_slot + 2 * rows * shapes.vocab * 4,
                        f"KV {engine.ctx_per_slot} tokens × {human(per)} + 2 × {rows} rows × {shapes.vocab} vocab × 4 B")
-    return (kv,), (*((kv,) if generates else ()), scorer, logits)
+    return Buffers((kv,), (scorer, logits), ())
+
+
+def _openvino_pipeline(engine: Any, shapes: DecoderShapes, tokens: int) -> Component:
+    """OpenVINO's generation pipeline beside its weights: KV blocks for `tokens` and a prefill step's buffers."""
+    per = shapes.kv_bytes_per_token(DTYPE_BYTES[{"f32": "float32", "f16": "float16", "u8": "int8"}[engine.kv_cache_precision]])
+    step = min(tokens, engine.max_batched_tokens)
+    return Component("generation pipeline (OpenVINO): KV blocks and a prefill step",
+                     per * tokens + step * shapes.intermediate * 4 * OPENVINO_PREFILL_WIDTHS,
+                     f"KV {tokens} tokens × {human(per)} + {step} tokens × {shapes.intermediate} × 4 B × "
+                     f"{OPENVINO_PREFILL_WIDTHS}")
 
 
 def run_context(recipe: Any) -> tuple[int, int]:
