@@ -13,6 +13,10 @@ page cache on its next read, a minor fault; nothing is lost, as a mapping withou
 holds no page of its own. The pages stay in the kernel's page cache, which it reclaims under
 pressure as it would have reclaimed them mapped. On a system without /proc/self/maps it does
 nothing.
+
+`drop_behind(..., private=True)` also drops a private writable mapping none of whose pages the process
+has written (`unwritten`): torch maps a safetensors checkpoint so, and OpenVINO's build reads each weight
+once as it traces and compresses it. The caller vouches that nothing writes the mapping meanwhile.
 """
 
 from __future__ import annotations
@@ -23,30 +27,59 @@ import functools
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 MADV_DONTNEED = 4
 MIN_INTERVAL_S = 0.02
 
 
-def release(path: Path | str) -> int:
-    """Drop this process's resident pages of every read-only mapping of `path`; the bytes mapped."""
-    target = os.path.realpath(path)
+def release(*paths: Path | str, unwritten: Collection[tuple[int, int]] = ()) -> int:
+    """Drop this process's resident pages of every read-only mapping of `paths`, and of the private
+    writable ones `unwritten` lists (see `unwritten`); the bytes mapped."""
+    done = 0
+    for start, end, perms in _mappings({os.path.realpath(p) for p in paths}):
+        if "w" in perms and (start, end) not in unwritten:
+            continue
+        if _libc().madvise(start, end - start, MADV_DONTNEED) == 0:
+            done += end - start
+    return done
+
+
+def unwritten(*paths: Path | str) -> frozenset[tuple[int, int]]:
+    """(start, end) of each private writable mapping of `paths` (torch maps safetensors files
+    copy-on-write) of which the process has written no page (smaps' Anonymous 0): every page is still
+    the file's, so dropping it loses nothing, for as long as nothing writes it."""
+    targets, found, current = {os.path.realpath(p) for p in paths}, set(), None
+    try:
+        with open("/proc/self/smaps") as smaps:
+            for line in smaps:
+                head = line.split(maxsplit=5)
+                if head and "-" in head[0] and len(head) >= 5:  # a mapping's header line
+                    current = None
+                    if len(head) == 6 and head[5].rstrip("\n") in targets and head[1].endswith("p"):
+                        current = tuple(int(x, 16) for x in head[0].split("-"))
+                elif current and head[0] == "Anonymous:" and int(head[1]) == 0:
+                    found.add(current)
+    except OSError:
+        return frozenset()
+    return frozenset(found)
+
+
+def _mappings(targets: set[str]) -> list[tuple[int, int, str]]:
+    """(start, end, permissions) of each mapping of `targets`."""
     try:
         with open("/proc/self/maps") as maps:
             lines = maps.readlines()
     except OSError:
-        return 0
-    done = 0
+        return []
+    found = []
     for line in lines:
         fields = line.split(maxsplit=5)
-        if len(fields) < 6 or fields[5].rstrip("\n") != target or "w" in fields[1]:
-            continue
-        start, end = (int(x, 16) for x in fields[0].split("-"))
-        if _libc().madvise(start, end - start, MADV_DONTNEED) == 0:
-            done += end - start
-    return done
+        if len(fields) == 6 and fields[5].rstrip("\n") in targets:
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            found.append((start, end, fields[1]))
+    return found
 
 
 def resident(path: Path | str) -> int:
@@ -66,16 +99,18 @@ def resident(path: Path | str) -> int:
 
 
 @contextlib.contextmanager
-def drop_behind(path: Path | str) -> Iterator[None]:
-    """Release `path`'s mapped pages while the block runs (every 20 ms, or five times as long as one
-    release takes, whichever is longer) and once after it."""
+def drop_behind(*paths: Path | str, private: bool = False) -> Iterator[None]:
+    """Release `paths`' mapped pages while the block runs (every 20 ms, or five times as long as one
+    release takes, whichever is longer) and once after it. `private`: also their private writable
+    mappings that are `unwritten` as the block starts; the caller vouches nothing writes them in it."""
     stop = threading.Event()
+    clean = unwritten(*paths) if private else frozenset()
 
     def loop() -> None:
         interval = MIN_INTERVAL_S
         while not stop.wait(interval):
             began = time.perf_counter()
-            release(path)
+            release(*paths, unwritten=clean)
             interval = max(MIN_INTERVAL_S, 5 * (time.perf_counter() - began))
 
     thread = threading.Thread(target=loop, name="kiln-drop-behind", daemon=True)
@@ -85,7 +120,7 @@ def drop_behind(path: Path | str) -> Iterator[None]:
     finally:
         stop.set()
         thread.join()
-        release(path)
+        release(*paths, unwritten=clean)
 
 
 @functools.cache

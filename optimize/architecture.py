@@ -107,6 +107,11 @@ class DecoderShapes:
         return [*names, "lm_head"]
 
     @property
+    def largest_matrix(self) -> int:
+        """Parameters of the largest weight matrix: the embedding, the output projection or a linear layer."""
+        return max([self.embedding_params, self.lm_head_params, *(lin.params for lin in self.linears())])
+
+    @property
     def embedding_params(self) -> int:
         return (self.vocab + self.positions) * self.hidden
 

@@ -108,7 +108,7 @@ class Gguf(Quantizer):
         # (a 16-bit checkpoint: the intermediate keeps its dtype) narrowed again as written, beside its
         # libraries (bench/scale.py: 2.47 GiB converter peak for a 1.24B Llama whose embedding has 263M
         # params, 4.43 GiB at 8B with 525M).
-        largest = max([shapes.embedding_params, shapes.lm_head_params, *(lin.params for lin in shapes.linears())])
+        largest = shapes.largest_matrix
         stored = DTYPE_BYTES.get(source_dtype, 4.0)
         written = stored if stored < 4.0 else 0.0  # float32 is written as it is held
         work = [runtime("torch + transformers"),
