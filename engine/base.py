@@ -134,6 +134,10 @@ class Engine(abc.ABC):
         while self.has_work():
             yield from self.step()
 
+    def release_generation(self) -> None:  # noqa: B027 - optional hook
+        """Hand back what generating made (a pipeline, its KV cache) once nothing is in flight, for a
+        caller that only scores from here on; the next `add` makes it again. Default: nothing to do."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free resources (worker processes, memory)."""
 

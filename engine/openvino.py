@@ -263,6 +263,12 @@ class OpenVINOEngine(Engine):
     def next_token_logprobs(self, ids: Sequence[list[int]]) -> list[Any]:
         return full_logits.next_token_logprobs(ids, self._logits, self.config.score_batch_tokens)
 
+    def release_generation(self) -> None:
+        """The pipeline's compiled model and KV cache, freed: a stage that generates and then scores (the
+        parity check) holds one compiled model at a time, not the pipeline's beside the scorer's."""
+        if not self._live:
+            self._pipeline = None
+
     def close(self) -> None:
         for handle, _, _ in self._live.values():
             handle.cancel()

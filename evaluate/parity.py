@@ -136,6 +136,7 @@ def compare(engine: Engine, answers: ReferenceAnswers) -> dict[str, Any]:
     first divergence, the reference's log-prob gap there, and per-token |delta log-prob| of the
     reference continuation; plus the totals."""
     got = batched_greedy(engine, answers.prompts, answers.new_tokens)
+    engine.release_generation()  # it only scores from here: one compiled model at a time (OpenVINO)
     mine = _scores(engine, [(list(p), w) for p, w in zip(answers.prompts, answers.want, strict=True)])
     deltas = None if mine is None or answers.logprobs is None else \
         [np.abs(np.subtract(g, r)) for g, r in zip(mine, answers.logprobs, strict=True)]

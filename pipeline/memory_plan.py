@@ -46,7 +46,8 @@ def arm_plans(recipe: Any, config: dict[str, Any], *, context: int, batch: int =
         generates = b.generating + b.both if q.lmeval else ()  # lm-eval's generate_until tasks
         return with_pipeline_steps(p, config, baseline, reference=_reference(method, engine, config),
                                    export=_export_dtype(engine, config), torch_dtype=dtype, score_tokens=scored,
-                                   held=b.generating + b.both,  # the parity check generates and scores
+                                   # the parity check generates, hands the pipeline back, then scores
+                                   held=max((b.generating, b.scoring), key=lambda c: sum(x.bytes for x in c)),
                                    scoring=b.scoring + generates,
                                    compared=b.generating + (b.both if q.agreement else ()))
 
@@ -95,9 +96,9 @@ def _buffers(engine: Any, config: dict[str, Any], scored: int, longest: int, wei
       log-probs (the scorer hands each sequence over as it is decoded);
     - OpenVINO: when it generates, its pipeline's KV blocks as the requests fill them and one prefill
       step's buffers; when it scores, the batch's logits and a sequence's log-probs; a stage that does
-      both (the engine stage's parity check, token agreement, lm-eval's generate_until tasks) holds two
-      compiled models, each with the weights repacked (the IR's mapped pages are dropped behind the
-      repack, engine/mapped_pages.py);
+      both at once (token agreement, lm-eval's generate_until tasks) holds two compiled models, each
+      with the weights repacked (the IR's mapped pages are dropped behind the repack,
+      engine/mapped_pages.py); the parity check hands the pipeline back before it scores;
     - CTranslate2, when it scores: the batch's logits and a sequence's log-probs."""
     if engine.backend == "torch":
         return Buffers((), (), ())

@@ -67,6 +67,25 @@ def test_the_scorer_copies_a_sequence_at_a_time_out_of_its_buffer(ov_fp32, torch
         assert np.abs(full_logits.log_softmax(g) - w).max() < parity.FULL["logprob_atol"]
 
 
+def test_the_parity_check_scores_with_the_pipeline_handed_back(ov_fp32, torch_engine):
+    """The engine stage's parity check generates, then scores: between the two the engine hands back
+    its generation pipeline (a compiled model with the weights repacked; 1B int8: the check's peak
+    3.75 -> 2.53 GiB, scoring beside it), and the next request makes it again. Not while a request is
+    in flight."""
+    from kiln.evaluate import parity as smoke
+
+    ps = parity.prompts(torch_engine.tokenizer)[:4]
+    answers = smoke.reference_answers(torch_engine, ps)
+    figures = smoke.check_answers(ov_fp32, answers, exact=True, label="ov fp32")
+    assert figures["defects"] == 0 and figures["max_abs_logprob"] < parity.FULL["logprob_atol"]
+    assert ov_fp32._pipeline is None and ov_fp32._scorer is not None  # it scored alone
+    seq = ov_fp32.add(GenerationRequest(ps[0], 4, ignore_eos=True))
+    ov_fp32.release_generation()
+    assert ov_fp32._pipeline is not None  # a request in flight keeps it
+    ov_fp32.cancel(seq)
+    assert parity.greedy(ov_fp32, ps[:2], 6) == parity.greedy(torch_engine, ps[:2], 6)  # made again, same answers
+
+
 def test_late_request_joins_running_batch(ov_fp32):
     ps = parity.prompts(ov_fp32.tokenizer, 2)
     alone = parity.greedy(ov_fp32, [ps[1]])[0]
