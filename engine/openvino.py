@@ -32,6 +32,25 @@ from kiln.engine.base import (BACKENDS, REBUILD, Engine, EngineBackend, EngineCo
 from kiln.core.errors import BadInput
 from kiln.engine.mapped_pages import drop_behind
 
+def decline_telemetry() -> None:
+    """Turn off, for this process, the usage telemetry OpenVINO and NNCF send unless the user opted out
+    (a consent file under ~/intel) or runs in CI: importing them writes a client id to ~/intel, and the
+    converter and NNCF send events to Google Analytics, each from a child process. kiln runs offline
+    and writes nothing outside its cache, so every later consent check declines, and one already made
+    (openvino imported before kiln) is withdrawn."""
+    try:
+        from openvino_telemetry.main import Telemetry
+        from openvino_telemetry.utils.opt_in_checker import ConsentCheckResult, OptInChecker
+    except ImportError:  # no OpenVINO here: nothing to decline
+        return
+    OptInChecker.check = lambda self, *args, **kwargs: ConsentCheckResult.DECLINED
+    made = getattr(Telemetry, "_SingletonMetaClass__single_instance", None)
+    if made is not None:
+        made.consent = False
+
+
+decline_telemetry()  # before anything in kiln imports openvino (its import makes the telemetry object)
+
 IR = "openvino_model.xml"
 WEIGHTS = "openvino_model.bin"  # the IR's weights, which the CPU plugin maps
 
