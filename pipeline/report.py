@@ -123,7 +123,8 @@ def _search_tables(record: dict[str, Any]) -> list[Table]:
                      _fmt(c.get("decode_tok_s")) + (f" ({c['contention']})" if c.get("contention") else "")
                      + _measured_on(c.get("nodes")),
                      _cost(c.get("cost_per_1m")), _amount("size_bytes", c["serving_bytes"]),
-                     c["eliminated"] or ("winner" if c["name"] == record["winner"] else "passed every check")])
+                     c["eliminated"] or ("winner" if c["name"] == record["winner"] else "passed every check")
+                     + _runoff(c.get("runoff"))])
     summary = [["winner", record["winner"] or "none: no candidate passed every check"], ["why", record["why"]],
                ["statistics", record["statistics"]]]
     if duel := record.get("versus_champion"):
@@ -135,6 +136,13 @@ def _search_tables(record: dict[str, Any]) -> list[Table]:
     at = f" at {percent(record['confidence'])}"  # the intervals are at the confidence the verdicts were taken at
     header = [h.replace("[CI]", f"[CI{at}]") for h in SEARCH_HEADER]
     return [("Search", ["what", "result"], summary), ("Candidates", header, rows)]
+
+
+def _runoff(fig: dict[str, Any] | None) -> str:
+    """A candidate's runoff against the leader it met (kiln.pipeline.search._runoff), paired at one moment."""
+    if not fig:
+        return ""
+    return f"; against {fig['against']} at one moment {_speedup(fig)} ({'faster' if fig['ratio'] > 1 else 'slower'})"
 
 
 def _measured_on(nodes: dict[str, str] | None) -> str:
@@ -168,7 +176,7 @@ def search_record(arms: list[Any], winner: Any, policy: Any) -> dict[str, Any]:
             base_tok_s += evidence["baseline"].repeats.get("decode_tok_s", [])
         rows.append({"name": arm.name, "engine": _serving(arm.ctx.recipe.engine, arm.ctx.recipe.optimize), "optimize": arm.ctx.recipe.optimize.method,
                      "verdict": arm.outcome.verdict.value if arm.outcome else None, "eliminated": arm.eliminated,
-                     "reached": arm.reached, "screened": arm.screened, "confirmed": arm.confirmed,
+                     "reached": arm.reached, "screened": arm.screened, "confirmed": arm.confirmed, "runoff": arm.runoff,
                      "perplexity": ppl, "decode_tok_s": tok_s, "contention": busy, "cost_per_1m": cost_per_million(price, tok_s),
                      "serving_bytes": serving_bytes(arm), "nodes": arm.nodes})
     base_rate = median(base_tok_s) if base_tok_s else None  # over every benchmark it ran in
@@ -176,8 +184,9 @@ def search_record(arms: list[Any], winner: Any, policy: Any) -> dict[str, Any]:
                 "cost_per_1m": cost_per_million(price, base_rate)}
     won = winner is not None and winner.eliminated is None
     best = winner.confirmed or winner.screened if won else None
-    why = (f"the highest {objective} speed-up over the baseline among the candidates that passed every check: "
-           f"{_speedup(best)}" + (", measured again on held-out prompts after it was picked" if winner.confirmed else "")
+    why = (f"the fastest on {objective} among the candidates that passed every check: {_speedup(best)} over the "
+           "baseline" + _picked_over(arms, winner)
+           + (", measured again on held-out prompts after it was picked" if winner.confirmed else "")
            + (", and faster than the champion" if winner.versus_champion else "")) if won else \
         "every candidate failed a check, was undecided, ran out of the search budget, or did not beat the champion (see why)"
     statistics = (f"{len(arms)} candidate(s), each check and every interval at {policy.confidence:.2%} confidence "
@@ -187,6 +196,13 @@ def search_record(arms: list[Any], winner: Any, policy: Any) -> dict[str, Any]:
     return {"objective": objective, "winner": winner.name if won else None, "why": why, "statistics": statistics,
             "versus_champion": duel,
             "confidence": policy.confidence, "price_per_hour": price, "baseline": baseline, "candidates": rows}
+
+
+def _picked_over(arms: list[Any], winner: Any) -> str:
+    """The runoffs the winner came through: the candidates it was measured beside, at one moment."""
+    met = [a.name for a in arms if a is not winner and a.runoff and a.runoff["against"] == winner.name]
+    met += [winner.runoff["against"]] if winner.runoff else []
+    return f", and faster than {', '.join(sorted(set(met)))} measured beside it at one moment (runoff)" if met else ""
 
 
 def _serving(cfg: Any, optimize: Any = None) -> str:

@@ -67,6 +67,7 @@ class Arm:
     reached: str = ""  # the last phase it ran
     screened: dict[str, float] | None = None  # objective speed-up before the confirmation
     confirmed: dict[str, float] | None = None
+    runoff: dict[str, Any] | None = None  # its speed-up over the leader it met, paired at one moment (`_runoff`)
     champion: Champion | None = None  # served from the registry's champion version
     versus_champion: CheckResult | None = None  # the winner against the champion, paired (`_duel`)
 
@@ -201,13 +202,68 @@ def _final(arms: list[Arm], shared: Any, executor: Executor, policy: GateSection
     """The fastest candidate that passed every check, measured again and, when the registry has a
     champion, set against it; None when none passed."""
     passing = [a for a in arms if a.eliminated is None and a.screened is not None and a.champion is None]
-    winner = max(passing, key=lambda a: a.screened["ratio"]) if passing else None
+    winner = _runoff(passing, shared, policy) if passing else None
     if winner is not None and len(arms) > 1:
         _confirm(winner, executor, policy)
     held = next((a for a in arms if a.champion), None)
     if winner is not None and winner.eliminated is None and held is not None:
         _duel(winner, held, shared, policy)
     return winner
+
+
+def _runoff(passing: list[Arm], shared: Any, policy: GateSection) -> Arm:
+    """Which of the candidates that passed is fastest, from measurements taken at one moment.
+
+    Each screening ratio is over the baseline as it ran at that candidate's own benchmark, minutes or
+    reruns apart (a reused stage is from an earlier run), and this machine's speed, and each engine's
+    share of it, moves between moments: at 135M llama.cpp ran 2x faster one evening than the torch
+    baseline's stage had seen it, while OpenVINO's ratio was fresh (docs/engines.md). So the leader at
+    screening meets every other candidate not shown slower there (its interval reaches the leader's),
+    both engines interleaved in one fresh stage, and the faster on the paired ratio leads on. This
+    only picks which candidate the verdict is taken on: the winner's confirmation against the baseline
+    and every check are unchanged."""
+    order = sorted(passing, key=lambda a: a.screened["ratio"], reverse=True)
+    leader = order[0]
+    for rival in order[1:]:
+        if rival.screened["high"] < leader.screened["low"]:
+            continue  # shown slower over the same baseline: nothing for a paired stage to decide
+        engines = {"baseline": leader.engines["candidate"], "candidate": rival.engines["candidate"]}
+        if not all(p.exists() for p in engines.values()):  # built on different Ray nodes: no process holds both
+            leader.ctx.console.print(f"[yellow]runoff[/yellow]: {rival.name} against {leader.name} not run: their "
+                                     "engines are not both on this machine; picked by screening")
+            continue
+        paired = _paired(rival, f"runoff-{leader.name}", engines, shared, policy,
+                         f"[bold]runoff[/bold]: {rival.name} against {leader.name}", held_out=False)
+        fig = speedup(paired, rival.ctx.recipe.search.objective, policy.confidence)
+        rival.runoff = None if fig is None else {"against": leader.name, **fig}
+        if fig is not None and fig["ratio"] > 1:
+            leader = rival
+    return leader
+
+
+def _paired(arm: Arm, folder: str, engines: dict[str, Path], shared: Any, policy: GateSection, say: str,
+            held_out: bool) -> dict[str, Evidence]:
+    """`engines` (roles "baseline" and "candidate") side by side in a stage under `arm`'s run folder
+    that this run measures afresh: the objective's decode benchmark, or load stage, interleaved, on
+    the confirmation's held-out prompts or (`held_out` False) the screening's; its evidence. The
+    engines the search shares (the baseline) are released first: this stage holds these two alone."""
+    objective = arm.ctx.recipe.search.objective
+    run_dir = arm.ctx.run_dir / folder
+    (run_dir / "stages").mkdir(parents=True, exist_ok=True)
+    no_stops = policy.model_copy(update={"checks": []})  # the speed bounds are against the checkpoint, not here
+    ctx = replace(arm.ctx, run_dir=run_dir, outcomes={}, gate=no_stops)
+    load = objective_phase(objective) == "rest"
+    ctx.console.print(f"{say}, {'load stage' if load else 'decode benchmark'} interleaved")
+    for role in list(shared):
+        shared.release(role)
+    loaded = stage_inputs.LazyEngines(engines, _load)
+    try:
+        (stage_benchmark.load_stage if load else stage_benchmark.benchmark)(ctx, loaded, engines,
+                                                                            confirmation=held_out, fresh=True)
+    finally:
+        for role in list(loaded):
+            loaded.pop(role).close()
+    return evidence_from_run(run_dir)
 
 
 def _arm(ctx: RunContext, name: str, view: Any, policy: GateSection) -> Arm:
@@ -354,21 +410,10 @@ def _duel(winner: Arm, held: Arm, shared: Any, policy: GateSection) -> None:
     if not held.engines:
         result.reason = f"the champion could not be served, so nothing shows the winner beats it: {held.eliminated}"
     else:
-        folder = winner.ctx.run_dir / "versus-champion"
-        (folder / "stages").mkdir(parents=True, exist_ok=True)
         engines = {"baseline": held.engines["candidate"], "candidate": winner.engines["candidate"]}
-        no_stops = policy.model_copy(update={"checks": []})  # the speed bounds are against the checkpoint, not here
-        duel = replace(winner.ctx, run_dir=folder, outcomes={}, gate=no_stops)
-        load = objective_phase(objective) == "rest"
-        duel.console.print(f"[bold]champion[/bold]: {winner.name} against {champ.name} v{champ.version}, "
-                           f"{'load stage' if load else 'decode benchmark'} interleaved")
-        loaded = stage_inputs.LazyEngines(engines, _load)
-        try:
-            (stage_benchmark.load_stage if load else stage_benchmark.benchmark)(duel, loaded, engines, confirmation=True)
-        finally:
-            for role in list(loaded):
-                loaded.pop(role).close()
-        result = _versus(evidence_from_run(folder), winner, held, policy, result)
+        paired = _paired(winner, "versus-champion", engines, shared, policy,
+                         f"[bold]champion[/bold]: {winner.name} against {champ.name} v{champ.version}", held_out=True)
+        result = _versus(paired, winner, held, policy, result)
     winner.versus_champion = result
     if result.verdict is not Verdict.SUCCESSFUL:
         winner.eliminated = f"the champion v{champ.version} stays: {result.reason}"
@@ -409,8 +454,8 @@ def _close_arm(ctx: RunContext, arm: Arm, winner: Arm | None) -> None:
     tags = {"kiln.search": status, **({"kiln.eliminated": arm.eliminated[:4000]} if arm.eliminated else {}),
             **({"kiln.verdict": arm.outcome.verdict.value} if arm.outcome else {}),
             **{f"kiln.node.{stage}": node for stage, node in arm.nodes.items() if node}}
-    metrics = {f"{k}.{part}": v for k, fig in (("screening_speedup", arm.screened), ("confirmed_speedup", arm.confirmed))
-               if fig for part, v in fig.items()}
+    figures = (("screening_speedup", arm.screened), ("confirmed_speedup", arm.confirmed), ("runoff_speedup", arm.runoff))
+    metrics = {f"{k}.{part}": v for k, fig in figures if fig for part, v in fig.items() if isinstance(v, (int, float))}
     ctx.tracker.log(arm.mlflow_run, metrics=metrics, tags=tags)
     ctx.tracker.end(arm.mlflow_run)
 

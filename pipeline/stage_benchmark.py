@@ -17,9 +17,11 @@ from kiln.pipeline.stage_inputs import CONFIRMATION_PROMPTS, LazyEngines, cached
 from kiln.pipeline.stages import RunContext, run_stage
 
 
-def benchmark(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], confirmation: bool = False) -> None:
+def benchmark(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], confirmation: bool = False,
+              fresh: bool = False) -> None:
     """The interleaved decode benchmark. `confirmation`: a second, fresh measurement of a search's
-    winner (its own stage key), which then stands as the run's benchmark. It stops after a round
+    winner (its own stage key), which then stands as the run's benchmark. `fresh`: measured afresh
+    by this run on the screening's prompts (a search's runoff between candidates). It stops after a round
     once a speed check has already Failed (see `futility_policy`): a candidate slower than the
     gate allows stops consuming time."""
     from kiln.engine.cache import hardware_fingerprint
@@ -33,7 +35,7 @@ def benchmark(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], co
     run_stage(ctx, "benchmark", "pair",
               {"engines": {r: p.name for r, p in engines.items()}, "config": b.model_dump(mode="json"),
                "hardware": hardware_fingerprint(), "prompts": hash_of(prompts), "pairing": "per-prompt",
-               "records": "contention by signal, steal", "prefill": "uncached", **_confirmation(ctx, confirmation, b.num_prompts),
+               "records": "contention by signal, steal", "prefill": "uncached", **_confirmation(ctx, confirmation, fresh, b.num_prompts),
                **({"stops_when_failed": futility.model_dump(mode="json")} if futility else {})},
               lambda out: _decode_bench(ctx, {role: loaded[role] for role in engines}, prompts, futility, out))
 
@@ -86,12 +88,12 @@ def _stop_when_failed(ctx: RunContext, futility: Any, watch: Any, prompts: int,
     return stop
 
 
-def _confirmation(ctx: RunContext, confirmation: bool, held_out: int = 0) -> dict[str, Any]:
+def _confirmation(ctx: RunContext, confirmation: bool, fresh: bool = False, held_out: int = 0) -> dict[str, Any]:
     """What makes a confirmation's stage key its own: this run (it is measured afresh by every run,
     never reused from a cache or a tracking server) and, for the decode benchmark, its prompts
-    (the set's prompts num_prompts to 2 x num_prompts - 1)."""
+    (the set's prompts num_prompts to 2 x num_prompts - 1). A `fresh` stage's: this run alone."""
     if not confirmation:
-        return {}
+        return {"fresh": {"run": ctx.parent_run}} if fresh else {}
     split = {"prompts_held_out": [held_out, 2 * held_out]} if held_out else {}
     return {"confirmation": {"run": ctx.parent_run, **split}}
 
@@ -111,13 +113,15 @@ def futility_policy(ctx: RunContext, rounds: int) -> Any:
     return for_family(policy.model_copy(update={"checks": checks}), rounds)
 
 
-def load_stage(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], confirmation: bool = False) -> None:
+def load_stage(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], confirmation: bool = False,
+               fresh: bool = False) -> None:
     """Both arms served over HTTP under the recipe's load shape (see kiln.pipeline.load_stage).
-    `confirmation`: a search's winner measured again, fresh (its own stage key), as `benchmark`."""
+    `confirmation`: a search's winner measured again, fresh (its own stage key), as `benchmark`;
+    `fresh`: measured afresh by this run (a search's runoff)."""
     from kiln.engine.cache import hardware_fingerprint
 
     cfg = ctx.recipe.evaluate.load
     run_stage(ctx, "load", "pair",
               {"engines": {r: p.name for r, p in engines.items()}, "config": cfg.model_dump(mode="json"),
-               "hardware": hardware_fingerprint(), **_confirmation(ctx, confirmation)},
+               "hardware": hardware_fingerprint(), **_confirmation(ctx, confirmation, fresh)},
               lambda out: measure({role: loaded[role] for role in engines}, engines, cfg, out))
