@@ -50,20 +50,9 @@ def unwritten(*paths: Path | str) -> frozenset[tuple[int, int]]:
     """(start, end) of each private writable mapping of `paths` (torch maps safetensors files
     copy-on-write) of which the process has written no page (smaps' Anonymous 0): every page is still
     the file's, so dropping it loses nothing, for as long as nothing writes it."""
-    targets, found, current = {os.path.realpath(p) for p in paths}, set(), None
-    try:
-        with open("/proc/self/smaps") as smaps:
-            for line in smaps:
-                head = line.split(maxsplit=5)
-                if head and "-" in head[0] and len(head) >= 5:  # a mapping's header line
-                    current = None
-                    if len(head) == 6 and head[5].rstrip("\n") in targets and head[1].endswith("p"):
-                        current = tuple(int(x, 16) for x in head[0].split("-"))
-                elif current and head[0] == "Anonymous:" and int(head[1]) == 0:
-                    found.add(current)
-    except OSError:
-        return frozenset()
-    return frozenset(found)
+    targets = {os.path.realpath(p) for p in paths}
+    return frozenset((start, end) for start, end, perms, path, fields in _smaps()
+                     if path in targets and perms.endswith("p") and fields.get("Anonymous:") == 0)
 
 
 def _mappings(targets: set[str]) -> list[tuple[int, int, str]]:
@@ -84,18 +73,32 @@ def _mappings(targets: set[str]) -> list[tuple[int, int, str]]:
 
 def resident(path: Path | str) -> int:
     """Bytes of `path` resident in this process through its mappings (smaps' Rss), 0 if unmapped."""
-    target, total, inside = os.path.realpath(path), 0, False
+    target = os.path.realpath(path)
+    return sum(fields.get("Rss:", 0) * 1024 for _, _, _, mapped, fields in _smaps() if mapped == target)
+
+
+def _smaps() -> Iterator[tuple[int, int, str, str, dict[str, int]]]:
+    """Each mapping of this process as /proc/self/smaps gives it: start, end, permissions, the path
+    mapped ('' for anonymous memory) and its kB fields ("Rss:", "Anonymous:", ...). Nothing when
+    smaps cannot be read."""
     try:
         with open("/proc/self/smaps") as smaps:
-            for line in smaps:
-                head = line.split(maxsplit=5)
-                if head and "-" in head[0] and len(head) >= 5:  # a mapping's header line
-                    inside = len(head) == 6 and head[5].rstrip("\n") == target
-                elif inside and head[0] == "Rss:":
-                    total += int(head[1]) * 1024
+            lines = smaps.readlines()
     except OSError:
-        return 0
-    return total
+        return
+    current: tuple[int, int, str, str] | None = None
+    fields: dict[str, int] = {}
+    for line in lines:
+        head = line.split(maxsplit=5)
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's header line
+            if current:
+                yield (*current, fields)
+            start, end = (int(x, 16) for x in head[0].split("-"))
+            current, fields = (start, end, head[1], head[5].rstrip("\n") if len(head) == 6 else ""), {}
+        elif len(head) >= 2 and head[1].isdigit():
+            fields[head[0]] = int(head[1])
+    if current:
+        yield (*current, fields)
 
 
 @contextlib.contextmanager

@@ -256,7 +256,7 @@ def with_pipeline_steps(plan: MemoryPlan, model_config: dict[str, Any], baseline
     weights_ = Component(f"this arm: {serve.name}", serve.bytes, serve.formula)
     this = (weights_, *(held if compared is None else compared))
     exported = () if export is None else _export_held(shapes, model_config, export)
-    steps.append(StepPlan("engine", (run, weights_, *_larger(exported, held))))  # the export is freed first
+    steps.append(StepPlan("engine", (run, weights_, *larger(exported, held))))  # the export is freed first
     evaluating = runtime("kiln run, evaluating")
     quality = [evaluating, weights_, *scoring]
     if torch_dtype:
@@ -271,7 +271,8 @@ def with_pipeline_steps(plan: MemoryPlan, model_config: dict[str, Any], baseline
     return replace(plan, steps=tuple(steps))
 
 
-def _larger(a: tuple[Component, ...], b: tuple[Component, ...]) -> tuple[Component, ...]:
+def larger(a: tuple[Component, ...], b: tuple[Component, ...]) -> tuple[Component, ...]:
+    """The one of two sets of components that holds more bytes (`b` on a tie)."""
     return a if sum(c.bytes for c in a) > sum(c.bytes for c in b) else b
 
 

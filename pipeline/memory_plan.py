@@ -17,6 +17,7 @@ from kiln.optimize.memory import (
     MemoryPlan,
     check_arms,
     human,
+    larger,
     plan_memory,
     source_dtype,
     with_pipeline_steps,
@@ -47,7 +48,7 @@ def arm_plans(recipe: Any, config: dict[str, Any], *, context: int, batch: int =
         return with_pipeline_steps(p, config, baseline, reference=_reference(method, engine, config),
                                    export=_export_dtype(engine, config), torch_dtype=dtype, score_tokens=scored,
                                    # the parity check generates, hands the pipeline back, then scores
-                                   held=max((b.generating, b.scoring), key=lambda c: sum(x.bytes for x in c)),
+                                   held=larger(b.generating, b.scoring),
                                    scoring=b.scoring + generates,
                                    compared=b.generating + (b.both if q.agreement else ()))
 
