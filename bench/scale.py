@@ -220,15 +220,21 @@ def _tokenizer_and_config(config: dict[str, Any], tokenizer_dir: Path, out: Path
 # ---------------------------------------------------------------- the recipe and the memory plan
 
 def recipe(size: str, checkpoint: Path, dtype: str, skip: list[str]) -> dict[str, Any]:
+    from kiln.core.gate.quality import min_perplexity_documents
+    from kiln.pipeline.phases import family_confidence
+
+    candidates = [c for c in CANDIDATES + (DEMO_TYPES if size == "135m" else []) if c["name"] not in skip]
+    # 24 documents decide the perplexity check up to three candidates; the family's confidence needs more beyond
+    documents = max(24, min_perplexity_documents(family_confidence(0.95, len(candidates))))
     return {
         "name": f"scale-{size}",
         "description": f"bench/scale.py: {SIZES[size][0]}-shaped checkpoint (random weights) against itself "
                        f"on torch {dtype}; GGUF q8_0/q4_K_M on llama.cpp, OpenVINO int8",
         "model": {"path": str(checkpoint)},
         "baseline": {"engine": {"backend": "torch", "dtype": dtype, "threads": 2}},
-        "candidates": [c for c in CANDIDATES + (DEMO_TYPES if size == "135m" else []) if c["name"] not in skip],
+        "candidates": candidates,
         "search": {"objective": "decode_tok_s"},
-        "evaluate": {"quality": {"perplexity": {"text": "demo", "max_documents": 24, "seq_len": 64},
+        "evaluate": {"quality": {"perplexity": {"text": "demo", "max_documents": documents, "seq_len": 64},
                                  "agreement": False},
                      "benchmark": {"prompts": "demo", "num_prompts": 4, "max_new_tokens": 16, "repeats": 2}},
         "gate": {"confidence": 0.95, "on_inconclusive": "fail", "checks": [
