@@ -219,14 +219,16 @@ def _runoff(passing: list[Arm], shared: Any, policy: GateSection) -> Arm:
     share of it, moves between moments: at 135M llama.cpp ran 2x faster one evening than the torch
     baseline's stage had seen it, while OpenVINO's ratio was fresh (docs/engines.md). So the leader at
     screening meets every other candidate not shown slower there (its interval reaches the leader's),
-    both engines interleaved in one fresh stage, and the faster on the paired ratio leads on. This
-    only picks which candidate the verdict is taken on: the winner's confirmation against the baseline
-    and every check are unchanged."""
+    both engines interleaved in one fresh stage, and the faster on the paired ratio leads on. A
+    candidate shown slower at screening is left out only where both screenings ran in this run, minutes
+    apart, each over the baseline of its moment; one reused from an earlier run is from another hour.
+    This only picks which candidate the verdict is taken on: the winner's confirmation against the
+    baseline and every check are unchanged."""
     order = sorted(passing, key=lambda a: a.screened["ratio"], reverse=True)
     leader = order[0]
     for rival in order[1:]:
-        if rival.screened["high"] < leader.screened["low"]:
-            continue  # shown slower over the same baseline: nothing for a paired stage to decide
+        if rival.screened["high"] < leader.screened["low"] and not (_reused(rival) or _reused(leader)):
+            continue  # shown slower, both measured this run: nothing for a paired stage to decide
         engines = {"baseline": leader.engines["candidate"], "candidate": rival.engines["candidate"]}
         if not all(p.exists() for p in engines.values()):  # built on different Ray nodes: no process holds both
             leader.ctx.console.print(f"[yellow]runoff[/yellow]: {rival.name} against {leader.name} not run: their "
@@ -239,6 +241,14 @@ def _runoff(passing: list[Arm], shared: Any, policy: GateSection) -> Arm:
         if fig is not None and fig["ratio"] > 1:
             leader = rival
     return leader
+
+
+def _reused(arm: Arm) -> bool:
+    """Whether the stage `arm.screened` came from (its decode benchmark, or load stage) was reused from
+    an earlier run rather than measured by this one."""
+    stage = "load" if objective_phase(arm.ctx.recipe.search.objective) == "rest" else "benchmark"
+    pointer = arm.ctx.run_dir / "stages" / f"{stage}-pair.json"
+    return not pointer.is_file() or bool(read_json(pointer).get("reused"))
 
 
 def _paired(arm: Arm, folder: str, engines: dict[str, Path], shared: Any, policy: GateSection, say: str,

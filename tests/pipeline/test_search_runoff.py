@@ -23,9 +23,13 @@ from kiln.pipeline.search import Arm
 from tests.pipeline.conftest import TINY_RECIPE, kiln
 
 
-def _arm(name: str, ratio: float, low: float, high: float, engine: Path) -> Arm:
+def _arm(name: str, ratio: float, low: float, high: float, engine: Path, reused: bool = False) -> Arm:
+    """An arm whose screening benchmark (stages/benchmark-pair.json) this run measured, or reused."""
     printed: list[str] = []
-    ctx = SimpleNamespace(recipe=SimpleNamespace(search=SimpleNamespace(objective="decode_tok_s")),
+    run_dir = engine.parent / f"run-{name}"
+    (run_dir / "stages").mkdir(parents=True)
+    (run_dir / "stages" / "benchmark-pair.json").write_text(json.dumps({"stage": "benchmark", "reused": reused}))
+    ctx = SimpleNamespace(recipe=SimpleNamespace(search=SimpleNamespace(objective="decode_tok_s")), run_dir=run_dir,
                           console=SimpleNamespace(print=lambda text, **_: printed.append(text)), printed=printed)
     arm = Arm(name, ctx, f"run-{name}")  # type: ignore[arg-type]
     arm.screened = {"ratio": ratio, "low": low, "high": high, "pairs": 8, "confidence": 0.98}
@@ -75,6 +79,28 @@ def test_the_leader_stays_when_the_runoff_shows_it_faster_and_the_next_meets_the
     # by screening a, c, b: c meets a and leads on, then b meets c
     assert paired.met == [("a", "c"), ("c", "b")] and winner.name == "c"
     assert arms[2].runoff["against"] == "a" and arms[1].runoff["against"] == "c" and arms[1].runoff["ratio"] < 1
+
+
+def test_a_screening_reused_from_an_earlier_run_is_not_trusted_to_leave_a_candidate_out(tmp_path, paired):
+    """135M, 2026-12-06 02:30: q8_0's screening (3.47x, reused from 01:58) led q4_1's fresh 2.83x; the
+    machine had slowed by half between. Shown slower or not, a reused figure does not decide alone."""
+    q8, q41, ov = (tmp_path / n for n in ("q8", "q41", "ov"))
+    for p in (q8, q41, ov):
+        p.mkdir()
+    arms = [_arm("q8", 3.47, 3.30, 3.60, q8, reused=True), _arm("q41", 2.83, 2.48, 3.22, q41),
+            _arm("ov", 2.0, 1.9, 2.1, ov)]
+    paired.rates.update({q8: [100.0, 104.0, 98.0], q41: [125.0, 128.0, 121.0], ov: [90.0, 91.0, 92.0]})
+    winner = search._runoff(arms, shared={}, policy=SimpleNamespace(confidence=0.98))
+    # ov is shown slower than q8 only by q8's reused figure: it meets q8, then q41 leads; ov and q41
+    # both measured this run, ov shown slower: left out
+    assert paired.met == [("q8", "q41")] and winner.name == "q41", paired.met
+    fresh = [_arm("a", 3.0, 2.9, 3.1, tmp_path / "a"), _arm("b", 2.0, 1.9, 2.1, tmp_path / "b", reused=True)]
+    for arm in fresh:
+        arm.engines["candidate"].mkdir()
+    paired.met.clear()
+    paired.rates.update({tmp_path / "a": [3.0, 3.1], tmp_path / "b": [2.0, 2.1]})
+    assert search._runoff(fresh, shared={}, policy=SimpleNamespace(confidence=0.98)).name == "a"
+    assert paired.met == [("a", "b")]  # b's reused figure shows it slower: measured beside a anyway
 
 
 def test_engines_on_other_machines_are_picked_by_screening_and_said_so(tmp_path, paired):
@@ -137,10 +163,12 @@ def test_two_passing_candidates_meet_in_a_fresh_interleaved_stage(runoff_run):
     assert logged.data.metrics["runoff_speedup.ratio"] == pytest.approx(fig["ratio"])
     # keyed by this run (its candidate's MLflow run), so never reused; not the confirmation's held-out prompts
     assert inputs["fresh"] == {"run": logged.info.run_id} and "confirmation" not in inputs
-    # both candidates' engines, neither the baseline's, on the prompts the screening ran
+    # both candidates' engines, neither the baseline's, on the prompts the screening ran (the winner's
+    # benchmark-pair is now its confirmation, on held-out prompts: the other's is its screening)
     _, screening = _stage(run_dir / "candidates" / rival["name"] / "stages" / "benchmark-pair.json")
-    assert inputs["prompts"] == screening["inputs"]["prompts"]
     _, theirs = _stage(run_dir / "candidates" / leader["name"] / "stages" / "benchmark-pair.json")
+    [screened] = [m for m in (screening, theirs) if "confirmation" not in m["inputs"]]
+    assert inputs["prompts"] == screened["inputs"]["prompts"]
     assert inputs["engines"] == {"baseline": theirs["inputs"]["engines"]["candidate"],
                                  "candidate": screening["inputs"]["engines"]["candidate"]}
     assert len(set(inputs["engines"].values())) == 2
