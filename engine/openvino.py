@@ -110,15 +110,14 @@ class OpenVINOBackend(EngineBackend):
         import openvino as ov
 
         from kiln.engine.hf_torch import check_checkpoint
-        from kiln.engine.openvino_export import export, load_hf_llama, release
+        from kiln.engine.openvino_export import export, load_hf_llama, tracing
 
         check_checkpoint(checkpoint)
         cfg: OpenVINOConfig = self.config  # type: ignore[assignment]
-        # int8/int4 from a 16-bit checkpoint: the weights are held once, as stored (openvino_export.py)
-        hf = load_hf_llama(checkpoint, float32=cfg.weights == "fp32")
-        max_positions = hf.config.max_position_embeddings
         started = time.perf_counter()
-        try:
+        # int8/int4 from a 16-bit checkpoint: the weights are held once, as stored (openvino_export.py)
+        with tracing(load_hf_llama(checkpoint, float32=cfg.weights == "fp32")) as hf:
+            max_positions = hf.config.max_position_embeddings
             # The weights torch mapped from the checkpoint are read once, as each is traced and compressed:
             # dropped behind (nothing writes them), the build holds NNCF's output and the weight in hand,
             # not the checkpoint beside them (1B int8: peak 4.15 -> 3.38 GiB, docs/engines.md).
@@ -127,8 +126,6 @@ class OpenVINOBackend(EngineBackend):
                 out_dir.mkdir(parents=True, exist_ok=True)
                 ov.save_model(model, out_dir / IR, compress_to_fp16=False)
                 del model  # its constants point into hf's weights: gone before they are
-        finally:
-            release(hf)
         keep_checkpoint_files(checkpoint, out_dir)
         return {"format": "openvino-ir", "precision": cfg.weights,
                 "weight_bytes": (out_dir / "openvino_model.bin").stat().st_size,

@@ -179,3 +179,38 @@ def test_the_build_drops_the_checkpoint_behind_and_writes_the_same_ir(bf16_dir, 
     assert dropped and min(dropped) >= 1  # the shard's copy-on-write mappings, released
     monkeypatch.setattr(mapped_pages, "unwritten", lambda *paths: frozenset())  # as before: nothing dropped
     assert ir(tmp_path / "b") == with_drop
+
+
+def _traced_type(hf):
+    """The TorchScript type the trace of hf's graph registers in torch's global compilation unit."""
+    import torch
+
+    return torch.jit._state._python_cu.get_class("__torch__.kiln.engine.openvino_export.Graph")
+
+
+def test_the_export_leaves_no_torchscript_behind(bf16_dir):
+    """torch.jit.trace compiles the traced graph into torch's global compilation unit, which keeps it for
+    the life of the process (70 MiB at 135M, through every later stage): `tracing` clears it after."""
+    from kiln.engine.openvino_export import load_hf_llama, trace, tracing
+
+    with tracing(load_hf_llama(bf16_dir)) as hf:
+        model = trace(hf)
+        assert _traced_type(hf) is not None  # the name this test looks for is the one the trace registers
+        del model
+    assert _traced_type(hf) is None
+
+
+def test_the_export_leaves_torchscript_in_use_alone(bf16_dir):
+    """A script module alive in the process before the export keeps its compilation unit: cleared, its
+    methods would be gone."""
+    import torch
+
+    from kiln.engine.openvino_export import load_hf_llama, trace, tracing
+
+    linear = torch.nn.Linear(4, 2)
+    scripted = torch.jit.script(linear)
+    with tracing(load_hf_llama(bf16_dir)) as hf:
+        trace(hf)
+    assert _traced_type(hf) is not None
+    x = torch.ones(1, 4)
+    assert torch.equal(scripted(x), linear(x))  # its compiled forward still runs
