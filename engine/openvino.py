@@ -10,13 +10,13 @@ the two is created on first use only (a quality stage only scores, a benchmark o
 its first inference, where the CPU plugin repacks the weights it maps from the IR's `.bin`, runs
 under `drop_behind` (mapped_pages.py): the mapped pages are not held beside the repacked copy (1B
 int8 scorer: peak 2.72 -> 1.57 GiB, measured); the pipeline's is a one-token warm-up as it is made.
+Every scoring inference runs under it too: a batch of a new shape reads the weights again.
 
 Everything installs from PyPI into kiln's own environment (pins in docs/engines.md).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
 import time
@@ -259,13 +259,15 @@ class OpenVINOEngine(Engine):
         import numpy as np
         import openvino as ov
 
-        first = self._scorer is None
-        if first:
+        if self._scorer is None:
             props = {k: v for k, v in self._properties().items() if k != "KV_CACHE_PRECISION"}
             self._scorer = ov.Core().compile_model(str(self.engine_dir / IR), "CPU", props).create_infer_request()
         ids, mask = full_logits.right_padded(seqs, self.tokenizer.pad_token_id or 0)
         self._scorer.reset_state()  # no KV carried over from the previous batch
-        with drop_behind(self.engine_dir / WEIGHTS) if first else contextlib.nullcontext():
+        # The CPU plugin repacks the weights it maps from the .bin at the first inference, and reads them again
+        # for a batch of a new shape (135M: the whole file resident again beside the repacked copy, after a
+        # batch of 4 followed one of 1): each inference drops them behind.
+        with drop_behind(self.engine_dir / WEIGHTS):
             out = self._scorer.infer({"input_ids": ids, "attention_mask": mask,
                                       "position_ids": np.broadcast_to(np.arange(ids.shape[1]), ids.shape).copy(),
                                       "beam_idx": np.arange(len(seqs), dtype=np.int32)})

@@ -78,8 +78,8 @@ def test_llama_cpp_holds_no_mapped_copy_after_load(tiny_model_dir, tmp_path, tor
 
 
 def test_openvino_int8_drops_its_mapped_weights_after_the_repack(tiny_model_dir, tmp_path, torch_engine):
-    """OpenVINO's CPU plugin repacks the int8 weights it maps from the IR's .bin at the first inference:
-    when the scorer's first batch ends none of the .bin is resident (1B: the scorer's peak 2.72 ->
+    """OpenVINO's CPU plugin repacks the int8 weights it maps from the IR's .bin at the first inference,
+    and reads them again for a batch of a new shape: when a scoring batch ends none of the .bin is resident (1B: the scorer's peak 2.72 ->
     1.57 GiB, bench). What later inferences read in place comes back (here the tied embedding, most of
     this tiny model's file); the answers do not change, and scoring builds no generation pipeline."""
     import pytest
@@ -96,6 +96,10 @@ def test_openvino_int8_drops_its_mapped_weights_after_the_repack(tiny_model_dir,
         assert resident(weights) < 0.05 * weights.stat().st_size, (resident(weights), weights.stat().st_size)
         assert engine._pipeline is None  # a quality stage builds no generation pipeline
         assert engine.score(pairs) == first
+        # a batch of another shape: the CPU plugin reads the .bin again as it prepares the weights for it
+        # (135M, a batch of 4 after one of 1: the whole file resident again, 123 of 141 MiB)
+        assert engine.score(pairs[:1]) == first[:1]
+        assert resident(weights) < 0.05 * weights.stat().st_size, (resident(weights), weights.stat().st_size)
         ps = parity.prompts(torch_engine.tokenizer, 3)
         got = parity.greedy(engine, ps, 6)
         assert parity.greedy(engine, ps, 6) == got
