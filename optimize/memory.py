@@ -29,7 +29,8 @@ RUNTIME_BYTES = {"torch + transformers": 467 << 20, "torch + transformers + gptq
                  # ... and when a quality or benchmark stage starts: what the engine stages left loaded (the
                  # libraries of OpenVINO's export, NNCF's among them, and transformers' model code, kept once
                  # imported), the evaluation text's token ids: 0.83 GiB at 135M, 0.89 at 1B, 1.08 at 3B
-                 # (bench/scale.py, 2026-12-05).
+                 # (bench/scale.py, 2026-12-05). A build stage after OpenVINO's export in the same process
+                 # starts there too: 0.88-0.89 GiB at 135M (2026-12-06), against 0.26-0.71 before it.
                  "kiln run, evaluating": 920 << 20}
 # engine/hf_torch.py TorchEngineConfig.score_batch_tokens' default: padded tokens per scoring pass.
 SCORE_BATCH_TOKENS = 4096
@@ -222,9 +223,11 @@ def plan_memory(model_config: dict[str, Any], method_config: Any = None, *, cont
 def with_pipeline_steps(plan: MemoryPlan, model_config: dict[str, Any], baseline: MemoryPlan | None, *,
                         reference: str | None, export: str | None = None, torch_dtype: str | None = None,
                         score_tokens: int = SCORE_BATCH_TOKENS, held: tuple[Component, ...] = (),
-                        scoring: tuple[Component, ...] = (), compared: tuple[Component, ...] | None = None) -> MemoryPlan:
+                        scoring: tuple[Component, ...] = (), compared: tuple[Component, ...] | None = None,
+                        after_export: bool = False) -> MemoryPlan:
     """`plan` (one arm's quantize and serve steps) with the steps a `kiln run` adds, each what kiln's
-    process (its runtime: "kiln run", measured; "kiln run, evaluating" from the quality stages on) and
+    process (its runtime: "kiln run", measured; "kiln run, evaluating" from the quality stages on, and
+    for the build steps too where an OpenVINO export ran earlier in the process: `after_export`) and
     its children hold at once (bench/scale.py measures them at 135M, 1B, 3B and 8B):
 
     - reference: the parity smoke check's torch reference, in the dtype `reference` names (None:
@@ -246,7 +249,7 @@ def with_pipeline_steps(plan: MemoryPlan, model_config: dict[str, Any], baseline
     """
     shapes = DecoderShapes.from_config(model_config)
     serve = next(s for s in plan.steps if s.step == "serve").components[0]
-    run = runtime("kiln run")
+    run = runtime("kiln run, evaluating" if after_export else "kiln run")
     bare = runtime("torch + transformers")  # kiln's own process in a quantize step is a run's, not a bare import
     steps = [StepPlan(s.step, tuple(run if c == bare else c for c in s.components)) if s.step == "quantize" else s
              for s in plan.steps]

@@ -33,7 +33,7 @@ def arm_plans(recipe: Any, config: dict[str, Any], *, context: int, batch: int =
     arms = recipe.arms()
     base_engine = _baseline_engine(recipe)
 
-    def plan(method: Any, engine: Any, baseline: MemoryPlan | None = None) -> MemoryPlan:
+    def plan(method: Any, engine: Any, baseline: MemoryPlan | None = None, after_export: bool = False) -> MemoryPlan:
         dtype = _torch_dtype(engine, config)
         compressed = {"int8": "int8", "fp32": "float32"}.get(getattr(engine, "weights", "")) \
             if engine.backend == "openvino" else None  # OpenVINO compresses the checkpoint as it builds
@@ -50,12 +50,16 @@ def arm_plans(recipe: Any, config: dict[str, Any], *, context: int, batch: int =
                                    # the parity check generates, hands the pipeline back, then scores
                                    held=larger(b.generating, b.scoring),
                                    scoring=b.scoring + generates,
-                                   compared=b.generating + (b.both if q.agreement else ()))
+                                   compared=b.generating + (b.both if q.agreement else ()),
+                                   after_export=after_export)
 
     base = plan(None, base_engine)
     plans = {"baseline": (f"none → {base_engine.backend}", base)}
-    plans |= {name: (f"{arm.optimize.method} → {arm.engine.backend}", plan(arm.optimize, arm.engine, base))
-              for name, arm in arms}
+    exported = False  # the arms build in the recipe's order, in one process: what OpenVINO's export loads stays
+    for name, arm in arms:
+        plans[name] = (f"{arm.optimize.method} → {arm.engine.backend}",
+                       plan(arm.optimize, arm.engine, base, after_export=exported))
+        exported |= arm.engine.backend == "openvino"
     fields = ({c.name: f"candidates.{i}" for i, c in enumerate(recipe.candidates)} if recipe.candidates is not None
               else {"candidate": "optimize"})
     return plans, fields

@@ -167,3 +167,28 @@ def test_kiln_run_refuses_before_loading_anything(search):
     assert "memory: 4 of 4 arms do not fit" in err and "the benchmark step needs" in err
     stages = list((work / "runs").glob("*/stages/*"))
     assert stages == [], stages
+
+
+def test_an_arm_built_after_openvinos_export_is_planned_from_where_it_leaves_kilns_process(search):
+    """The arms build in the recipe's order in one process, and what OpenVINO's export loads stays
+    (0.88-0.89 GiB at the start of the build stages after it at 135M, 0.26-0.71 before): an arm listed
+    after an OpenVINO arm plans its build steps from kiln's process as the quality stages find it."""
+    from kiln.optimize.memory import RUNTIME_BYTES
+    from kiln.pipeline.memory_plan import arm_plans
+    from kiln.pipeline.recipe import load_recipe
+
+    recipe = load_recipe(search / "search.yaml")  # q8, int8, ov
+    reordered = recipe.model_copy(update={"candidates": [recipe.candidates[2], *recipe.candidates[:2]]})  # ov first
+
+    def steps(r, arm: str) -> dict[str, float]:
+        plans, _ = arm_plans(r, LLAMA_31_8B, context=4096)
+        return {s.step: s.total for s in plans[arm][1].steps}
+
+    grown = RUNTIME_BYTES["kiln run, evaluating"] - RUNTIME_BYTES["kiln run"]
+    for arm in ("q8", "int8"):
+        before, after = steps(recipe, arm), steps(reordered, arm)
+        for step in ("quantize", "reference", "engine"):
+            if step in before:
+                assert after[step] == before[step] + grown, (arm, step)
+        assert after["quality"] == before["quality"] and after["benchmark"] == before["benchmark"]
+    assert steps(reordered, "ov") == steps(recipe, "ov")  # nothing exported before it in either order
