@@ -114,10 +114,10 @@ class OpenVINOBackend(EngineBackend):
 
         check_checkpoint(checkpoint)
         cfg: OpenVINOConfig = self.config  # type: ignore[assignment]
-        started = time.perf_counter()
         # int8/int4 from a 16-bit checkpoint: the weights are held once, as stored (openvino_export.py)
         with tracing(load_hf_llama(checkpoint, float32=cfg.weights == "fp32")) as hf:
             max_positions = hf.config.max_position_embeddings
+            started = time.perf_counter()
             # The weights torch mapped from the checkpoint are read once, as each is traced and compressed:
             # dropped behind (nothing writes them), the build holds NNCF's output and the weight in hand,
             # not the checkpoint beside them (1B int8: peak 4.15 -> 3.38 GiB, docs/engines.md).
