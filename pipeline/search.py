@@ -141,7 +141,8 @@ def run_search(ctx: RunContext, model: Any) -> tuple[Arm | None, list[Arm], Gate
             for arm, job in jobs:
                 executor.finish(arm, job)
                 _screen(arm, phase, policy, recipe.search.objective)
-                ctx.console.print(f"  {arm.name}: {arm.eliminated or 'passes every check so far'}", markup=False)
+                ctx.console.print(f"  {arm.name}: {arm.eliminated or f'passes every check after its {phase} stages'}",
+                                  markup=False)
         winner = _final(arms, shared, executor, policy)
         executor.bring_back(shown(arms, winner))  # the report registers its artifact
     finally:
