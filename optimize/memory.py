@@ -225,10 +225,9 @@ def with_pipeline_steps(plan: MemoryPlan, model_config: dict[str, Any], baseline
                         score_tokens: int = SCORE_BATCH_TOKENS, held: tuple[Component, ...] = (),
                         scoring: tuple[Component, ...] = (), compared: tuple[Component, ...] | None = None,
                         after_export: bool = False) -> MemoryPlan:
-    """`plan` (one arm's quantize and serve steps) with the steps a `kiln run` adds, each what kiln's
-    process (its runtime: "kiln run", measured; "kiln run, evaluating" from the quality stages on, and
-    for the build steps too where an OpenVINO export ran earlier in the process: `after_export`) and
-    its children hold at once (bench/scale.py measures them at 135M, 1B, 3B and 8B):
+    """`plan` (one arm's quantize and serve steps) with the steps a `kiln run` adds, each what kiln's process
+    (its runtime, measured: "kiln run, evaluating" from the quality stages on, and from the start where an
+    OpenVINO export ran before in the process, `after_export`) and its children hold at once:
 
     - reference: the parity smoke check's torch reference, in the dtype `reference` names (None:
       the engine is its own reference), loaded and freed before the engine loads; while it loads
@@ -242,11 +241,9 @@ def with_pipeline_steps(plan: MemoryPlan, model_config: dict[str, Any], baseline
       released first) and its scoring buffers: an arm on torch (`torch_dtype`) scores `score_tokens`
       positions a pass, whose logits it holds in its dtype and again in float32; another backend's
       are the caller's `scoring` (what it holds while it scores: its own context, its logits);
-    - benchmark: the stages that set the arm beside the baseline (the decode benchmark, token
-      agreement, the served text, the load stage) hold both engines in one process, the arm's with
-      what it allocates there (`compared`; default `held`; agreement's logits, one document's at a
-      time, are not counted: small beside the weights).
-    """
+    - benchmark: the stages that set the arm beside the baseline (the decode benchmark, token agreement,
+      the served text, the load stage) hold both engines in one process, the arm's with what it allocates
+      there (`compared`; default `held`; agreement's logits, a document's at a time, are not counted)."""
     shapes = DecoderShapes.from_config(model_config)
     serve = next(s for s in plan.steps if s.step == "serve").components[0]
     run = runtime("kiln run, evaluating" if after_export else "kiln run")
