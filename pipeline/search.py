@@ -121,6 +121,11 @@ def speedup(evidence: dict[str, Evidence], objective: str, confidence: float) ->
     return {"ratio": mean, "low": lo, "high": hi, "pairs": n, "confidence": confidence}
 
 
+# What each phase is called on the console, as a user reads it.
+SAID = {"build": "its build", "quality": "perplexity", "agreement": "token agreement", "speed": "the decode benchmark",
+        "rest": "the served text, lm-eval tasks and load stage"}
+
+
 def run_search(ctx: RunContext, model: Any) -> tuple[Arm | None, list[Arm], GateSection]:
     """Every candidate through the phases, breadth first (all builds, then all cheap checks, …),
     each judged at the family's confidence; the winner's speed measured again, fresh."""
@@ -141,7 +146,7 @@ def run_search(ctx: RunContext, model: Any) -> tuple[Arm | None, list[Arm], Gate
             for arm, job in jobs:
                 executor.finish(arm, job)
                 _screen(arm, phase, policy, recipe.search.objective)
-                ctx.console.print(f"  {arm.name}: {arm.eliminated or f'passes every check after its {phase} stages'}",
+                ctx.console.print(f"  {arm.name}: {arm.eliminated or f'passes every check up to {SAID[phase]}'}",
                                   markup=False)
         winner = _final(arms, shared, executor, policy)
         executor.bring_back(shown(arms, winner))  # the report registers its artifact

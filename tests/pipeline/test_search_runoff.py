@@ -183,3 +183,11 @@ def test_a_rerun_measures_the_runoff_again(runoff_run):
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     computed = [line for line in second.stdout.splitlines() if "▶" in line and "benchmark[pair]" in line]
     assert len(computed) == 2, computed  # the runoff and the winner's confirmation; the screenings reused
+
+
+def test_every_phase_has_the_words_the_console_says_it_with():
+    """The line after each phase names it (`SAID`): a phase added without words would stop the search."""
+    from kiln.pipeline.phases import PHASES
+    from kiln.pipeline.search import SAID
+
+    assert set(SAID) == set(PHASES)
