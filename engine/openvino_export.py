@@ -184,7 +184,7 @@ def export(hf, weights: str, group_size: int):
 
 def trace(hf):
     """The stateful OpenVINO model of `hf`, its weights in hf's own memory (shared, not copied: OpenVINO's
-    constants hold no reference to it, so hf must outlive the model; `release` frees it after)."""
+    constants hold no reference to it, so hf must outlive the model; `tracing` frees it after)."""
     import openvino as ov
     import torch
 
