@@ -230,7 +230,7 @@ def tracing(hf):
 
 
 def _torchscript_unused() -> bool:
-    """Whether this process holds no TorchScript a clear of torch's global compilation unit would break:
+    """Whether this process holds no TorchScript a clear of torch's global compilation unit could reach:
     no script module alive, no scripted class or module type cached for reuse."""
     import torch
 
