@@ -59,6 +59,7 @@ def check_checkpoint(path: Path) -> None:
 @BACKENDS.register("torch", TorchEngineConfig)
 class TorchBackend(EngineBackend):
     libraries: ClassVar[tuple[str, ...]] = ("torch", "transformers", "gptqmodel", "optimum", "torchao")
+    revision: ClassVar[int] = 1  # 1: bfloat16 products of many rows in float32 where the CPU lacks bf16 (torch_bf16)
 
     def build(self, checkpoint: Path, out_dir: Path) -> dict[str, Any]:
         check_checkpoint(checkpoint)
@@ -98,6 +99,8 @@ class TorchEngine(Engine):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from kiln.engine.torch_bf16 import lacks_bf16_instructions, widen
+
         checkpoint = Path(checkpoint)
         check_checkpoint(checkpoint)
         if config.threads:
@@ -110,6 +113,8 @@ class TorchEngine(Engine):
         self.model = AutoModelForCausalLM.from_pretrained(
             checkpoint, dtype=dtype, use_safetensors=True, trust_remote_code=config.trust_remote_code
         ).eval()
+        if lacks_bf16_instructions():
+            widen(self.model)  # bfloat16 prefill and scoring in float32 (engine/torch_bf16.py)
         notice = slow_kernel_notice(self.model.config.to_dict(), torch.cuda.is_available())
         if notice:
             logging.getLogger("kiln").warning("%s: %s", checkpoint, notice)

@@ -46,10 +46,10 @@ def test_key_changes_with_every_input(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(cache, "hardware_fingerprint", lambda: {"cpu": {"model": "other", "isa": []}, "gpus": []})
     assert build_engine(TorchEngineConfig(), tiny_model_dir, "sha-a", tmp_path) != base
     monkeypatch.undo()
-    # The backend's revision (its adapter's behaviour changed): a new key; revision 0 is the old key.
+    # The backend's revision (its adapter's behaviour changed): a new key; the revision it had is the old key.
     from kiln.engine.hf_torch import TorchBackend
 
-    monkeypatch.setattr(TorchBackend, "revision", 1)
+    monkeypatch.setattr(TorchBackend, "revision", TorchBackend.revision + 1)
     revised = build_engine(TorchEngineConfig(), tiny_model_dir, "sha-a", tmp_path)
     assert revised != base and read_manifest(revised)["key"] == revised.name
     monkeypatch.undo()
