@@ -81,6 +81,7 @@ class RunContext:
     parent_run: str
     console: Any
     fresh: set[str] = field(default_factory=set)
+    made: set[str] = field(default_factory=set)  # stage keys computed in this run: `fresh` recomputes each once
     outcomes: dict[str, StageOutcome] = field(default_factory=dict)
     arm: str = ""  # a search's candidate: names it in every stage's label
     gate: Any = None  # the policy the verdict is judged at (a search's family policy); None: recipe.gate
@@ -137,6 +138,7 @@ def run_stage(ctx: RunContext, stage: str, role: str, inputs: dict[str, Any],
                 ctx.console.print(f"[dim]✓ {escape(label)}: unchanged inputs, reusing {key[:12]}{where}[/dim]")
             else:
                 _compute(ctx, label, key, inputs, compute, path)
+                ctx.made.add(key)
             ctx.holds.hold(stage_use(ctx.cache, stage, key))  # before the lock goes: no prune in between
         result = _log_stage(ctx, run_id, stage, inputs, path, reused, source_run, None if portable else artifacts)
         ctx.tracker.end(run_id)
@@ -177,8 +179,10 @@ def _memory_of_older_stage(stage: str, manifest: dict[str, Any]) -> dict[str, An
 
 def _reuse(ctx: RunContext, stage: str, key: str, path: Path, portable: bool) -> tuple[bool, str | None]:
     """Whether a finished copy of the stage exists (here, or for a portable stage on the tracking
-    server, fetched into the cache now), and the MLflow run it came from if fetched."""
-    if stage in ctx.fresh or "all" in ctx.fresh:
+    server, fetched into the cache now), and the MLflow run it came from if fetched. A stage to be
+    measured again (`fresh`) is computed once in this run: a search's arms that share it (the
+    baseline's engine and quality stages) reuse what the first computed."""
+    if (stage in ctx.fresh or "all" in ctx.fresh) and key not in ctx.made:
         return False, None
     if (path / RESULT).exists():
         return True, None

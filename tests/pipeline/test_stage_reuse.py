@@ -67,3 +67,26 @@ def test_a_run_whose_engine_folder_was_deleted_builds_it_again(tmp_path, tiny_mo
     stages = {p.stem: json.loads(p.read_text()) for p in (newest / "stages").glob("*.json")}
     assert not stages["engine-candidate"]["reused"] and stages["optimize-candidate"]["reused"]
     assert all((e / "kiln-engine.json").is_file() for e in engines)
+
+
+def test_fresh_computes_a_stage_once_per_run_and_its_arms_share_it(tmp_path):
+    """`kiln run --fresh all` on a search: every arm asks for the baseline's quality stage (one key);
+    the run computes it once, even where a finished copy from an earlier run exists, and each arm's
+    context (a copy of the run's) reuses that. A second run with `--fresh` computes it once again."""
+    from dataclasses import replace
+
+    calls = []
+
+    def compute(out: Path) -> dict:
+        calls.append(out)
+        return {"metrics": {}}
+
+    console = Console(record=True, width=200)
+    run_stage(_ctx(tmp_path, console), "quality", "baseline", {"x": 1}, compute)  # an earlier run's copy
+    for _ in range(2):
+        run = replace(_ctx(tmp_path, console), fresh={"all"})
+        arms = [replace(run, arm=name, outcomes={}) for name in ("q8_0", "q4_K_M", "openvino")]
+        outcomes = [run_stage(arm, "quality", "baseline", {"x": 1}, compute) for arm in arms]
+        assert [o.reused for o in outcomes] == [False, True, True]
+        assert run_stage(arms[0], "quality", "candidate", {"x": 2}, compute).reused is False
+    assert len(calls) == 1 + 2 * 2
