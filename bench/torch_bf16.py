@@ -87,7 +87,8 @@ def main() -> None:
     from kiln.evaluate import contention
 
     engine = TorchEngine(args.model, TorchEngineConfig(dtype="bfloat16", threads=args.threads))
-    ids = torch.randint(0, engine.vocab_size, (args.score_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    seeded = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, engine.vocab_size, (args.score_tokens,), generator=seeded).tolist()
     load_start, busy_start = os.getloadavg(), contention.read()
     runs: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
     for r in range(args.rounds):
