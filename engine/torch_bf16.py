@@ -4,8 +4,9 @@ Where the CPU has no bfloat16 arithmetic (no AVX512-BF16 or AMX: AMD Zen 2 and 3
 before Sapphire Rapids), torch multiplies bfloat16 matrices in a generic kernel. On an AMD EPYC
 (Zen 2, 2 threads) a 4096x4096 product of 256 rows ran at 16 GFLOPS in bfloat16 against ~90 in
 float32, and the 1B baseline's engine stage took 202.6 s against 8.8 s on a Xeon with AMX: prefill
-and scoring, which multiply many rows at once, are compute-bound there. Decoding a few rows reads every weight once per step and stays
-bandwidth-bound, where bfloat16's half-size weights win (a one-row product 3.0 ms, 10.4 widened).
+and scoring, which multiply many rows at once, are compute-bound there. Decoding a few rows reads
+every weight once per step and stays bandwidth-bound, where bfloat16's half-size weights win (a
+one-row product 3.0 ms, 10.4 widened).
 
 `widen` makes each bfloat16 `nn.Linear` of a loaded model multiply `WIDE_ROWS` rows or more in
 float32: its weight converted `BLOCK_BYTES` at a time (a block stays in cache while its product
