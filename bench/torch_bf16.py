@@ -95,7 +95,8 @@ def main() -> None:
         for variant in VARIANTS if r % 2 == 0 else reversed(VARIANTS):
             switch(engine.model, variant)
             runs[variant].append(measure(engine, ids, args))
-            print(f"round {r} {variant}: " + ", ".join(f"{k} {v:.3f}" for k, v in runs[variant][-1].items()), flush=True)
+            figures = ", ".join(f"{k} {v:.3f}" for k, v in runs[variant][-1].items())
+            print(f"round {r} {variant}: {figures}", flush=True)
     busy = contention.between(busy_start, contention.read())
     rows = {v: {k: spread([run[k] for run in runs[v]]) for k in FIGURES} for v in VARIANTS}
     atomic_write_json(args.out, {
