@@ -80,8 +80,9 @@ def test_llama_cpp_holds_no_mapped_copy_after_load(tiny_model_dir, tmp_path, tor
 def test_openvino_int8_drops_its_mapped_weights_after_the_repack(tiny_model_dir, tmp_path, torch_engine):
     """OpenVINO's CPU plugin repacks the int8 weights it maps from the IR's .bin at the first inference,
     and reads them again for a batch of a new shape: when a scoring batch ends none of the .bin is
-    resident (1B: the scorer's peak 2.72 -> 1.57 GiB, bench). What later inferences read in place comes back (here the tied embedding, most of
-    this tiny model's file); the answers do not change, and scoring builds no generation pipeline."""
+    resident (1B: the scorer's peak 2.72 -> 1.57 GiB, bench). What later inferences read in place comes
+    back (here the tied embedding, most of this tiny model's file); the answers do not change, and
+    scoring builds no generation pipeline."""
     import pytest
 
     pytest.importorskip("openvino_genai")
