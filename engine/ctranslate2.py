@@ -51,7 +51,8 @@ class CTranslate2Config(EngineConfig):
     quantization: Literal["float32", "int8_float32", "int8", "int16", "bfloat16"] = "int8_float32"
     threads: int | None = Field(None, ge=1, description="intra_threads; None: all cores")
     max_batch_size: int = Field(16, ge=1, description="sequences started together in one cohort")
-    score_batch_tokens: int = Field(4096, ge=1, description="padded tokens per scoring forward pass")
+    score_batch_tokens: int = Field(4096, ge=1, description="padded tokens per scoring forward pass, fewer where "
+                                    "their float32 logits would pass 64 MiB")
 
 
 @BACKENDS.register("ctranslate2", CTranslate2Config)
@@ -269,10 +270,12 @@ class CTranslate2Engine(Engine):
         return [out[i, : len(s)] for i, s in enumerate(seqs)]
 
     def score(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[Score]:
-        return full_logits.scores(pairs, self._logits, self.config.score_batch_tokens)
+        return full_logits.scores(pairs, self._logits, full_logits.token_budget(self.config.score_batch_tokens,
+                                                                                  len(self.vocab)))
 
     def next_token_logprobs(self, ids: Sequence[list[int]]) -> list[Any]:
-        return full_logits.next_token_logprobs(ids, self._logits, self.config.score_batch_tokens)
+        return full_logits.next_token_logprobs(ids, self._logits, full_logits.token_budget(
+            self.config.score_batch_tokens, len(self.vocab)))
 
     def close(self) -> None:
         for s in self._cohort.seqs if self._cohort else []:

@@ -67,7 +67,8 @@ class OpenVINOConfig(EngineConfig):
     kv_cache_gib: int = Field(1, ge=1, description="paged KV cache size")
     max_batch_size: int = Field(16, ge=1, description="sequences decoded together; the rest wait")
     max_batched_tokens: int = Field(2048, ge=16, description="tokens per step (long prompts are chunked)")
-    score_batch_tokens: int = Field(4096, ge=1, description="padded tokens per scoring forward pass")
+    score_batch_tokens: int = Field(4096, ge=1, description="padded tokens per scoring forward pass, fewer where "
+                                    "their float32 logits would pass 64 MiB")
 
     @model_validator(mode="after")
     def _bf16_cache(self) -> OpenVINOConfig:
@@ -138,6 +139,14 @@ class OpenVINOBackend(EngineBackend):
         return OpenVINOEngine(engine_dir, config, manifest["build"].get("max_positions"))
 
 
+def model_vocab(engine_dir: Path, tokenizer) -> int:
+    """The width of the model's logits: config.json's vocab_size (the embedding's rows, which may pass the
+    tokenizer's), else the tokenizer's."""
+    path = engine_dir / "config.json"
+    vocab = json.loads(path.read_text()).get("vocab_size") if path.is_file() else None
+    return int(vocab or len(tokenizer))
+
+
 def eos_ids_of(engine_dir: Path, tokenizer) -> frozenset[int]:
     path = engine_dir / "generation_config.json"
     eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
@@ -162,6 +171,8 @@ class OpenVINOEngine(Engine):
         self._next_id = 0
         self._scorer = None  # compiled plain IR, made on first score/next_token_logprobs
         self._scored_shapes: set[tuple[int, ...]] = set()  # batch shapes the scorer has prepared its weights for
+        self.vocab = model_vocab(engine_dir, self.tokenizer)
+        self.score_budget = full_logits.token_budget(config.score_batch_tokens, self.vocab)
 
     @property
     def _pipe(self) -> Any:
@@ -265,7 +276,12 @@ class OpenVINOEngine(Engine):
             props = {k: v for k, v in self._properties().items() if k != "KV_CACHE_PRECISION"}
             self._scorer = ov.Core().compile_model(str(self.engine_dir / IR), "CPU", props).create_infer_request()
             self._scored_shapes = set()
-        ids, mask = full_logits.right_padded(seqs, self.tokenizer.pad_token_id or 0)
+        # A batch of one row runs other kernels in the CPU plugin, which repack the weights a second time and
+        # keep both (int8: +100 MiB at 135M, +66 MiB at 1B, to the stage's end; perplexity's last batch is
+        # often one document): after batches of several rows, a lone sequence is scored beside a copy of itself.
+        one_row_ready = any(shape[0] == 1 for shape in self._scored_shapes)
+        rows = seqs * 2 if len(seqs) == 1 and self._scored_shapes and not one_row_ready else seqs
+        ids, mask = full_logits.right_padded(rows, self.tokenizer.pad_token_id or 0)
         self._scorer.reset_state()  # no KV carried over from the previous batch
         # The CPU plugin repacks the weights it maps from the .bin at the first inference, and reads them again
         # for a batch of a new shape (135M: the whole file resident again beside the repacked copy, after a
@@ -276,16 +292,16 @@ class OpenVINOEngine(Engine):
         with drop_behind(self.engine_dir / WEIGHTS) if new_shape else contextlib.nullcontext():
             out = self._scorer.infer({"input_ids": ids, "attention_mask": mask,
                                       "position_ids": np.broadcast_to(np.arange(ids.shape[1]), ids.shape).copy(),
-                                      "beam_idx": np.arange(len(seqs), dtype=np.int32)})
+                                      "beam_idx": np.arange(len(rows), dtype=np.int32)})
         logits = out["logits"]  # the infer request's own buffer, [batch, width, vocab], kept between calls
         # a sequence's copy at a time, as the caller reads them out: not the batch's again beside the buffer
         return (np.array(logits[i, : len(s)]) for i, s in enumerate(seqs))
 
     def score(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[Score]:
-        return full_logits.scores(pairs, self._logits, self.config.score_batch_tokens)
+        return full_logits.scores(pairs, self._logits, self.score_budget)
 
     def next_token_logprobs(self, ids: Sequence[list[int]]) -> list[Any]:
-        return full_logits.next_token_logprobs(ids, self._logits, self.config.score_batch_tokens)
+        return full_logits.next_token_logprobs(ids, self._logits, self.score_budget)
 
     def release_generation(self) -> None:
         """The pipeline's compiled model and KV cache, freed: a stage that generates and then scores (the

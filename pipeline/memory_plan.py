@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from kiln.engine.full_logits import token_budget
 from kiln.engine.llama_cpp_scoring import SCORING_ROWS
 from kiln.evaluate import parity
 from kiln.evaluate.quality.perplexity import BATCH
@@ -108,7 +109,8 @@ def _buffers(engine: Any, config: dict[str, Any], scored: int, longest: int, wei
     if engine.backend == "torch":
         return Buffers((), (), ())
     shapes = DecoderShapes.from_config(config)
-    kept = longest if engine.backend == "llama_cpp" else scored  # a sequence at a time, or a call's batch
+    # a sequence at a time, or a call's batch, which OpenVINO and CTranslate2 keep within a logits budget
+    kept = longest if engine.backend == "llama_cpp" else max(longest, token_budget(scored, shapes.vocab))
     what = "a sequence's logits and log-probs" if engine.backend == "llama_cpp" else "the batch's and a sequence's log-probs"
     logits = Component(f"scoring logits ({engine.backend})", 2 * kept * shapes.vocab * 4,
                        f"{kept} tokens × {shapes.vocab} vocab × 4 B, {what}")

@@ -32,3 +32,14 @@ def test_scores_let_each_sequence_go_before_the_next_is_filled():
     want = full_logits.scores(pairs, lambda seqs: [kept.pop(0) for _ in seqs], budget_tokens=100)
     assert [g.logprob for g in got] == [w.logprob for w in want]
     assert [g.token_logprobs for g in got] == [w.token_logprobs for w in want]
+
+
+def test_a_scoring_batch_keeps_its_float32_logits_within_the_budget():
+    """4,096 padded tokens of a 49,152-token vocabulary would be 768 MiB of logits: 341 tokens are 64 MiB.
+    A small vocabulary keeps the token budget; a sequence longer than the budget is still scored, alone."""
+    assert full_logits.token_budget(4096, 49152) == 341
+    assert 341 * 49152 * 4 <= full_logits.LOGITS_BUDGET_BYTES < 342 * 49152 * 4
+    assert full_logits.token_budget(4096, 128256) == 130
+    assert full_logits.token_budget(4096, 50) == 4096
+    assert full_logits.token_budget(4096, 1 << 40) == 1
+    assert full_logits.batches([[1] * 200, [2] * 100, [3] * 30, [4] * 30], 130) == [[0], [1], [2, 3]]

@@ -67,6 +67,40 @@ def test_the_scorer_copies_a_sequence_at_a_time_out_of_its_buffer(ov_fp32, torch
         assert np.abs(full_logits.log_softmax(g) - w).max() < parity.FULL["logprob_atol"]
 
 
+def test_scoring_batches_keep_their_logits_within_the_budget(ov_fp32, torch_engine):
+    """OpenVINO returns float32 logits at every position of a batch and keeps them in its buffer: a batch
+    holds at most full_logits.LOGITS_BUDGET_BYTES of them (the model's vocabulary, not the tokenizer's)."""
+    vocab = json.loads((ov_fp32.engine_dir / "config.json").read_text())["vocab_size"]
+    assert ov_fp32.vocab == vocab and ov_fp32.score_budget == full_logits.token_budget(4096, vocab) < 4096
+    shapes, logits = [], ov_fp32._logits
+    ov_fp32._logits = lambda seqs: shapes.append((len(seqs), max(map(len, seqs)))) or logits(seqs)
+    try:
+        ps = parity.prompts(torch_engine.tokenizer) * 40
+        ov_fp32.score(parity.score_pairs(ps))
+    finally:
+        del ov_fp32._logits
+    assert len(shapes) > 1 and all(rows * width <= ov_fp32.score_budget or rows == 1 for rows, width in shapes)
+
+
+def test_a_lone_sequence_after_batches_is_scored_beside_a_copy_of_itself(ov_fp32, torch_engine):
+    """The CPU plugin runs one row with other kernels, which repack the weights a second time (int8 135M:
+    +100 MiB to the stage's end): once the scorer has run batches of several rows, a lone sequence is scored
+    in a batch of two. A scorer that began with one row already holds those kernels: no copy."""
+    ps = parity.prompts(torch_engine.tokenizer)[:3]
+    ov_fp32._scorer = None  # a fresh scorer
+    first = list(ov_fp32._logits(ps[:1]))
+    assert ov_fp32._scorer.get_tensor("logits").data.shape[0] == 1
+    list(ov_fp32._logits(ps))
+    list(ov_fp32._logits(ps[1:2]))
+    assert ov_fp32._scorer.get_tensor("logits").data.shape[0] == 1  # began with one row: never padded
+    ov_fp32._scorer = None
+    list(ov_fp32._logits(ps))
+    lone = list(ov_fp32._logits(ps[:1]))
+    assert ov_fp32._scorer.get_tensor("logits").data.shape[0] == 2
+    assert len(lone) == 1 and lone[0].shape == first[0].shape
+    np.testing.assert_allclose(lone[0], first[0], rtol=0, atol=1e-4)
+
+
 def test_the_parity_check_scores_with_the_pipeline_handed_back(ov_fp32, torch_engine):
     """The engine stage's parity check generates, then scores: between the two the engine hands back
     its generation pipeline (a compiled model with the weights repacked; 1B int8: the check's peak
