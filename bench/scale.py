@@ -595,7 +595,7 @@ def growth(paths: list[Path]) -> dict[str, Any]:
             json.loads((Path(r["checkpoint"]["path"]) / "config.json").read_text())).param_count
         for key, st in r["stages"].items():
             if st["wall_s"] > 0:
-                points.setdefault(key, {})[params] = st["wall_s"]
+                points.setdefault(key, {})[params] = st["wall_s"] * FIT_DOCUMENTS / scored_documents(st, FIT_DOCUMENTS)
     fits = {}
     for key, by_size in sorted(points.items()):
         pts = sorted(by_size.items())
@@ -610,6 +610,19 @@ def growth(paths: list[Path]) -> dict[str, Any]:
             fits[key]["holdout"] = {"params": p, "measured_s": t, "predicted_s": round(ha * p ** hb, 1),
                                     "exponent": round(hb, 3), "measured_over_predicted": round(t / (ha * p ** hb), 3)}
     return fits
+
+
+# A quality stage's time is proportional to the documents it scores, which a run may raise (3B: 100, so that
+# the perplexity check has the power to decide on random weights): the fit takes its time per this many.
+FIT_DOCUMENTS = 24
+
+
+def scored_documents(stage: dict[str, Any], default: int) -> int:
+    """The documents a quality stage scored (its result.json in the stage cache), else `default`."""
+    path = Path(stage.get("path", "")) / "result.json"
+    if stage.get("stage") != "quality" or not path.is_file():
+        return default
+    return json.loads(path.read_text()).get("metrics", {}).get("documents") or default
 
 
 def _fit(pts: list[tuple[float, float]]) -> tuple[float, float]:
@@ -677,7 +690,8 @@ def main() -> None:
     print_table(paths)
     fits = growth(paths)
     if fits:
-        print("\nwall time ~ params^b per stage (log-log least squares over the sizes that ran it):")
+        print("\nwall time ~ params^b per stage (log-log least squares over the sizes that ran it; a quality stage's"
+              f" time per {FIT_DOCUMENTS} documents scored):")
         for key, f in fits.items():
             held = f.get("holdout")
             check = (f"; fitted without the largest: predicts {held['predicted_s']:.0f} s at "
