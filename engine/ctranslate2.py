@@ -169,6 +169,7 @@ class CTranslate2Engine(Engine):
         self.eos_ids = eos_ids_of(engine_dir, self.tokenizer)
         self.max_positions = max_positions or 1 << 30
         self.vocab: list[str] = json.loads((engine_dir / MODEL / "vocabulary.json").read_text())
+        self.score_budget = full_logits.token_budget(config.score_batch_tokens, len(self.vocab))
         self._gen = ctranslate2.Generator(str(engine_dir / MODEL), device="cpu", compute_type=config.quantization,
                                           inter_threads=1, intra_threads=config.threads or 0)
         self._pending: list[_Seq] = []
@@ -270,12 +271,10 @@ class CTranslate2Engine(Engine):
         return [out[i, : len(s)] for i, s in enumerate(seqs)]
 
     def score(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[Score]:
-        return full_logits.scores(pairs, self._logits, full_logits.token_budget(self.config.score_batch_tokens,
-                                                                                  len(self.vocab)))
+        return full_logits.scores(pairs, self._logits, self.score_budget)
 
     def next_token_logprobs(self, ids: Sequence[list[int]]) -> list[Any]:
-        return full_logits.next_token_logprobs(ids, self._logits, full_logits.token_budget(
-            self.config.score_batch_tokens, len(self.vocab)))
+        return full_logits.next_token_logprobs(ids, self._logits, self.score_budget)
 
     def close(self) -> None:
         for s in self._cohort.seqs if self._cohort else []:

@@ -22,9 +22,9 @@ LogitsFn = Callable[[list[list[int]]], Iterable[np.ndarray]]
 
 # One scoring batch's float32 logits, [rows, width, vocab], at most this many bytes (OpenVINO keeps them in its
 # infer request's buffer between calls). 4,096 tokens of a 49k vocabulary are 768 MiB: the demo's lm-eval
-# task on OpenVINO at 135M peaked 1.15 GiB above the engine, 0.38 GiB under this cap, and ran no slower
+# task on OpenVINO at 135M peaked 1,152 MiB above the engine, 384 MiB under this cap, and ran no slower
 # (23.4-24.2 s against 25.1-25.9, two interleaved rounds); 1B int8 perplexity, 4 x 64 tokens of 128k: peak
-# 1.64 -> 1.49 GiB above the engine, 33.0-33.6 s -> 32.0-32.4 s.
+# 1,642 -> 1,493 MiB above the engine, 33.0-33.6 s -> 32.0-32.4 s.
 LOGITS_BUDGET_BYTES = 64 << 20
 
 
