@@ -45,6 +45,7 @@ class _State:
     in_flight: set[asyncio.Task] = field(default_factory=set)
     stop_reason: str | None = None
     checked: int = 0  # records before this index have been sent (or given up) and their lag seen
+    next_due: float | None = None  # when the request the open-loop sender is building or awaiting is due
 
 
 def _lag_since_last_check(records: list[RequestRecord], state: _State) -> float:
@@ -58,6 +59,18 @@ def _lag_since_last_check(records: list[RequestRecord], state: _State) -> float:
         lag = max(lag, (rec.sent or rec.done or now) - rec.scheduled)
         state.checked += 1
     return lag
+
+
+def _behind_now(records: list[RequestRecord], state: _State) -> float:
+    """How far behind schedule the client is at this moment, in seconds (0 when on time): the
+    request the sender has yet to launch, or the oldest launched one whose bytes are not out.
+    Call after `_lag_since_last_check`, which leaves `state.checked` at that oldest one."""
+    now, behind = time.perf_counter(), 0.0
+    if state.next_due is not None:
+        behind = now - state.next_due
+    if state.checked < len(records):
+        behind = max(behind, now - records[state.checked].scheduled)
+    return max(behind, 0.0)
 
 
 async def _sleep_until(target: float) -> None:
@@ -97,6 +110,7 @@ async def _open_loop(d: _Drive) -> float:
     for i, offset in enumerate(d.stage.arrivals):
         if offset >= cfg.duration_s or (cfg.max_requests and i >= cfg.max_requests):
             return t0 + cfg.duration_s if offset >= cfg.duration_s else records[-1].scheduled
+        d.state.next_due = t0 + offset
         body, n_in = d.work.request(i, d.salt)
         await _sleep_until(t0 + offset)
         if d.state.stop_reason:
@@ -134,9 +148,11 @@ async def _watch(rule: SaturationRule, warm_until: float, records: list[RequestR
     """The early-stop rule and whom it blames (documented on SaturationRule)."""
     counts: list[int] = []
     lags: list[float] = []  # the largest send lag in each check interval, seconds
+    behind: list[float] = []  # how far behind schedule the client was at each check, seconds
     while not state.stop_reason:
         await asyncio.sleep(rule.check_interval_s)
         lags.append(_lag_since_last_check(records, state))
+        behind.append(_behind_now(records, state))
         if lags[-1] > rule.max_lateness_s:
             state.stop_reason = (
                 f"{CLIENT_LIMITED}: sends fell {lags[-1]:.2f} s behind schedule; "
@@ -149,17 +165,27 @@ async def _watch(rule: SaturationRule, warm_until: float, records: list[RequestR
         recent = counts[-(rule.rising_checks + 1) :]
         rising = len(recent) == rule.rising_checks + 1 and all(b > a for a, b in zip(recent, recent[1:]))
         if rising and recent[-1] >= max(rule.min_in_flight, rule.growth * max(counts[0], 1)):
-            late_ms = 1000 * max(lags[-(rule.rising_checks + 1) :])
-            grew = (
-                f"requests in flight rose from {counts[0]} to {recent[-1]}, "
-                f"up at each of the last {rule.rising_checks} checks"
-            )
-            state.stop_reason = (
-                f"{CLIENT_LIMITED}: sends ran up to {late_ms:.0f} ms behind schedule while {grew}; "
-                "the client could not send the target rate, so this says nothing about the server"
-                if late_ms > rule.send_lag_tolerance_ms
-                else f"{OVER_SATURATED}: {grew}, while sends were on time (at most {late_ms:.0f} ms late)"
-            )
+            state.stop_reason = _blame(rule, counts[0], recent[-1], lags, behind)
+
+
+def _blame(rule: SaturationRule, first: int, last: int, lags: list[float], behind: list[float]) -> str:
+    """Why a stage whose requests in flight kept rising stops. The client is blamed when it was
+    behind schedule at each of the last two checks: one that cannot send the rate falls further
+    behind at every check, while one that stalled once (a GC pause, a busy core) and caught up is
+    on time again at the next, and the growth is the server's."""
+    late_ms = 1000 * max(lags[-(rule.rising_checks + 1) :])
+    grew = f"requests in flight rose from {first} to {last}, up at each of the last {rule.rising_checks} checks"
+    then_ms, now_ms = (1000 * b for b in behind[-2:])
+    if min(then_ms, now_ms) > rule.send_lag_tolerance_ms:
+        return (
+            f"{CLIENT_LIMITED}: sends were {then_ms:.0f} and {now_ms:.0f} ms behind schedule at the last two "
+            f"checks (up to {late_ms:.0f} ms) while {grew}; "
+            "the client could not send the target rate, so this says nothing about the server"
+        )
+    return (
+        f"{OVER_SATURATED}: {grew}, while sends were on time ({now_ms:.0f} ms behind at the last check, "
+        f"at most {late_ms:.0f} ms late in between)"
+    )
 
 
 def measurement_window(

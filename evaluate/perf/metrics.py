@@ -13,9 +13,10 @@ The measurement window is [warm-up end, cool-down start]. Within it:
   the moments their bytes went to the socket (never their scheduled times, nor completions), to
   put beside the target rate;
 - send lag (actual send - scheduled send; p50, p99, max) says whether the client kept to the
-  schedule. An open-loop stage is `limited_by` "client" when its p99 lag exceeds the tolerance
-  (`SaturationRule.send_lag_tolerance_ms`) or it stopped because the client fell behind, and
-  "server" when it stopped because requests in flight kept growing while sends were on time.
+  schedule. An open-loop stage is `limited_by` "server" when it stopped because requests in
+  flight kept growing while sends were on time, and "client" when it stopped because the client
+  fell behind or (not stopped so) its p99 lag exceeds the tolerance
+  (`SaturationRule.send_lag_tolerance_ms`).
   A client-limited stage measured the client, not the server: the knee finder skips it and a
   search must not rank on it (`client_limited`).
 
@@ -232,15 +233,19 @@ def send_lag_ms(records: Sequence[RequestRecord]) -> dict[str, float]:
 def limited_by(
     open_loop: bool, lag_ms: Mapping[str, float], stopped_early: str | None, tolerance_ms: float
 ) -> str | None:
-    """Who set the pace of an open-loop stage: "client" when its sends fell behind schedule (p99
-    lag over `tolerance_ms`, or it stopped for that), "server" when it stopped because requests in
-    flight kept growing while sends were on time, else None. Closed loop: None (it sends when free)."""
+    """Who set the pace of an open-loop stage: "server" when it stopped because requests in flight
+    kept growing while sends were on time, "client" when it stopped because sends fell behind or
+    (not stopped so) its p99 lag is over `tolerance_ms`, else None. Closed loop: None (it sends when
+    free). The stop's verdict comes first: it judged where the client stood as the queue grew, and
+    a stall the client caught up from lifts the p99 of a short stage without making it the limit."""
     if not open_loop:
         return None
     reason = stopped_early or ""
+    if reason.startswith(OVER_SATURATED):
+        return SERVER
     if reason.startswith(CLIENT_LIMITED) or lag_ms.get("p99", 0.0) > tolerance_ms:
         return CLIENT
-    return SERVER if reason.startswith(OVER_SATURATED) else None
+    return None
 
 
 def client_limited(summary: Summary | Mapping[str, Any]) -> bool:

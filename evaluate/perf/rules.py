@@ -27,11 +27,11 @@ class SaturationRule(Strict):
     Every `check_interval_s` after warm-up the driver counts requests in flight. When that count
     rose at each of the last `rising_checks` checks AND is at least `growth` times the count at
     the first check after warm-up (and at least `min_in_flight`), requests arrive faster than they
-    finish and the stage stops. If sends were on time over those checks (lag within
-    `send_lag_tolerance_ms`) the server could not keep up: "over-saturated". If they were late,
-    the client could not send the target rate and its queued requests are what grew:
-    "client-limited". It also stops, client-limited, when sends fall more than `max_lateness_s`
-    behind the schedule. `enabled: false` turns off the early stop, not the labelling.
+    finish and the stage stops. If the client was behind schedule by more than
+    `send_lag_tolerance_ms` at each of the last two checks, it could not send the target rate and
+    its queued requests are what grew: "client-limited". Otherwise the server could not keep up:
+    "over-saturated" (a client that stalled once and caught up is on time at the next check). It
+    also stops, client-limited, when sends fall more than `max_lateness_s` behind the schedule. `enabled: false` turns off the early stop, not the labelling.
 
     Why 50 ms of p99 lag: a lag that stays under it moves the rate the server sees by under 2%
     over any window of 2.5 s or more, while a client that cannot keep up falls behind without
