@@ -98,6 +98,9 @@ LLAMA_31_8B = {
 SIZES = {"135m": ("SmolLM2-135M-Instruct (the demo checkpoint)", None),
          "1b": ("Llama-3.2-1B", LLAMA_32_1B), "3b": ("Llama-3.2-3B", LLAMA_32_3B),
          "3b-qwen": ("Qwen2.5-3B", QWEN_25_3B), "8b": ("Llama-3.1-8B", LLAMA_31_8B)}
+# How long `kiln run` may take at each size before the bench stops it (--timeout-s overrides): about twice a
+# first run with every stage computed on the 2-core machine (135M 227 s, 1B 554 s, 3B 1434 s at 100 documents).
+TIMEOUT_S = {"135m": 900, "1b": 1800, "3b": 3600, "3b-qwen": 3600, "8b": 7200}
 # 3b-qwen does not convert with the demo tokenizer: under the qwen2 architecture llama.cpp's converter takes
 # the GPT-2 vocabulary path, whose pre-tokenizer check does not recognise it ("BPE pre-tokenizer was not
 # recognized"); a real Qwen2.5 checkpoint brings its own, which it does. So 3B is measured on Llama-3.2-3B's
@@ -379,11 +382,42 @@ def framed_pick(result: dict[str, Any], rounds: int, threads: int = 2, n: int = 
                          "over_llama_bench_q8_0_rounds": ratios[a]} for a in arms}}
 
 
+def _checkpoint(size: str, config: dict[str, Any] | None, demo: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The size's checkpoint: the demo's own at 135M, else built (or found) from the published config."""
+    if config is None:
+        return {"path": str(demo), "weight_bytes": (demo / "model.safetensors").stat().st_size,
+                "built_s": None, "shards": 1}
+    if args.plan_only and args.config_only:
+        return config_only(config, demo, args.workdir / "models" / f"{size}-config")
+    return build_checkpoint(config, demo, args.workdir / "models" / size)
+
+
+def _run_and_measure(result: dict[str, Any], recipe_path: Path, work: Path, args: argparse.Namespace) -> None:
+    """`kiln run` (or a finished run), then llama-bench beside it: into `result`, and its raw JSON written."""
+    from kiln.core.files import atomic_write_json
+    from kiln.evaluate.roofline import measure_bandwidth
+    from kiln.optimize.memory import parse_bytes
+
+    load0, busy0 = os.getloadavg(), contention.read()
+    timeout_s = args.timeout_s or TIMEOUT_S[result["size"]]
+    result["run"] = (finished(args.from_run) if args.from_run
+                     else run_kiln(recipe_path, work, timeout_s, parse_bytes(args.floor), args.fresh))
+    if result["run"]["run_dir"]:
+        result["stages"] = stage_records(Path(result["run"]["run_dir"]))
+        result["llama_bench"] = bench_gguf(result["stages"], args.bench_runs)
+        result["framed"] = framed_pick(result, args.framed_rounds)
+    result["bandwidth_gb_s"] = round(measure_bandwidth(), 1)
+    result["load_average_start"], result["load_average_end"] = load0, os.getloadavg()
+    result["contention"] = contention.between(busy0, contention.read())
+    atomic_write_json(RESULTS / f"scale-{result['size']}.json", result)  # the raw figures, whatever analyse does
+    result["analysis"] = analyse(result)
+
+
 def measure_size(size: str, args: argparse.Namespace) -> None:
     """Build (or find) the checkpoint, plan it, run it, and write bench/results/scale-<size>.json."""
     import yaml
     from kiln.core.files import atomic_write_json, atomic_write_text
-    from kiln.evaluate.roofline import measure_bandwidth
+    from kiln.optimize.architecture import DecoderShapes
     from kiln.optimize.memory import available_memory, parse_bytes, source_dtype
     from kiln.pipeline.demo import demo_model_dir
     from kiln.pipeline.recipe import apply_overrides
@@ -391,14 +425,7 @@ def measure_size(size: str, args: argparse.Namespace) -> None:
     name, config = SIZES[size]
     work = args.workdir / size
     work.mkdir(parents=True, exist_ok=True)
-    demo = demo_model_dir()
-    if config is None:
-        checkpoint = {"path": str(demo), "weight_bytes": (demo / "model.safetensors").stat().st_size,
-                      "built_s": None, "shards": 1}
-    elif args.plan_only and args.config_only:
-        checkpoint = config_only(config, demo, args.workdir / "models" / f"{size}-config")
-    else:
-        checkpoint = build_checkpoint(config, demo, args.workdir / "models" / size)
+    checkpoint = _checkpoint(size, config, demo_model_dir(), args)
     ckpt = Path(checkpoint["path"])
     dtype = source_dtype(json.loads((ckpt / "config.json").read_text()))
     recipe_path = work / f"scale-{size}.yaml"
@@ -406,8 +433,6 @@ def measure_size(size: str, args: argparse.Namespace) -> None:
     written = apply_overrides(recipe(size, ckpt, dtype, args.skip), args.set)
     atomic_write_text(recipe_path, yaml.safe_dump(written, sort_keys=False))
     available = parse_bytes(args.available) if args.available else available_memory()
-    from kiln.optimize.architecture import DecoderShapes
-
     params = DecoderShapes.from_config(json.loads((ckpt / "config.json").read_text())).param_count
     result: dict[str, Any] = {"size": size, "shape_of": name, "checkpoint": checkpoint, "params": params,
                               "stored_dtype": dtype, "baseline_dtype": dtype, "left_out": args.skip,
@@ -416,17 +441,7 @@ def measure_size(size: str, args: argparse.Namespace) -> None:
                               **machine()}
     print(result["plan"]["cli_output"])
     if not args.plan_only and result["plan"]["cli_exit_code"] == 0:
-        load0, busy0 = os.getloadavg(), contention.read()
-        result["run"] = run_kiln(recipe_path, work, args.timeout_s, parse_bytes(args.floor), args.fresh) if not args.from_run else finished(args.from_run)
-        if result["run"]["run_dir"]:
-            result["stages"] = stage_records(Path(result["run"]["run_dir"]))
-            result["llama_bench"] = bench_gguf(result["stages"], args.bench_runs)
-            result["framed"] = framed_pick(result, args.framed_rounds)
-        result["bandwidth_gb_s"] = round(measure_bandwidth(), 1)
-        result["load_average_start"], result["load_average_end"] = load0, os.getloadavg()
-        result["contention"] = contention.between(busy0, contention.read())
-        atomic_write_json(RESULTS / f"scale-{size}.json", result)  # the raw figures, whatever analyse does
-        result["analysis"] = analyse(result)
+        _run_and_measure(result, recipe_path, work, args)
     atomic_write_json(RESULTS / f"scale-{size}{'-plan' if 'run' not in result else ''}.json", result)
     if args.delete_checkpoint and config is not None:
         shutil.rmtree(ckpt)
@@ -661,7 +676,9 @@ def main() -> None:
     p.add_argument("--plan-only", action="store_true", help="build the checkpoint and plan it; run nothing")
     p.add_argument("--config-only", action="store_true", help="with --plan-only: plan from config.json alone, "
                    "building no weights")
-    p.add_argument("--timeout-s", type=int, default=660, help="stop kiln run after this long")
+    p.add_argument("--timeout-s", type=int, default=None,
+                   help="stop kiln run after this long (default by size: "
+                   + ", ".join(f"{k} {v} s" for k, v in TIMEOUT_S.items()) + ")")
     p.add_argument("--delete-checkpoint", action="store_true", help="remove the built checkpoint afterwards")
     p.add_argument("--floor", default="1.5G", help="stop kiln run if the machine's available memory falls under this")
     p.add_argument("--skip", action="append", default=[], choices=[c["name"] for c in CANDIDATES + DEMO_TYPES],
