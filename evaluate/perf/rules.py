@@ -31,7 +31,8 @@ class SaturationRule(Strict):
     `send_lag_tolerance_ms` at each of the last two checks, it could not send the target rate and
     its queued requests are what grew: "client-limited". Otherwise the server could not keep up:
     "over-saturated" (a client that stalled once and caught up is on time at the next check). It
-    also stops, client-limited, when sends fall more than `max_lateness_s` behind the schedule. `enabled: false` turns off the early stop, not the labelling.
+    also stops, client-limited, when sends fall more than `max_lateness_s` behind the schedule.
+    `enabled: false` turns off the early stop, not the labelling.
 
     Why 50 ms of p99 lag: a lag that stays under it moves the rate the server sees by under 2%
     over any window of 2.5 s or more, while a client that cannot keep up falls behind without
