@@ -107,17 +107,20 @@ async def _open_loop(d: _Drive) -> float:
     """Send on schedule; returns when sending ended (perf_counter)."""
     cfg, records, t0 = d.cfg, d.records, d.t0
     assert d.stage.arrivals is not None
-    for i, offset in enumerate(d.stage.arrivals):
-        if offset >= cfg.duration_s or (cfg.max_requests and i >= cfg.max_requests):
-            return t0 + cfg.duration_s if offset >= cfg.duration_s else records[-1].scheduled
-        d.state.next_due = t0 + offset
-        body, n_in = d.work.request(i, d.salt)
-        await _sleep_until(t0 + offset)
-        if d.state.stop_reason:
-            return time.perf_counter()
-        rec = RequestRecord(f"{d.salt}-{i}", scheduled=t0 + offset, input_tokens=n_in)
-        records.append(rec)
-        _launch(d.client, rec, body, d.state)
+    try:
+        for i, offset in enumerate(d.stage.arrivals):
+            if offset >= cfg.duration_s or (cfg.max_requests and i >= cfg.max_requests):
+                return t0 + cfg.duration_s if offset >= cfg.duration_s else records[-1].scheduled
+            d.state.next_due = t0 + offset
+            body, n_in = d.work.request(i, d.salt)
+            await _sleep_until(t0 + offset)
+            if d.state.stop_reason:
+                return time.perf_counter()
+            rec = RequestRecord(f"{d.salt}-{i}", scheduled=t0 + offset, input_tokens=n_in)
+            records.append(rec)
+            _launch(d.client, rec, body, d.state)
+    finally:  # nothing is due once sending ended: the drain must not read as the client falling behind
+        d.state.next_due = None
     raise RuntimeError("arrivals ran out before the stage ended")  # shapes yield endless arrivals
 
 

@@ -171,3 +171,31 @@ def test_knee_ignores_client_limited_stages():
     knee = find_knee(flat_top)
     assert knee.rate == 4 and "1 client-limited stage(s) skipped" in knee.reason
     assert find_knee([_stage(2, 0.05), _stage(4, 0.05, lag_per_request_s=0.002)]) is None  # one on-time stage: no curve
+
+
+def test_once_sending_has_ended_the_client_is_not_behind_while_requests_drain():
+    """The open-loop sender's last due time is not left as lateness that keeps growing through the drain."""
+    import asyncio
+
+    from kiln.evaluate.perf.base import Stage
+    from kiln.evaluate.perf.driver import _behind_now, _Drive, _lag_since_last_check, _open_loop, _State
+
+    class SlowReplies:  # the bytes go out at once; the reply takes a while
+        async def send(self, rec: RequestRecord, body: dict) -> None:
+            rec.sent = time.perf_counter()
+            await asyncio.sleep(0.5)
+            rec.done = time.perf_counter()
+
+    async def drive() -> float:
+        cfg = _config(rate=50, duration=5.0, max_requests=3)
+        state, t0 = _State(), time.perf_counter()
+        stage = Stage("s", arrivals=iter([0.0, 0.01, 0.02, 0.03]))
+        d = _Drive(SlowReplies(), stage, workload_mod.Workload(cfg), cfg, "t", t0, [], state)
+        await _open_loop(d)
+        await asyncio.sleep(0.3)  # the three requests are still in flight: the drain
+        _lag_since_last_check(d.records, state)  # as the watcher does before asking
+        behind = _behind_now(d.records, state)
+        await asyncio.gather(*state.in_flight)
+        return behind
+
+    assert asyncio.run(drive()) == 0.0
