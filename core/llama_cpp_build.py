@@ -151,6 +151,20 @@ def _patch(path: Path) -> None:
     path.write_text(text.replace(PATCH_FROM, PATCH_TO))
 
 
+def _extract(tar: tarfile.TarFile, members: list[tarfile.TarInfo], dest: Path) -> None:
+    """Extract `members` under `dest` with tarfile's "data" filter, or, on a Python without it (before
+    3.11.4: Debian 12's python3 is 3.11.2), refuse as it would what the build never needs: a member that
+    is not a plain file or folder, or whose path leaves `dest`."""
+    if hasattr(tarfile, "data_filter"):
+        tar.extractall(dest, members=members, filter="data")
+        return
+    root = dest.resolve()
+    for m in members:
+        if not (m.isfile() or m.isdir()) or not (root / m.name).resolve().is_relative_to(root):
+            raise SystemExit(f"{SDIST}: {m.name!r} is not a plain file or folder inside the archive; not extracting it")
+    tar.extractall(dest, members=members)
+
+
 def build(jobs: int | None = None) -> Path:
     """Build (once) and return the install folder."""
     final = install_dir()
@@ -170,7 +184,7 @@ def build(jobs: int | None = None) -> Path:
             with tarfile.open(sdist) as tar:
                 members = [m for m in tar.getmembers()
                            if "/vendor/llama.cpp/" in m.name or m.name.split("/")[1:2] == ["llama_cpp"]]
-                tar.extractall(work, members=members, filter="data")
+                _extract(tar, members, work)
             src = next(work.glob("*/vendor/llama.cpp"))
             _patch(src / PATCH_FILE)
             out = work / "install"
