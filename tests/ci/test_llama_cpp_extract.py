@@ -17,7 +17,8 @@ from kiln.core import llama_cpp_build
 def _archive(tmp_path: Path, *extra: tarfile.TarInfo) -> Path:
     path = tmp_path / "src.tar.gz"
     with tarfile.open(path, "w:gz") as tar:
-        for name, data in (("pkg/vendor/llama.cpp/CMakeLists.txt", b"project(x)\n"), ("pkg/llama_cpp/__init__.py", b"")):
+        files = (("pkg/vendor/llama.cpp/CMakeLists.txt", b"project(x)\n"), ("pkg/llama_cpp/__init__.py", b""))
+        for name, data in files:
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
