@@ -6,6 +6,7 @@ Before, `make demo` stopped there with `TypeError: ... unexpected keyword argume
 from __future__ import annotations
 
 import io
+import sys
 import tarfile
 from pathlib import Path
 
@@ -35,7 +36,9 @@ def _unpack(archive: Path, dest: Path) -> None:
 @pytest.mark.parametrize("filter_", ["data filter", "no data filter (Python 3.11.2)"])
 def test_the_source_is_unpacked_with_or_without_tarfiles_filter(tmp_path, monkeypatch, filter_):
     if filter_.startswith("no"):
-        monkeypatch.delattr(tarfile, "data_filter")
+        monkeypatch.delattr(tarfile, "data_filter", raising=False)
+    elif not hasattr(tarfile, "data_filter"):
+        pytest.skip(f"this Python's tarfile has no data filter ({sys.version.split()[0]}): the other case is its path")
     _unpack(_archive(tmp_path), tmp_path / "out")
     assert (tmp_path / "out/pkg/vendor/llama.cpp/CMakeLists.txt").read_bytes() == b"project(x)\n"
     assert (tmp_path / "out/pkg/llama_cpp/__init__.py").exists()
@@ -43,7 +46,7 @@ def test_the_source_is_unpacked_with_or_without_tarfiles_filter(tmp_path, monkey
 
 @pytest.mark.parametrize("kind", ["escape", "link"])
 def test_without_the_filter_a_member_outside_the_folder_or_a_link_is_refused(tmp_path, monkeypatch, kind):
-    monkeypatch.delattr(tarfile, "data_filter")
+    monkeypatch.delattr(tarfile, "data_filter", raising=False)
     bad = tarfile.TarInfo("pkg/../../evil.txt" if kind == "escape" else "pkg/llama_cpp/link")
     if kind == "escape":
         bad.size = 1
