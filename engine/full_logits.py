@@ -46,10 +46,27 @@ def batches(seqs: Sequence[Sequence[int]], budget_tokens: int) -> list[list[int]
     return groups
 
 
+# Rows of exp() (and of log-probabilities, where a score reads only the continuation's) made at a time: the
+# temporaries beside a sequence's logits stay this size, not one or two more [len, vocab] arrays (at 1B's 128k
+# vocabulary, 0.5 GiB each for 1,024 tokens).
+CHUNK_BYTES = 8 << 20
+
+
+def _rows_per_chunk(vocab: int) -> int:
+    return max(1, CHUNK_BYTES // (4 * max(vocab, 1)))
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """float32 log-probabilities of [..., vocab] logits: one new array beside them, the same values as
+    `shifted - log(sum(exp(shifted)))` on the whole array (each row's sum is taken alone either way)."""
     x = logits.astype(np.float32, copy=False)
     shifted = x - x.max(axis=-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    each_row = shifted.reshape(-1, shifted.shape[-1])  # a view: one row, or many
+    step = _rows_per_chunk(shifted.shape[-1])
+    for at in range(0, len(each_row), step):
+        rows = each_row[at:at + step]
+        rows -= np.log(np.exp(rows).sum(axis=-1, keepdims=True))
+    return shifted
 
 
 def next_token_logprobs(ids: Sequence[list[int]], logits_fn: LogitsFn, budget_tokens: int) -> list[np.ndarray]:
@@ -85,13 +102,21 @@ def scores(pairs: Sequence[tuple[list[int], list[int]]], logits_fn: LogitsFn, bu
     # sequence's [len, vocab] log-probabilities at once (1 GB for 2,048 tokens of a 128k vocabulary).
     for i, logits in _each_sequence(inputs, logits_fn, budget_tokens):
         ctx, cont = pairs[i]
-        predicting = log_softmax(logits[len(ctx) - 1 :])  # row j predicts cont[j]
-        target = np.asarray(cont)
-        lps = predicting[np.arange(len(cont)), target]
-        greedy = bool((predicting.argmax(axis=-1) == target).all())
-        results[i] = Score(float(lps.sum()), greedy, tuple(float(x) for x in lps))
-        del logits, predicting  # a streaming logits_fn then fills the next sequence without this one beside it
+        results[i] = _continuation(logits[len(ctx) - 1 :], np.asarray(cont))  # row j predicts cont[j]
+        del logits  # a streaming logits_fn then fills the next sequence without this one beside it
     return results  # type: ignore[return-value]
+
+
+def _continuation(predicting: np.ndarray, target: np.ndarray) -> Score:
+    """The Score of `target` from the logits that predict it, a chunk of rows' log-probabilities at a time."""
+    step = _rows_per_chunk(predicting.shape[-1])
+    lps, greedy = [], True
+    for at in range(0, len(target), step):
+        lp, want = log_softmax(predicting[at:at + step]), target[at:at + step]
+        lps.append(lp[np.arange(len(want)), want])
+        greedy = greedy and bool((lp.argmax(axis=-1) == want).all())
+    each = np.concatenate(lps)
+    return Score(float(each.sum()), greedy, tuple(float(x) for x in each))
 
 
 def right_padded(seqs: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:

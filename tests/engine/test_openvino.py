@@ -7,6 +7,7 @@ so each precision is built once per module; the int8/int4 builds are marked slow
 from __future__ import annotations
 
 import json
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -55,12 +56,20 @@ def test_scores_and_distributions_match_torch(ov_fp32, torch_engine):
 
 def test_the_scorer_copies_a_sequence_at_a_time_out_of_its_buffer(ov_fp32, torch_engine):
     """The batch's logits stay in the infer request's own buffer (kept between calls); each sequence is
-    copied out as the caller reads it, so the batch is not held a second time beside the buffer."""
+    copied out as the caller reads it, so the batch is not held a second time beside the buffer (the
+    infer request's default: a copy of every output)."""
     ps = parity.prompts(torch_engine.tokenizer)[:3]
-    handed = ov_fp32._logits(ps)
-    first = next(handed)
+    list(ov_fp32._logits(ps))  # compiled, and its first inference's buffers made
+    tracemalloc.start()
+    try:
+        handed = ov_fp32._logits(ps)
+        first = next(handed)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
     buffer = ov_fp32._scorer.get_tensor("logits").data
     assert buffer.shape[:2] == (3, max(map(len, ps))) and not np.shares_memory(first, buffer)
+    assert first.nbytes <= held < first.nbytes + buffer.nbytes / 2, (held, first.nbytes, buffer.nbytes)
     got = [first, *handed]
     want = torch_engine.next_token_logprobs(ps)
     for g, w in zip(got, want, strict=True):
