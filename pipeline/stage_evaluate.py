@@ -102,8 +102,9 @@ def _agreement(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], d
 
 
 def _served(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], cfg: Any) -> None:
-    """The candidate's own `kiln serve` (a second copy of its engine, loaded by the server) under
-    concurrent mixed-length requests, against the baseline one request at a time."""
+    """The candidate's own `kiln serve` (its engine loaded again, by the server) under concurrent
+    mixed-length requests, against the baseline one request at a time. The run's own copy of the
+    candidate (the benchmark's) is closed first: the stage holds its weights once."""
     from kiln.engine.loader import load_engine, read_manifest
     from kiln.evaluate.parity import SHORTEST_TEXTS
     from kiln.evaluate.quality.served import served_text
@@ -112,6 +113,7 @@ def _served(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], cfg:
                              "evaluate.quality.served.num_prompts")
 
     def compute(out: Path) -> dict[str, Any]:
+        loaded.keep_only("baseline")
         res = served_text(loaded["baseline"], lambda: load_engine(engines["candidate"]),
                           read_manifest(engines["candidate"])["source"]["path"], prompts, cfg)
         res.write(out)

@@ -1,9 +1,11 @@
 """A stage holds the engines it measures and no other (issue 35): an arm's perplexity runs with that
 arm's engine alone, the baseline released first even where a search shares it between arms, and the
-benchmark, which sets the two side by side, loads the baseline again."""
+benchmark, which sets the two side by side, loads the baseline again; the served text's server loads
+the candidate once more, with the run's own copy closed."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -115,3 +117,33 @@ def test_keep_only_closes_and_forgets_the_others(tmp_path):
     assert closed == ["a"] and list(engines) == ["b"]
     engines.keep_only("a")  # nothing loaded for `a`: it is not loaded here either
     assert closed == ["a", "b"] and list(engines) == []
+
+
+def test_the_served_texts_server_loads_the_candidate_with_the_runs_copy_closed(built, live, monkeypatch):
+    """The benchmark leaves both arms loaded; the served text then starts a `kiln serve` that loads the
+    candidate's engine itself. The run's copy is closed first: two copies of the candidate's weights are
+    never held (OpenVINO's repacked weights, torch's tensors: anonymous memory, not shared file pages)."""
+    import kiln.evaluate.quality.served as served
+
+    ctx, engines = built
+    raw = ctx.recipe.model_dump(mode="json", exclude_unset=True)
+    raw["evaluate"]["quality"]["served"] = {"num_prompts": 2, "max_new_tokens": 2, "concurrency": 2}
+    ctx = dataclasses.replace(ctx, recipe=Recipe.model_validate(raw))
+    under_load, at_serve = served.under_load, []
+
+    def serving(load, *args):
+        def counted():
+            engine = load()
+            at_serve.append(sorted(live["now"]))
+            return engine
+        return under_load(counted, *args)
+
+    monkeypatch.setattr(served, "under_load", serving)
+    loaded = LazyEngines(engines, search._load)
+    try:
+        loaded["baseline"], loaded["candidate"]  # as the benchmark leaves them
+        assert sorted(live["now"]) == ["bfloat16", "float32"]
+        stage_evaluate.evaluate(ctx, engines, phases=("rest",), loaded=loaded)
+    finally:
+        loaded.close()
+    assert at_serve == [["bfloat16", "float32"]], at_serve  # the server's candidate and the reference
