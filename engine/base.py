@@ -138,6 +138,10 @@ class Engine(abc.ABC):
         """Hand back what generating made (a pipeline, its KV cache) once nothing is in flight, for a
         caller that only scores from here on; the next `add` makes it again. Default: nothing to do."""
 
+    def release_scoring(self) -> None:  # noqa: B027 - optional hook
+        """Hand back what scoring made (a scorer beside the generation path), for a caller that only
+        generates from here on; the next `score` makes it again. Default: nothing to do."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free resources (worker processes, memory)."""
 

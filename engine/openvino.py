@@ -317,6 +317,12 @@ class OpenVINOEngine(Engine):
         if not self._live:
             self._pipeline = None
 
+    def release_scoring(self) -> None:
+        """The scorer's compiled model (the weights repacked again) freed, before a caller that only generates
+        from here on makes the pipeline: the decode benchmark after token agreement, lm-eval's generate_until
+        after its log-likelihoods."""
+        self._scorer = None
+
     def close(self) -> None:
         for handle, _, _ in self._live.values():
             handle.cancel()

@@ -40,19 +40,20 @@ def arm_plans(recipe: Any, config: dict[str, Any], *, context: int, batch: int =
             if engine.backend == "openvino" else None  # OpenVINO compresses the checkpoint as it builds
         p = plan_memory(config, method, context=context, batch=batch, kv_dtype=kv_dtype, available_bytes=available,
                         engine_dtype=dtype or compressed)
-        weights = next(s for s in p.steps if s.step == "serve").components[0].bytes
         scored = scored_tokens(recipe, engine)
         q = recipe.evaluate.quality
         longest = scored if q.lmeval else min(scored, q.perplexity.seq_len)
-        b = _buffers(engine, config, scored, longest, weights, context * batch)
-        generates = b.generating + b.both if q.lmeval else ()  # lm-eval's generate_until tasks
+        b = _buffers(engine, config, scored, longest, context * batch)
+        # lm-eval's generate_until tasks beside its log-likelihoods: llama.cpp keeps its scoring context beside its
+        # slots' KV cache; OpenVINO hands one compiled model back before it makes the other
+        both = larger(b.scoring, b.generating) if b.alternates else b.scoring + b.generating
+        quality = both if q.lmeval else b.scoring
         return with_pipeline_steps(p, config, baseline, reference=_reference(method, engine, config),
                                    export=_export_dtype(engine, config), torch_dtype=dtype, score_tokens=scored,
                                    # the parity check generates, hands the pipeline back, then scores
-                                   held=larger(b.generating, b.scoring),
-                                   scoring=b.scoring + generates,
-                                   compared=b.generating + (b.both if q.agreement else ()),
-                                   after_export=after_export)
+                                   held=larger(b.generating, b.scoring), scoring=quality,
+                                   # the decode benchmark hands back a scorer token agreement made before it
+                                   compared=b.generating, after_export=after_export)
 
     base = plan(None, base_engine)
     plans = {"baseline": (f"none → {base_engine.backend}", base)}
@@ -78,11 +79,12 @@ def scored_tokens(recipe: Any, engine: Any) -> int:
 
 class Buffers(NamedTuple):
     """What an engine other than torch holds beside its weights: when it generates, when it scores
-    (torch's scoring logits `with_pipeline_steps` counts itself), and in addition when one stage does both."""
+    (torch's scoring logits `with_pipeline_steps` counts itself), and whether a stage that does both
+    hands one back before it makes the other (`alternates`) rather than holding them side by side."""
 
     generating: tuple[Component, ...]
     scoring: tuple[Component, ...]
-    both: tuple[Component, ...]
+    alternates: bool = False
 
 
 # OpenVINO's generation pipeline beside its weights, per token of a prefill step, in units of the MLP's
@@ -91,8 +93,7 @@ class Buffers(NamedTuple):
 OPENVINO_PREFILL_WIDTHS = 6
 
 
-def _buffers(engine: Any, config: dict[str, Any], scored: int, longest: int, weights: float,
-             tokens: int) -> Buffers:
+def _buffers(engine: Any, config: dict[str, Any], scored: int, longest: int, tokens: int) -> Buffers:
     """What `engine` allocates beside its weights. `scored`: positions one scoring call scores;
     `longest`: the longest sequence among them; `tokens`: the context its requests hold at once.
 
@@ -101,13 +102,14 @@ def _buffers(engine: Any, config: dict[str, Any], scored: int, longest: int, wei
       output buffer and a compute graph of SCORING_ROWS rows of logits) and one sequence's logits and
       log-probs (the scorer hands each sequence over as it is decoded);
     - OpenVINO: when it generates, its pipeline's KV blocks as the requests fill them and one prefill
-      step's buffers; when it scores, the batch's logits and a sequence's log-probs; a stage that does
-      both at once (token agreement, lm-eval's generate_until tasks) holds two compiled models, each
-      with the weights repacked (the IR's mapped pages are dropped behind the repack,
-      engine/mapped_pages.py); the parity check hands the pipeline back before it scores;
+      step's buffers; when it scores, the batch's logits and a sequence's log-probs; holding both would be
+      two compiled models, each with the weights repacked (the IR's mapped pages are dropped behind the
+      repack, engine/mapped_pages.py), so every stage that does both hands one back before it makes the
+      other: the parity check and lm-eval the pipeline before they score, the decode benchmark and
+      lm-eval's generate_until the scorer before they generate;
     - CTranslate2, when it scores: the batch's logits and a sequence's log-probs."""
     if engine.backend == "torch":
-        return Buffers((), (), ())
+        return Buffers((), ())
     shapes = DecoderShapes.from_config(config)
     # a sequence at a time, or a call's batch, which OpenVINO and CTranslate2 keep within a logits budget
     kept = longest if engine.backend == "llama_cpp" else max(longest, token_budget(scored, shapes.vocab))
@@ -115,11 +117,9 @@ def _buffers(engine: Any, config: dict[str, Any], scored: int, longest: int, wei
     logits = Component(f"scoring logits ({engine.backend})", 2 * kept * shapes.vocab * 4,
                        f"{kept} tokens × {shapes.vocab} vocab × 4 B, {what}")
     if engine.backend == "openvino":
-        return Buffers((_openvino_pipeline(engine, shapes, tokens),), (logits,),
-                       (Component("second compiled model (OpenVINO CPU: the scorer beside the generation pipeline)",
-                                  weights, "the IR's weights again, repacked"),))
+        return Buffers((_openvino_pipeline(engine, shapes, tokens),), (logits,), alternates=True)
     if engine.backend != "llama_cpp":
-        return Buffers((), (logits,), ())
+        return Buffers((), (logits,))
     per = shapes.kv_bytes_per_token(DTYPE_BYTES["float16" if engine.cache_type == "f16" else "float32"])
     slots = engine.parallel * engine.ctx_per_slot
     kv = Component(f"KV cache ({engine.cache_type}, {engine.parallel} slots × {engine.ctx_per_slot} tokens)",
@@ -127,7 +127,7 @@ def _buffers(engine: Any, config: dict[str, Any], scored: int, longest: int, wei
     rows = min(engine.batch_size, engine.ctx_per_slot, SCORING_ROWS)
     scorer = Component("scoring context (llama.cpp)", per * engine.ctx_per_slot + 2 * rows * shapes.vocab * 4,
                        f"KV {engine.ctx_per_slot} tokens × {human(per)} + 2 × {rows} rows × {shapes.vocab} vocab × 4 B")
-    return Buffers((kv,), (scorer, logits), ())
+    return Buffers((kv,), (scorer, logits))
 
 
 def _openvino_pipeline(engine: Any, shapes: DecoderShapes, tokens: int) -> Component:

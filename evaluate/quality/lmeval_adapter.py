@@ -113,6 +113,9 @@ class KilnLM(TemplateLM):
         order = sorted(range(len(requests)), key=lambda i: (-len(requests[i][1]) - len(requests[i][2]),
                                                             tuple(requests[i][1] + requests[i][2])))
         results: list[tuple[float, bool] | None] = [None] * len(requests)
+        # lm-eval asks for each request type once, all tasks' requests together: OpenVINO then holds one
+        # compiled model at a time (its scorer's or its pipeline's), not both
+        self.engine.release_generation()
         # disable=None: tqdm draws only on a terminal, not hundreds of redraws into a CI log.
         with tqdm(total=len(requests), disable=disable_tqdm or None, desc="kiln loglikelihood") as bar:
             for start in range(0, len(order), self.batch_size):
@@ -150,6 +153,7 @@ class KilnLM(TemplateLM):
 
         live: dict[int, tuple[int, list[str], list[int]]] = {}  # seq id -> (request index, until, tokens)
         out = [""] * len(requests)
+        self.engine.release_scoring()  # one compiled model at a time (see _loglikelihood_tokens)
         for n, (context, gen_kwargs) in enumerate(req.args for req in requests):
             kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
             until = [u for u in kwargs["until"] if u]

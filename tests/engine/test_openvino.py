@@ -203,3 +203,27 @@ def test_compressed_weights_stay_close(weights, tiny_model_dir, tmp_path, torch_
             assert deltas.mean() < 1.0
     finally:
         engine.close()
+
+
+def test_lm_eval_and_the_decode_benchmark_hold_one_compiled_model_at_a_time(ov_fp32, torch_engine):
+    """The scorer and the generation pipeline each compile the weights repacked: lm-eval's log-likelihoods hand
+    the pipeline back before they score, its generate_until and the decode benchmark hand the scorer back before
+    they generate (after token agreement or perplexity scored). The answers are the same either way."""
+    from lm_eval.api.instance import Instance
+
+    from kiln.evaluate.decode_bench import interleaved
+    from kiln.evaluate.quality.lmeval_adapter import KilnLM
+
+    lm = KilnLM(engine=ov_fp32)
+    text = torch_engine.tokenizer.decode(parity.prompts(torch_engine.tokenizer)[0])
+    ask = [Instance("generate_until", {}, (text, {"until": ["\\n\\n"], "max_gen_toks": 4}), 0)]
+    score = [Instance("loglikelihood", {}, (text, " the"), 0)]
+    ours = lm.loglikelihood(score)
+    assert ov_fp32._scorer is not None and ov_fp32._pipeline is None
+    said = lm.generate_until(ask)
+    assert ov_fp32._pipeline is not None and ov_fp32._scorer is None
+    assert lm.loglikelihood(score) == ours and ov_fp32._pipeline is None
+    assert lm.generate_until(ask) == said and ov_fp32._scorer is None
+    lm.loglikelihood(score)
+    interleaved({"candidate": ov_fp32}, parity.prompts(torch_engine.tokenizer)[:1], 2, [1], 1)
+    assert ov_fp32._scorer is None and ov_fp32._pipeline is not None

@@ -91,19 +91,33 @@ def test_a_candidate_that_does_not_fit_is_refused_with_numbers_and_the_change(se
     # kiln run 0.90 + q8_0 7.95 + its KV cache (4 slots x 2,048 tokens x 128 KiB, 1 GiB) + the float32 baseline 29.92
     assert "q8: the benchmark step needs 39.76 GiB but 24.00 GiB is available on cpu" in err
     assert "hold the baseline's engine beside this arm's in one process" in err
-    # kiln run 0.90 + the int8 IR 7.48, twice (the generation pipeline and the scorer for token agreement each
-    # compile a copy) + the pipeline's KV blocks (4,096 tokens x 256 KiB, 1.00) and a 2,048-token prefill step
-    # (x 14,336 x 4 B x 6, 0.66) + the float32 baseline 29.92
-    assert "ov: the benchmark step needs 47.43 GiB" in err and "remove it from `candidates` (candidates.2)" in err
+    # kiln run 0.90 + the int8 IR 7.48, once (the decode benchmark hands back the scorer token agreement
+    # compiled: 47.43 GiB when both were held) + the pipeline's KV blocks (4,096 tokens x 256 KiB, 1.00) and a
+    # 2,048-token prefill step (x 14,336 x 4 B x 6, 0.66) + the float32 baseline 29.92
+    assert "ov: the benchmark step needs 39.95 GiB" in err and "remove it from `candidates` (candidates.2)" in err
 
 
-def test_openvinos_benchmark_step_compiles_its_scorer_only_where_token_agreement_scores(search):
-    """Without token agreement nothing in the benchmark stages scores, so OpenVINO holds one compiled
-    model there: the int8 IR once, with its pipeline's KV blocks and prefill step (1B, bench/scale.py:
-    measured 4.42 GiB, planned 4.48, against 5.63 when its first step held the IR's pages beside the repack)."""
-    proc = _plan(search, "--available", "24G", "--set", "evaluate.quality.agreement=false")
-    err = " ".join(proc.stderr.split())
-    assert "ov: the benchmark step needs 39.95 GiB" in err, err  # 47.43 less the scorer's 7.48
+def test_openvinos_benchmark_step_holds_one_compiled_model_with_or_without_token_agreement(search):
+    """Token agreement scores, the decode benchmark generates: OpenVINO hands the scorer back before it makes
+    its pipeline, so the benchmark step holds the int8 IR once either way, with the pipeline's KV blocks and
+    prefill step (1B, bench/scale.py: measured 4.42 GiB, planned 4.48, against 5.63 when its first step held
+    the IR's pages beside the repack)."""
+    for agreement in ("true", "false"):
+        proc = _plan(search, "--available", "24G", "--set", f"evaluate.quality.agreement={agreement}")
+        err = " ".join(proc.stderr.split())
+        assert "ov: the benchmark step needs 39.95 GiB" in err, (agreement, err)
+
+
+def test_openvinos_quality_step_with_generating_tasks_holds_its_pipeline_or_its_scorer(search):
+    """lm-eval's generate_until tasks after its log-likelihoods: OpenVINO hands its scorer back before it makes
+    the pipeline, so the quality step holds the larger of the two beside the weights, not the IR a second time."""
+    proc = _plan(search, "--available", "64G", "--context", "576",
+                 "--set", "evaluate.quality.lmeval={tasks: [word_swap]}")
+    rows = _rows(proc.stdout)
+    # kiln run 0.90 + the int8 IR 7.48 + the larger of its scorer's logits (lm-eval fills the 4,096-token scoring
+    # budget: 4,096 x 128,256 x 4 B, twice, 3.91) and its pipeline's KV blocks and prefill step for 576 tokens
+    # (0.33) = 12.29 GiB; 20.10 when both were held, and the IR a second time
+    assert "12.29 GiB" in rows["ov"] and "20.10 GiB" not in rows["ov"], rows["ov"]
 
 
 def test_with_the_baseline_as_published_the_plan_names_what_fits(search):
