@@ -216,7 +216,7 @@ def test_lm_eval_and_the_decode_benchmark_hold_one_compiled_model_at_a_time(ov_f
 
     lm = KilnLM(engine=ov_fp32)
     text = torch_engine.tokenizer.decode(parity.prompts(torch_engine.tokenizer)[0])
-    ask = [Instance("generate_until", {}, (text, {"until": ["\\n\\n"], "max_gen_toks": 4}), 0)]
+    ask = [Instance("generate_until", {}, (text, {"until": ["\n\n"], "max_gen_toks": 4}), 0)]
     score = [Instance("loglikelihood", {}, (text, " the"), 0)]
     ours = lm.loglikelihood(score)
     assert ov_fp32._scorer is not None and ov_fp32._pipeline is None
