@@ -9,6 +9,7 @@ CI tells outcomes apart by exit code alone, so every way kiln can end has its ow
 | 2 | bad input: recipe, file or argument is wrong; the message names it and the fix |
 | 3 | gate inconclusive: the data cannot decide, and the policy does not accept that |
 | 4 | internal error: a bug or an environment failure; the traceback is in the run's log |
+| 5 | not verified: evidence or an artifact does not match its signed record, or no trusted key signed it |
 | 130 | interrupted (SIGINT); `kiln run` again resumes |
 """
 
@@ -23,6 +24,7 @@ class ExitCode(enum.IntEnum):
     BAD_INPUT = 2
     GATE_INCONCLUSIVE = 3
     INTERNAL_ERROR = 4
+    NOT_VERIFIED = 5
     INTERRUPTED = 130
 
 
@@ -48,6 +50,13 @@ class BadInput(KilnError):
     def __str__(self) -> str:
         head = super().__str__()
         return "\n".join([head, *(f"  {p}" for p in self.problems)]) if self.problems else head
+
+
+class NotVerified(KilnError):
+    """Evidence or an artifact does not match what was signed, or no trusted key signed it
+    (`kiln verify`, and every command that moves or serves a version). The message names what."""
+
+    exit_code = ExitCode.NOT_VERIFIED
 
 
 class DoesNotFit(BadInput):

@@ -181,3 +181,4 @@ def main() -> None:
 # cli_app, never from here: the arrow runs one way.
 from kiln.pipeline import cli_ops  # noqa: E402,F401 - registers the serving, deploy and planning commands
 from kiln.pipeline import cache_cmd  # noqa: E402,F401 - registers `kiln cache`
+from kiln.pipeline import policy_cmd  # noqa: E402,F401 - registers `kiln policy`
