@@ -5,6 +5,9 @@ A recipe runs when
 - a file or folder it points to changed: its model checkpoint, calibration text, task files — any
   string in the recipe that names an existing path inside the repository, relative to the
   repository root or to the recipe's folder;
+- a file behind such a path changed: the target of a symlink at or under it (a model folder whose
+  model.safetensors links to weights/v1.safetensors), or the Python files beside a task YAML that
+  names `!function module.fn` (lm-eval imports them from the YAML's folder);
 - a file matching one of `run_all` changed (a new pin in constraints.txt can move every number);
 - there is no base commit (a manual run): then every recipe runs.
 
@@ -87,17 +90,49 @@ def runner_of(recipe: Path) -> str:
 
 
 def referenced_paths(repo: Path, recipe: str) -> list[tuple[str, str]]:
-    """(recipe key, repository-relative path) for every string in the recipe naming a path in the repo."""
+    """(recipe key, repository-relative path) for every string in the recipe naming a path in the repo,
+    and for what that path reaches: the targets of symlinks at or under it, and a task YAML's code."""
+    repo = Path(repo).resolve()
     found = set()
     for key, value in _strings(_load(repo / recipe)):
         if "://" in value or "\n" in value or len(value) > 1024 or value.strip() in ("", ".", "./"):
             continue
         for base in (repo / recipe).parent, repo:
-            p = (base / value).resolve()
+            p = Path(os.path.normpath(base / value))  # lexical: a symlink here is a path of its own
             if p != repo and p.is_relative_to(repo) and p.exists():
-                found.add((key, p.relative_to(repo).as_posix()))
+                found |= {(key + how, ref) for how, ref in _reached(repo, p)}
                 break
     return sorted(found)
+
+
+def _reached(repo: Path, path: Path) -> Iterator[tuple[str, str]]:
+    """(how, repository-relative path) for `path` itself and what a change behind it would alter: each
+    symlink's target inside the repository (git records a link, not the bytes behind it, so a PR that
+    rewrites weights/v1.safetensors changes nothing under a model folder linking to it), and beside a
+    task YAML whose config names `!function module.fn`, the Python files of its folder (lm-eval imports
+    them from there)."""
+    seen: set[Path] = set()
+    todo = [(path, "")]
+    while todo:
+        p, how = todo.pop()
+        if p in seen or not p.is_relative_to(repo):
+            continue
+        seen.add(p)
+        yield how, p.relative_to(repo).as_posix()
+        links = [p] if p.is_symlink() else [Path(d, n) for d, dirs, files in os.walk(p) for n in dirs + files
+                                            if Path(d, n).is_symlink()]
+        for link in links:
+            todo.append((link.resolve(), f" via {link.relative_to(repo).as_posix()}"))
+        if p.is_file() and p.suffix in (".yaml", ".yml") and _names_task_code(p):
+            todo += [(code, f" via {p.relative_to(repo).as_posix()}'s task code") for code in p.parent.glob("*.py")]
+
+
+def _names_task_code(task: Path) -> bool:
+    """Whether an lm-eval task YAML refers to Python (`!function utils.process_docs`)."""
+    try:
+        return "!function" in task.read_text(errors="replace")
+    except OSError:
+        return False
 
 
 def _strings(obj: Any, key: str = "") -> Iterator[tuple[str, str]]:

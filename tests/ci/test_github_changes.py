@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kiln.core.errors import BadInput
-from kiln.pipeline.github_changes import changed_recipes, runner_of
+from kiln.pipeline.github_changes import changed_recipes, referenced_paths, runner_of
 
 FILES = {
     "recipes/cpu.yaml": "name: cpu\nmodel: {path: models/tiny}\nengine: {backend: torch}\n",
@@ -143,3 +143,66 @@ def test_command_reports_bad_input_with_exit_2(repo: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "kiln.pipeline.github", "changed-recipes", "--base", "nope",
                            "--glob", "recipes/*.yaml"], cwd=repo, capture_output=True, text=True)
     assert proc.returncode == 2 and "fetch-depth: 0" in proc.stderr
+
+
+# --- what a change behind a referenced path reaches: symlinks and task code ----------------------
+
+
+def link(repo: Path, name: str, target: str) -> None:
+    (repo / name).parent.mkdir(parents=True, exist_ok=True)
+    (repo / name).symlink_to(target)
+
+
+def test_a_weights_file_behind_a_symlink_in_the_model_folder(repo: Path) -> None:
+    """models/linked/model.safetensors links to weights/v1.safetensors: git records the link, so a pull
+    request rewriting the weights changes no file under model.path, and the recipe must still run."""
+    link(repo, "models/linked/model.safetensors", "../../weights/v1.safetensors")
+    commit(repo, {"weights/v1.safetensors": "v1\n", "models/linked/config.json": "{}\n",
+                  "recipes/linked.yaml": "name: linked\nmodel: {path: models/linked}\n"}, "linked model")
+    base, head = pr(repo, {"weights/v1.safetensors": "v1, rewritten\n"})
+    assert as_table(changed_recipes(base, head, "recipes/*.yaml", repo)) == {"recipes/linked.yaml": (
+        "cpu", "weights/v1.safetensors (model.path via models/linked/model.safetensors) changed")}
+
+
+def test_a_model_path_that_is_a_symlink_counts_the_link_and_its_target(repo: Path) -> None:
+    link(repo, "models/current", "tiny")
+    commit(repo, {"models/other/config.json": "{}\n",
+                  "recipes/current.yaml": "name: current\nmodel: {path: models/current}\n"}, "current model")
+    base, head = pr(repo, {"models/tiny/config.json": '{"layers": 3}\n'})
+    found = as_table(changed_recipes(base, head, "recipes/current.yaml", repo))
+    assert found == {"recipes/current.yaml": ("cpu", "models/tiny (model.path via models/current) changed")}
+    # the link moved to another model that was already there: only the link itself changed
+    git(repo, "checkout", "-q", "main")
+    git(repo, "checkout", "-q", "-b", "retarget")
+    (repo / "models" / "current").unlink()
+    link(repo, "models/current", "other")
+    head = commit(repo, {}, "point the model at another checkpoint")
+    found = as_table(changed_recipes(base, head, "recipes/current.yaml", repo))
+    assert found == {"recipes/current.yaml": ("cpu", "models/current (model.path) changed")}
+
+
+def test_symlink_cycles_and_links_out_of_the_repository_end(repo: Path, tmp_path: Path) -> None:
+    (tmp_path / "outside.bin").write_text("x\n")
+    link(repo, "models/loop/self", ".")
+    link(repo, "models/loop/outside.bin", str(tmp_path / "outside.bin"))
+    commit(repo, {"models/loop/config.json": "{}\n", "recipes/loop.yaml": "model: {path: models/loop}\n"}, "loop")
+    refs = referenced_paths(repo, "recipes/loop.yaml")
+    assert refs == [("model.path", "models/loop")]  # the loop is walked once; /tmp is no file of the PR's
+
+
+TASK = "task: mine\ndataset_path: json\nprocess_docs: !function utils.process_docs\ndoc_to_text: q\n"
+
+
+def test_a_tasks_python_changes_rerun_the_recipe(repo: Path) -> None:
+    """lm-eval imports `!function utils.x` from the task YAML's folder: a pull request changing only
+    utils.py changes what the task measures."""
+    recipe = "name: task\nevaluate: {quality: {lmeval: {tasks: [../tasks/mine/mine.yaml]}}}\n"
+    commit(repo, {"tasks/mine/mine.yaml": TASK, "tasks/mine/utils.py": "def process_docs(d):\n    return d\n",
+                  "tasks/mine/README.md": "notes\n", "recipes/task.yaml": recipe}, "a task of our own")
+    base, head = pr(repo, {"tasks/mine/utils.py": "def process_docs(d):\n    return d.select(range(2))\n"})
+    assert as_table(changed_recipes(base, head, "recipes/task.yaml", repo)) == {"recipes/task.yaml": (
+        "cpu", "tasks/mine/utils.py (evaluate.quality.lmeval.tasks[0] via tasks/mine/mine.yaml's task code) changed")}
+    git(repo, "checkout", "-q", "main")
+    git(repo, "checkout", "-q", "-b", "docs")
+    head = commit(repo, {"tasks/mine/README.md": "more notes\n"}, "docs beside the task")
+    assert changed_recipes(base, head, "recipes/task.yaml", repo) == []  # not code the task runs
