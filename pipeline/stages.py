@@ -5,6 +5,12 @@ of its inputs, the hardware for measurements). Its output is a folder under the 
 through `atomic_dir`: a stage killed half-way leaves only a `.partial` folder that the next run
 discards, and a finished stage is never recomputed. Each execution (or reuse) is logged as a child
 run of the pipeline's parent run.
+
+A finished stage is sealed (kiln.pipeline.stage_evidence): the digests of its key's inputs and of every
+file it wrote, signed. A copy is reused only once its seal checks (the cache's against this machine's
+trusted keys; the tracking server's, fetched into scratch first, likewise); anything else is computed
+again and said so, never trusted. A reuse logs its metrics and where it came from, never a second copy
+of the files: the run that computed a stage is the one place its files are found by key.
 """
 
 from __future__ import annotations
@@ -23,15 +29,16 @@ from typing import Any
 
 from rich.markup import escape
 
-from kiln.core.files import atomic_dir, atomic_write_json, file_lock, hash_of, read_json
+from kiln.core.errors import NotVerified
+from kiln.core.files import atomic_dir, atomic_write_json, file_lock, read_json
 from kiln.pipeline.rss import StageMemory, peak_rss_bytes  # noqa: F401 - peak_rss_bytes: stage_optimize and bench import it from here
-from kiln.pipeline.tracking import CANDIDATE_TAG, STAGE_KEY, Tracker, flatten
+from kiln.pipeline.stage_evidence import STAGE_FORMAT  # noqa: F401 - importable from here, where it was
+from kiln.pipeline.stage_evidence import ENVELOPE, check, seal, stage_key
+from kiln.pipeline.tracking import CANDIDATE_TAG, REUSED, REUSED_FROM, STAGE_KEY, Tracker, flatten
 from kiln.core.versions import environment
 
 log = logging.getLogger("kiln")
 
-# Bump when a stage's output format or computation changes: old cache entries stop matching.
-STAGE_FORMAT = 1
 RESULT = "result.json"
 MANIFEST = "manifest.json"
 LINK_MIN_BYTES = 64 * 1024  # smaller files are not worth a comparison: a stage's own records
@@ -88,6 +95,15 @@ class RunContext:
     holds: StageHolds = field(default_factory=StageHolds)  # shared by a search's per-arm copies
 
 
+@dataclass(frozen=True)
+class Found:
+    """A finished copy of a stage whose seal checked here, and the MLflow run that computed it (None:
+    not known, e.g. computed with no tracking run); `remote`: fetched from the tracking server now."""
+
+    computed_by: str | None
+    remote: bool = False
+
+
 @dataclass
 class StageOutcome:
     stage: str
@@ -113,9 +129,11 @@ def run_stage(ctx: RunContext, stage: str, role: str, inputs: dict[str, Any],
     `compute(out_dir)` writes files into out_dir and returns the result dict, whose "metrics"
     (flat name -> number) are logged to MLflow. `portable` stages (results only, no large local
     outputs such as checkpoints) log their whole folder and may be reused from another machine's
-    run found in MLflow by its stage key; the others log their result, manifest and `artifacts`.
+    run found in MLflow by its stage key, once its seal checks under a key trusted here; the others
+    log their result, manifest, seal and `artifacts`, and are reused only from this cache, where
+    their bytes are rehashed.
     """
-    key = hash_of({"stage": stage, "format": STAGE_FORMAT, "inputs": inputs})
+    key = stage_key(stage, inputs)
     path = ctx.cache / "stages" / stage / key
     label = f"{ctx.arm + ': ' if ctx.arm else ''}{stage}[{role}]"
 
@@ -129,44 +147,50 @@ def run_stage(ctx: RunContext, stage: str, role: str, inputs: dict[str, Any],
         # One process at a time per stage key: a second run on the same cache waits, then reuses
         # what the first computed, instead of computing it again and replacing files under a reader.
         with file_lock(stage_lock(ctx.cache, stage, key), on_wait=waiting):
-            reused, source_run = _reuse(ctx, stage, key, path, portable)
-            if reused and needs and (gone := [p for p in needs(read_json(path / RESULT)) if not p.exists()]):
+            found = _reuse(ctx, label, stage, key, path, portable)
+            if found and needs and (gone := [p for p in needs(read_json(path / RESULT)) if not p.exists()]):
                 ctx.console.print(f"[yellow]! {escape(label)}: {escape(str(gone[0]))} is gone; computing the stage again[/yellow]")
-                reused, source_run = False, None
-            if reused:
-                where = f" from the tracking server (run {source_run})" if source_run else ""
+                found = None
+            if found:
+                where = f" from the tracking server (run {found.computed_by})" if found.remote else ""
                 ctx.console.print(f"[dim]✓ {escape(label)}: unchanged inputs, reusing {key[:12]}{where}[/dim]")
             else:
-                _compute(ctx, label, key, inputs, compute, path)
+                _compute(ctx, label, key, inputs, compute, path, run_id=run_id)
                 ctx.made.add(key)
             ctx.holds.hold(stage_use(ctx.cache, stage, key))  # before the lock goes: no prune in between
-        result = _log_stage(ctx, run_id, stage, inputs, path, reused, source_run, None if portable else artifacts)
+        result = _log_stage(ctx, run_id, stage, inputs, path, found, None if portable else artifacts)
         ctx.tracker.end(run_id)
     except BaseException:
         ctx.tracker.end(run_id, "FAILED")
         raise
-    outcome = StageOutcome(stage, role, key, path, result, reused, run_id)
+    outcome = StageOutcome(stage, role, key, path, result, found is not None, run_id)
     ctx.outcomes[f"{stage}:{role}"] = outcome
+    # computed_by: the run whose artifacts hold the stage's files (a reuse's own run holds none)
     atomic_write_json(ctx.run_dir / "stages" / f"{stage}-{role}.json",
-                      {"stage": stage, "role": role, "key": key, "path": str(path), "reused": reused,
-                       "mlflow_run": run_id, "metrics": result.get("metrics", {})})
+                      {"stage": stage, "role": role, "key": key, "path": str(path), "reused": found is not None,
+                       "mlflow_run": run_id, "computed_by": found.computed_by if found else run_id,
+                       "metrics": result.get("metrics", {})})
     return outcome
 
 
-def _log_stage(ctx: RunContext, run_id: str, stage: str, inputs: dict[str, Any], path: Path,
-               reused: bool, source_run: str | None, artifacts: tuple[str, ...] | None) -> dict[str, Any]:
-    """The stage's MLflow run: its metrics, inputs as params, whether and whence it was reused, and
-    its files (all of them when `artifacts` is None: a portable stage, which another machine reuses
-    from these files alone). Returns the stage's result."""
+def _log_stage(ctx: RunContext, run_id: str, stage: str, inputs: dict[str, Any], path: Path, found: Found | None,
+               artifacts: tuple[str, ...] | None) -> dict[str, Any]:
+    """The stage's MLflow run: its metrics, inputs as params, whether and whence it was reused, and,
+    when computed here, its files (all of them when `artifacts` is None: a portable stage, which
+    another machine reuses from these files alone). A reuse uploads nothing: a second copy would be
+    a second place to find (and forge) the stage by its key. Returns the stage's result."""
     result, manifest = read_json(path / RESULT), read_json(path / MANIFEST)
     ctx.tracker.log(run_id, metrics={**_memory_of_older_stage(stage, manifest), **result.get("metrics", {}),
                                      "wall_s": manifest.get("wall_s", 0.0)},
                     params=flatten(inputs),
-                    tags={"kiln.reused": str(reused).lower(), **({"kiln.reused_from": source_run} if source_run else {})})
+                    tags={REUSED: str(found is not None).lower(),
+                          **({REUSED_FROM: found.computed_by} if found and found.computed_by else {})})
+    if found:
+        return result
     if artifacts is None:
         ctx.tracker.log_artifacts(run_id, path, "stage")
     else:
-        for name in (RESULT, MANIFEST, *artifacts):
+        for name in (RESULT, MANIFEST, ENVELOPE, *artifacts):
             if (path / name).exists():
                 ctx.tracker.log_artifacts(run_id, path / name, "stage")
     return result
@@ -177,28 +201,41 @@ def _memory_of_older_stage(stage: str, manifest: dict[str, Any]) -> dict[str, An
     return {f"{stage}_peak_rss_bytes": manifest["peak_rss_bytes"]} if "peak_rss_bytes" in manifest else {}
 
 
-def _reuse(ctx: RunContext, stage: str, key: str, path: Path, portable: bool) -> tuple[bool, str | None]:
-    """Whether a finished copy of the stage exists (here, or for a portable stage on the tracking
-    server, fetched into the cache now), and the MLflow run it came from if fetched. A stage to be
-    measured again (`fresh`) is computed once in this run: a search's arms that share it (the
+def _reuse(ctx: RunContext, label: str, stage: str, key: str, path: Path, portable: bool) -> Found | None:
+    """A finished copy of the stage whose seal checks: here, or for a portable stage on the tracking
+    server, fetched into the cache now. A copy that does not check is said so and not used. A stage
+    to be measured again (`fresh`) is computed once in this run: a search's arms that share it (the
     baseline's engine and quality stages) reuse what the first computed."""
     if (stage in ctx.fresh or "all" in ctx.fresh) and key not in ctx.made:
-        return False, None
-    if (path / RESULT).exists():
-        return True, None
+        return None
+    if path.is_dir():
+        try:
+            check(path, stage, key, what="its cached copy")
+            return Found(read_json(path / MANIFEST).get("mlflow_run"))
+        except NotVerified as e:
+            _distrust(ctx, label, str(e), "computing it again")
     if portable and (source_run := ctx.tracker.find_stage(key)):
-        with atomic_dir(path) as tmp:
-            ctx.tracker.download(source_run, "stage", tmp)
-        return True, source_run
-    return False, None
+        try:
+            with atomic_dir(path) as tmp:  # the cache keeps it only once it checks
+                ctx.tracker.download(source_run, "stage", tmp)
+                check(tmp, stage, key, what=f"the copy on the tracking server (run {source_run})")
+            return Found(source_run, remote=True)
+        except NotVerified as e:
+            _distrust(ctx, label, str(e), "computing it here")
+    return None
+
+
+def _distrust(ctx: RunContext, label: str, reason: str, then: str) -> None:
+    ctx.console.print(f"[yellow]! {escape(label)}: {escape(reason)}; {then}[/yellow]")
+    log.warning("%s: %s; %s", label, reason, then)
 
 
 def _compute(ctx: RunContext, label: str, key: str, inputs: dict[str, Any],
-             compute: Callable[[Path], dict[str, Any]], path: Path) -> None:
-    """Compute the stage into `path` (<cache>/stages/<stage>/<key>). Its result's metrics gain the
-    stage's peak resident memory, kiln's own and its child processes' (`<stage>_peak_rss_bytes`,
+             compute: Callable[[Path], dict[str, Any]], path: Path, run_id: str | None = None) -> None:
+    """Compute the stage into `path` (<cache>/stages/<stage>/<key>) and seal it. Its result's metrics
+    gain the stage's peak resident memory, kiln's own and its child processes' (`<stage>_peak_rss_bytes`,
     `<stage>_children_peak_pss_bytes`: kiln.pipeline.rss says what is counted); the manifest holds
-    them with each child's."""
+    them with each child's, and the MLflow run (`run_id`) that computed it."""
     ctx.console.print(f"[bold]▶ {escape(label)}[/bold]")
     start = time.perf_counter()
     with atomic_dir(path) as tmp:
@@ -210,8 +247,9 @@ def _compute(ctx: RunContext, label: str, key: str, inputs: dict[str, Any],
         atomic_write_json(tmp / RESULT, result)
         atomic_write_json(tmp / MANIFEST, {
             "stage": label, "key": key, "inputs": inputs, "wall_s": wall, **memory.figures(),
-            "environment": environment(), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "environment": environment(), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "mlflow_run": run_id,
         })
+        seal(tmp, path.parent.name, key, inputs)
     metrics = result.get("metrics", {})
     shown = ", ".join(f"{k}={v:.4g}" for k, v in list(metrics.items())[:6] if isinstance(v, int | float))
     ctx.console.print(f"  done in {wall:.1f}s {shown}", markup=False)

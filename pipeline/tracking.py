@@ -32,6 +32,8 @@ from kiln.core import credentials
 from kiln.core.errors import BadInput
 
 STAGE_KEY = "kiln.stage_key"
+REUSED = "kiln.reused"  # 'false' on the one run that computed a stage (and holds its files), 'true' on a reuse
+REUSED_FROM = "kiln.reused_from"  # on a reuse: the run that computed the stage, when known
 CANDIDATE_TAG = "kiln.candidate"  # a search candidate's run and each of its stage runs
 VERDICT = "kiln.verdict"
 PASSED = "kiln.passed"  # 1 when the run's verdict is a pass (exit 0), else 0: a column the runs table sorts by
@@ -253,9 +255,11 @@ class Tracker:
         self.client.set_terminated(run_id, status)
 
     def find_stage(self, key: str) -> str | None:
-        """The id of a finished run that computed the stage with this key, if any."""
+        """The id of the newest finished run that computed the stage with this key, if any: never a
+        reuse, which holds no files. What it holds is checked before use (`stage_evidence.check`)."""
         runs = self.client.search_runs(
-            [self.experiment_id], f"tags.`{STAGE_KEY}` = '{key}' and attributes.status = 'FINISHED'",
+            [self.experiment_id],
+            f"tags.`{STAGE_KEY}` = '{key}' and tags.`{REUSED}` = 'false' and attributes.status = 'FINISHED'",
             max_results=1, order_by=["attributes.start_time DESC"])
         return runs[0].info.run_id if runs else None
 
