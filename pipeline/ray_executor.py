@@ -5,7 +5,10 @@ there: nodes share nothing but the tracking server), runs the candidate's build 
 where the node has them, rebuilt content-addressed where it has not: the same keys) and then the
 phase's stages, which log their results and files to the tracking server as every stage does. The
 driver reads each stage back from there into its run folder: the search then judges exactly what a
-local run would, with no shared filesystem.
+local run would, with no shared filesystem. What it reads back is checked against the stage's seal
+(kiln.pipeline.stage_evidence) under the driver's trusted keys and those the node reports over Ray
+(the driver already trusts the node it dispatched to compute), then sealed again by the driver over
+the files it brought back, so the gate checks them as it checks its own.
 
 Ray's resource counts are bookkeeping only. A task asks for the CPUs its engines' threads use (a GPU
 where the engine runs on one); a timed phase (the decode benchmark, its confirmation, a load stage)
@@ -29,11 +32,13 @@ from typing import Any
 
 from kiln.core.errors import BadInput, KilnError
 from kiln.core.files import atomic_dir, atomic_write_json, hash_of, read_json
+from kiln.core.signing import key_id, public_pem, trusted_keys
 from kiln.optimize.base import ModelArtifact
 from kiln.pipeline.executor import CONFIRM
 from kiln.pipeline.github_changes import GPU_BACKENDS
+from kiln.pipeline.stage_evidence import ENVELOPE, check, seal
 from kiln.pipeline.stages import RESULT, RunContext, StageOutcome
-from kiln.pipeline.tracking import CANDIDATE_TAG, STAGE_KEY, Tracker, redact_uri
+from kiln.pipeline.tracking import CANDIDATE_TAG, REUSED, STAGE_KEY, Tracker, redact_uri
 
 TIMED = "kiln_timed"  # the custom resource every node declares once: {"kiln_timed": 1}
 NODE_TAG, HARDWARE_TAG = "kiln.node", "kiln.hardware"  # on every stage run a node computed
@@ -152,8 +157,9 @@ class RayExecutor:
             arm.eliminated = report["eliminated"]
         # the confirmation's figures beside the screening's: the report names the node of each
         arm.nodes.update({("confirmation" if phase == CONFIRM else stage): node for stage, node in report["timed"].items()})
+        trusted = node_keys(report.get("keys", {}))
         for record in report["records"]:
-            fetch_stage(arm.ctx, record)
+            fetch_stage(arm.ctx, record, trusted)
 
     def bring_back(self, arm: Any) -> None:
         """The arm's artifact where the report registers it from, when it is not on this machine: a
@@ -286,18 +292,39 @@ def wait(job: Any) -> dict[str, Any]:
         raise KilnError(f"the Ray cluster lost a candidate's task: {str(e).splitlines()[0]}") from None
 
 
-def fetch_stage(ctx: RunContext, record: dict[str, Any]) -> None:
+def node_keys(reported: dict[str, str]) -> dict[str, Any]:
+    """The driver's trusted keys and those a node reported (key id -> PEM public key), each loaded and
+    its id recomputed: a node names what it trusts, not what its keys are called."""
+    from cryptography.hazmat.primitives import serialization
+
+    keys = trusted_keys()
+    for pem in reported.values():
+        key = serialization.load_pem_public_key(pem.encode())
+        keys[key_id(key)] = key
+    return keys
+
+
+def fetch_stage(ctx: RunContext, record: dict[str, Any], trusted: dict[str, Any] | None = None) -> None:
     """A stage a node ran, read back from the tracking server into this run's folder (never into the
-    cache: a build stage's files there would be its result without its model), and recorded as a
-    stage of `ctx`'s run, as run_stage records one it ran here."""
+    cache: a build stage's files there would be its result without its model), from the run that
+    computed it (a reuse's own run holds no files). Its seal is checked under `trusted` (a build stage
+    comes back without its model: the files brought back must match, the rest stays on the node) and
+    made again here over what came back; then it is recorded as a stage of `ctx`'s run, as run_stage
+    records one it ran here."""
     name = f"{record['stage']}-{record['role']}"
     mine = ctx.run_dir / "stages" / f"{name}.json"
     if mine.exists() and read_json(mine)["key"] == record["key"]:
         return
     local = ctx.run_dir / "from-nodes" / record["stage"] / record["key"]
     if not (local / RESULT).exists():
+        source = record.get("computed_by") or ctx.tracker.find_stage(record["key"]) or record["mlflow_run"]
         with atomic_dir(local) as tmp:
-            ctx.tracker.download(record["mlflow_run"], "stage", tmp)
+            ctx.tracker.download(source, "stage", tmp)
+            verified = check(tmp, record["stage"], record["key"], trusted, present_only=True,
+                             what=f"{name} from a node (MLflow run {source})")
+            (tmp / ENVELOPE).unlink()
+            seal(tmp, record["stage"], record["key"], verified.predicate["inputs"],
+                 origin={"signed_by": verified.key_id, "mlflow_run": source, "node": record.get("node")})
     result = read_json(local / RESULT)
     ctx.outcomes[f"{record['stage']}:{record['role']}"] = StageOutcome(
         record["stage"], record["role"], record["key"], local, result, record["reused"], record["mlflow_run"])
@@ -360,7 +387,8 @@ def _node_report(arm: Any, ctx: RunContext) -> dict[str, Any]:
         if record["stage"] in ("benchmark", "load"):
             timed[record["stage"]] = record["node"]
         records.append(record)
-    return {"node": node.__dict__, "records": records, "timed": timed, "eliminated": arm.eliminated,
+    keys = {kid: public_pem(key) for kid, key in trusted_keys().items()}  # whose seals this node accepted
+    return {"node": node.__dict__, "records": records, "timed": timed, "eliminated": arm.eliminated, "keys": keys,
             "engines": {role: str(p) for role, p in arm.engines.items()},
             "artifact": {"path": str(arm.artifact.path), "manifest": arm.artifact.manifest} if arm.artifact else None}
 
@@ -371,7 +399,7 @@ def built_on(tracker: Tracker, recipe: str, candidate: str, nodes: dict[str, Nod
     build (a driver knows its own builds' nodes; this is the one it lost)."""
     runs = tracker.client.search_runs(
         [tracker.experiment_id], f"tags.`kiln.recipe` = '{recipe}' and tags.`{CANDIDATE_TAG}` = '{candidate}' and "
-        "tags.`kiln.stage` = 'engine' and tags.`kiln.role` = 'candidate' and tags.`kiln.reused` = 'false' and "
+        f"tags.`kiln.stage` = 'engine' and tags.`kiln.role` = 'candidate' and tags.`{REUSED}` = 'false' and "
         "attributes.status = 'FINISHED'", max_results=1, order_by=["attributes.start_time DESC"])
     name = runs[0].data.tags.get(NODE_TAG) if runs else None
     return next((n.id for n in nodes.values() if n.name == name), None)
@@ -380,6 +408,6 @@ def built_on(tracker: Tracker, recipe: str, candidate: str, nodes: dict[str, Nod
 def computed_on(tracker: Tracker, key: str) -> str | None:
     """The node that computed the stage `key` (its first run that was not a reuse), if a node did."""
     runs = tracker.client.search_runs(
-        [tracker.experiment_id], f"tags.`{STAGE_KEY}` = '{key}' and tags.`kiln.reused` = 'false'",
+        [tracker.experiment_id], f"tags.`{STAGE_KEY}` = '{key}' and tags.`{REUSED}` = 'false'",
         max_results=1, order_by=["attributes.start_time ASC"])
     return runs[0].data.tags.get(NODE_TAG) if runs else None
