@@ -1,0 +1,200 @@
+"""Evidence is content-addressed and verified (issue 52, point 1), tried as an attacker would.
+
+A stage's folder is sealed when it is computed (kiln.pipeline.stage_evidence): the digests of what it read
+and of every file it wrote, signed. Whoever can write the cache or the tracking server can edit a result
+or a samples file, add a run tagged with a stage's key, or re-sign a folder with a key of their own; each
+is caught on reuse and computed again (said so), or refused by the gate (exit 5), never trusted. A reuse
+uploads nothing, so a forgery cannot spread by being reused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from rich.console import Console
+
+from kiln.core import signing
+from kiln.core.errors import NotVerified
+from kiln.pipeline import stage_evidence
+from kiln.pipeline.evidence import evidence_from_run
+from kiln.pipeline.stage_evidence import ENVELOPE, check, seal, stage_key
+from kiln.pipeline.stages import RunContext, run_stage
+from tests.pipeline.conftest import fresh_cache, kiln, write_recipe
+
+FORGED = 1000.0  # the issue's forgery: the candidate 1000x as fast as it is
+
+
+# --- the seal itself ---
+
+
+def _sealed(tmp_path: Path, stage: str = "quality", inputs: dict | None = None) -> tuple[Path, str]:
+    inputs = inputs or {"engine": "e1"}
+    key = stage_key(stage, inputs)
+    folder = tmp_path / stage / key
+    (folder / "sub").mkdir(parents=True)
+    (folder / "result.json").write_text(json.dumps({"metrics": {"perplexity": 12.5}}))
+    (folder / "sub" / "samples.jsonl").write_text('{"doc_id": 0, "nll": 1.5}\n')
+    seal(folder, stage, key, inputs)
+    return folder, key
+
+
+def test_a_sealed_stage_checks_and_every_change_is_named(tmp_path):
+    folder, key = _sealed(tmp_path)
+    verified = check(folder, "quality", key)
+    assert set(verified.subjects()) == {"result.json", "sub/samples.jsonl"}
+    assert verified.predicate["inputs"] == {"engine": "e1"} and verified.predicate["key"] == key
+    cases = [
+        (lambda: (folder / "sub" / "samples.jsonl").write_text('{"doc_id": 0, "nll": 0.1}\n'),
+         "sub/samples.jsonl has changed since the stage sealed it"),
+        (lambda: (folder / "extra.json").write_text("{}"), "extra.json was not written by the stage"),
+        (lambda: (folder / "result.json").unlink(), "result.json is missing"),
+    ]
+    for edit, said in cases:
+        folder, key = _sealed(tmp_path / said.split()[0])
+        edit()
+        with pytest.raises(NotVerified, match=said):
+            check(folder, "quality", key)
+    with pytest.raises(NotVerified, match="not benchmark key"):
+        check(folder, "benchmark", key)  # a folder moved under another stage's key
+    (folder / ENVELOPE).unlink()
+    with pytest.raises(NotVerified, match="no sealed evidence"):
+        check(folder, "quality", key)
+
+
+def test_a_seal_made_with_a_key_nobody_trusts_or_edited_after_signing_is_refused(tmp_path, monkeypatch):
+    signing.new_key(tmp_path / "mallory.pem")
+    monkeypatch.setenv(signing.SIGNING_KEY_ENV, str(tmp_path / "mallory.pem"))
+    folder, key = _sealed(tmp_path / "mallory")  # a whole consistent folder, signed by the attacker
+    monkeypatch.delenv(signing.SIGNING_KEY_ENV)
+    with pytest.raises(NotVerified, match="which this machine does not trust"):
+        check(folder, "quality", key)
+    # The attacker edits the result and rewrites the digest in the statement, but cannot sign it.
+    folder, key = _sealed(tmp_path / "edited")
+    (folder / "result.json").write_text(json.dumps({"metrics": {"perplexity": 1.0}}))
+    envelope = json.loads((folder / ENVELOPE).read_text())
+    statement = json.loads(signing.base64.b64decode(envelope["payload"]))
+    for s in statement["subject"]:
+        if s["name"] == "result.json":
+            s["digest"]["sha256"] = signing.sha256_bytes((folder / "result.json").read_bytes())
+    envelope["payload"] = signing.base64.b64encode(json.dumps(statement).encode()).decode()
+    (folder / ENVELOPE).write_text(json.dumps(envelope))
+    with pytest.raises(NotVerified, match="does not match its content"):
+        check(folder, "quality", key)
+
+
+def test_a_file_rewritten_in_place_with_its_mtime_restored_is_hashed_again(tmp_path, monkeypatch):
+    """The stat cache skips rehashing an unchanged file, and only that: `cp -p` or `rsync -a` of other
+    bytes of the same size, mtime put back, changes the ctime, which no user tool can set."""
+    folder, key = _sealed(tmp_path)
+    samples = folder / "sub" / "samples.jsonl"
+    hashed = []
+    real = stage_evidence.sha256_file
+    monkeypatch.setattr(stage_evidence, "sha256_file", lambda p: hashed.append(Path(p).name) or real(p))
+    check(folder, "quality", key)
+    assert hashed == []  # sealed a moment ago: nothing to rehash
+    before = samples.stat()
+    samples.write_text('{"doc_id": 0, "nll": 0.5}\n')  # the same size
+    os.utime(samples, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert samples.stat().st_size == before.st_size and samples.stat().st_mtime_ns == before.st_mtime_ns
+    with pytest.raises(NotVerified, match="sub/samples.jsonl has changed"):
+        check(folder, "quality", key)
+    assert hashed == ["samples.jsonl"]
+
+
+# --- reuse from the cache ---
+
+
+class _Tracker(SimpleNamespace):
+    """What a stage logs, recorded: which runs got files, and their tags."""
+
+    def __init__(self) -> None:
+        super().__init__(runs=0, artifacts=[], tags={})
+
+    def start(self, *a, **k) -> str:
+        self.runs += 1
+        return f"run{self.runs}"
+
+    def log(self, run_id, metrics={}, params={}, tags={}) -> None:
+        self.tags.setdefault(run_id, {}).update(tags)
+
+    def log_artifacts(self, run_id, path, artifact_path=None) -> None:
+        self.artifacts.append(run_id)
+
+    def end(self, *a, **k) -> None:
+        pass
+
+    def find_stage(self, key) -> None:
+        return None
+
+
+def _ctx(tmp_path: Path, console: Console, tracker: _Tracker | None = None, run: str = "run") -> RunContext:
+    recipe = SimpleNamespace(name="r", digest=lambda: "d")
+    (tmp_path / run / "stages").mkdir(parents=True, exist_ok=True)
+    return RunContext(recipe, tmp_path / "r.yaml", tmp_path / run, tmp_path / "cache", tracker or _Tracker(),
+                      "parent", console)
+
+
+def _quality(calls: list) -> callable:
+    """A quality stage's shape: a result naming a per-document samples file it wrote beside it."""
+    def compute(out: Path) -> dict:
+        calls.append(out)
+        (out / "samples.jsonl").write_text("".join(json.dumps({"doc_id": i, "nll": 2.0}) + "\n" for i in range(4)))
+        return {"metrics": {"perplexity": 7.4}, "samples": {"file": "samples.jsonl", "columns": ["nll"]}}
+    return compute
+
+
+def _said(console: Console) -> str:
+    return " ".join(console.export_text(clear=False).split())
+
+
+def test_a_doctored_result_in_the_cache_is_computed_again_and_said_so(tmp_path):
+    console, calls = Console(record=True, width=200), []
+    first = run_stage(_ctx(tmp_path, console), "quality", "candidate", {"x": 1}, _quality(calls))
+    forged = json.loads((first.path / "result.json").read_text())
+    forged["metrics"]["perplexity"] = 1.0  # "the candidate is as good as it gets"
+    (first.path / "result.json").write_text(json.dumps(forged))
+    again = run_stage(_ctx(tmp_path, console), "quality", "candidate", {"x": 1}, _quality(calls))
+    assert not again.reused and len(calls) == 2 and again.result["metrics"]["perplexity"] == 7.4
+    assert "! quality[candidate]: its cached copy: result.json has changed since the stage sealed it" in _said(console)
+    assert "computing it again" in _said(console)
+    assert run_stage(_ctx(tmp_path, console), "quality", "candidate", {"x": 1}, _quality(calls)).reused
+
+
+def test_a_doctored_samples_file_is_refused_by_the_gate_and_computed_again_on_reuse(tmp_path):
+    console, calls = Console(record=True, width=200), []
+    run_stage(_ctx(tmp_path, console), "quality", "baseline", {"x": 0}, _quality(calls))
+    first = run_stage(_ctx(tmp_path, console), "quality", "candidate", {"x": 1}, _quality(calls))
+    assert evidence_from_run(tmp_path / "run")["candidate"].samples["nll"]["0"] == 2.0
+    # Between the stage and the gate, the candidate's per-document losses are lowered.
+    samples = first.path / "samples.jsonl"
+    samples.write_text(samples.read_text().replace('"nll": 2.0', '"nll": 0.1'))
+    with pytest.raises(NotVerified, match="samples.jsonl has changed since the stage sealed it"):
+        evidence_from_run(tmp_path / "run")
+    again = run_stage(_ctx(tmp_path, console, run="run2"), "quality", "candidate", {"x": 1}, _quality(calls))
+    assert not again.reused and len(calls) == 3
+    assert "samples.jsonl has changed" in _said(console)
+
+
+def test_a_stage_cached_before_stages_were_sealed_is_computed_once_more_and_said_so(tmp_path):
+    console, calls = Console(record=True, width=200), []
+    first = run_stage(_ctx(tmp_path, console), "quality", "candidate", {"x": 1}, _quality(calls))
+    (first.path / ENVELOPE).unlink()  # what an older kiln left in the cache
+    assert not run_stage(_ctx(tmp_path, console), "quality", "candidate", {"x": 1}, _quality(calls)).reused
+    assert "no sealed evidence" in _said(console)
+    assert run_stage(_ctx(tmp_path, console), "quality", "candidate", {"x": 1}, _quality(calls)).reused
+    assert len(calls) == 2
+
+
+def test_a_reuse_uploads_nothing_and_names_the_run_that_computed_it(tmp_path):
+    console, tracker = Console(record=True, width=200), _Tracker()
+    computed = run_stage(_ctx(tmp_path, console, tracker), "quality", "candidate", {"x": 1}, _quality([]))
+    assert tracker.artifacts == [computed.mlflow_run] and tracker.tags[computed.mlflow_run]["kiln.reused"] == "false"
+    reused = run_stage(_ctx(tmp_path, console, tracker), "quality", "candidate", {"x": 1}, _quality([]))
+    assert reused.reused and tracker.artifacts == [computed.mlflow_run]  # no second copy
+    assert tracker.tags[reused.mlflow_run] == {"kiln.reused": "true", "kiln.reused_from": computed.mlflow_run}
+    record = json.loads((tmp_path / "run" / "stages" / "quality-candidate.json").read_text())
+    assert record["computed_by"] == computed.mlflow_run and record["mlflow_run"] == reused.mlflow_run
