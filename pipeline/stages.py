@@ -208,21 +208,29 @@ def _reuse(ctx: RunContext, label: str, stage: str, key: str, path: Path, portab
     baseline's engine and quality stages) reuse what the first computed."""
     if (stage in ctx.fresh or "all" in ctx.fresh) and key not in ctx.made:
         return None
+    reason = None
     if path.is_dir():
         try:
             check(path, stage, key, what="its cached copy")
             return Found(read_json(path / MANIFEST).get("mlflow_run"))
         except NotVerified as e:
-            _distrust(ctx, label, str(e), "computing it again")
-    if portable and (source_run := ctx.tracker.find_stage(key)):
-        try:
-            with atomic_dir(path) as tmp:  # the cache keeps it only once it checks
-                ctx.tracker.download(source_run, "stage", tmp)
-                check(tmp, stage, key, what=f"the copy on the tracking server (run {source_run})")
-            return Found(source_run, remote=True)
-        except NotVerified as e:
-            _distrust(ctx, label, str(e), "computing it here")
-    return None
+            reason = str(e)
+    source_run = ctx.tracker.find_stage(key) if portable else None
+    if reason:
+        _distrust(ctx, label, reason, "trying the tracking server's copy" if source_run else "computing it again")
+    return _fetch(ctx, label, stage, key, path, source_run) if source_run else None
+
+
+def _fetch(ctx: RunContext, label: str, stage: str, key: str, path: Path, source_run: str) -> Found | None:
+    """The stage's files from the run that computed it, kept in the cache only once their seal checks."""
+    try:
+        with atomic_dir(path) as tmp:
+            ctx.tracker.download(source_run, "stage", tmp)
+            check(tmp, stage, key, what=f"the copy on the tracking server (run {source_run})")
+        return Found(source_run, remote=True)
+    except NotVerified as e:
+        _distrust(ctx, label, str(e), "computing it here")
+        return None
 
 
 def _distrust(ctx: RunContext, label: str, reason: str, then: str) -> None:
