@@ -198,3 +198,75 @@ def test_a_reuse_uploads_nothing_and_names_the_run_that_computed_it(tmp_path):
     assert tracker.tags[reused.mlflow_run] == {"kiln.reused": "true", "kiln.reused_from": computed.mlflow_run}
     record = json.loads((tmp_path / "run" / "stages" / "quality-candidate.json").read_text())
     assert record["computed_by"] == computed.mlflow_run and record["mlflow_run"] == reused.mlflow_run
+
+
+# --- the real CLI ---
+
+
+def _speed_recipe(path: Path, model_dir: Path, **changes) -> Path:
+    """The issue's reproduction, small: a gate no honest run of this candidate passes (50x the baseline's
+    decode speed), and a perplexity stage whose per-document losses the gate pairs."""
+    return write_recipe(path, model_dir, name="forged", **{
+        "evaluate__quality": {"perplexity": {"text": "demo", "max_documents": 4, "seq_len": 64}, "agreement": False},
+        "evaluate__benchmark": {"prompts": "demo", "num_prompts": 2, "max_new_tokens": 8, "repeats": 3},
+        "gate": {"checks": [{"kind": "performance", "metric": "decode_tok_s", "min_ratio": 50},
+                            {"kind": "quality", "metric": "perplexity", "margin": 0.05, "relative": True}]},
+        **changes})
+
+
+def _forge_speed(folder: Path) -> None:
+    """The benchmark's result with the candidate FORGED times as fast, every figure the gate reads."""
+    result = json.loads((folder / "result.json").read_text())
+    part = result["per_role"]["candidate"]
+    part["repeats"]["decode_tok_s"] = [v * FORGED for v in part["repeats"]["decode_tok_s"]]
+    part["metrics"]["decode_tok_s"] *= FORGED
+    result["metrics"]["candidate.decode_tok_s"] *= FORGED
+    result.pop("stopped", None)
+    (folder / "result.json").write_text(json.dumps(result))
+
+
+def _stages(run_dir: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in (run_dir / "stages").glob("*.json")}
+
+
+def _newest_run(work: Path) -> Path:
+    return max((work / "runs").iterdir(), key=lambda p: p.stat().st_mtime)
+
+
+def _ratio(run_dir: Path) -> float:
+    stages = _stages(run_dir)
+    result = json.loads((Path(stages["benchmark-pair"]["path"]) / "result.json").read_text())
+    return result["per_role"]["candidate"]["metrics"]["decode_tok_s"] / result["per_role"]["baseline"]["metrics"]["decode_tok_s"]
+
+
+def test_a_doctored_cache_is_computed_again_by_kiln_run(tmp_path, tiny_model_dir):
+    """The issue's second reproduction: the benchmark's result.json in the local cache edited to 1000x the
+    candidate's speed (and the perplexity stage's samples to a better candidate) made the next run pass."""
+    env = {"KILN_CACHE": str(fresh_cache(tmp_path / "cache"))}
+    recipe = _speed_recipe(tmp_path / "r.yaml", tiny_model_dir)
+    first = kiln("run", str(recipe), cwd=tmp_path, env=env)
+    assert first.returncode in (1, 3), first.stdout[-3000:] + first.stderr[-3000:]
+    honest = _stages(_newest_run(tmp_path))
+    _forge_speed(Path(honest["benchmark-pair"]["path"]))
+    samples = next(Path(honest["quality-candidate"]["path"]).glob("*.jsonl"))
+    samples.write_text(samples.read_text().replace('"doc_id"', '"forged": 1, "doc_id"'))
+    second = kiln("run", str(recipe), cwd=tmp_path, env=env)
+    said = " ".join(second.stdout.split())
+    assert second.returncode in (1, 3), said[-3000:] + second.stderr[-3000:]
+    # Each doctored stage is said so and not used: the run's own tracking store (./mlflow.db) holds the
+    # honest copy, sealed by this machine, which replaces it; nothing forged is read.
+    assert "its cached copy: result.json has changed since the stage sealed it" in said, said[:3000]
+    assert f"its cached copy: {samples.name} has changed since the stage sealed it" in said
+    again = _stages(_newest_run(tmp_path))
+    assert again["benchmark-pair"]["computed_by"] == honest["benchmark-pair"]["mlflow_run"]
+    assert "forged" not in samples.read_text() and _ratio(_newest_run(tmp_path)) < 50
+    # With no honest copy anywhere (the tracking store moved), the doctored stage is computed again.
+    _forge_speed(Path(honest["benchmark-pair"]["path"]))
+    third = kiln("run", str(recipe), cwd=tmp_path, env={**env, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'new.db'}"})
+    said = " ".join(third.stdout.split())
+    assert third.returncode in (1, 3), said[-3000:] + third.stderr[-3000:]
+    assert "! benchmark[pair]: its cached copy: result.json has changed since the stage sealed it" in said, said[:3000]
+    assert "computing it again ▶ benchmark[pair]" in said
+    again = _stages(_newest_run(tmp_path))
+    assert not again["benchmark-pair"]["reused"] and again["quality-candidate"]["reused"]
+    assert _ratio(_newest_run(tmp_path)) < 50
