@@ -102,8 +102,9 @@ def kiln_serve(engine_dir: Path) -> Iterator[str]:
         port = sock.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     kiln = str(Path(sys.executable).with_name("kiln"))
+    no_key = {k: v for k, v in os.environ.items() if k != "KILN_API_KEY"}  # set to "", kiln serve refuses it
     proc = subprocess.Popen([kiln, "serve", str(engine_dir), "--port", str(port), "--request-log", "off"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "KILN_API_KEY": ""})
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=no_key)
     try:
         deadline = time.monotonic() + 300
         while True:

@@ -78,8 +78,9 @@ class Server:
         self.port, self.log = _free_port(), log
         self.url = f"http://127.0.0.1:{self.port}"
         kiln = str(Path(sys.executable).with_name("kiln"))
+        no_key = {k: v for k, v in os.environ.items() if k != "KILN_API_KEY"}  # set to "", kiln serve refuses it
         self.proc = subprocess.Popen([kiln, "serve", str(engine), "--port", str(self.port), "--request-log", str(log),
-                                      *args], stdout=subprocess.DEVNULL, env={**os.environ, "KILN_API_KEY": ""})
+                                      *args], stdout=subprocess.DEVNULL, env=no_key)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             try:

@@ -136,6 +136,22 @@ def key_matches(authorization: str, keys: list[bytes]) -> bool:
     return bool(sent) and any([hmac.compare_digest(sent, key) for key in keys])
 
 
+def api_keys(value: str | None, source: str = "api_key") -> list[bytes]:
+    """The keys a server accepts: `value` split at commas (one per tenant); None: no key.
+
+    A value that is set but strips to no key at all, or to an empty one (" ", ",", "a,,"), is
+    refused: a server keeps no empty key, so it would have announced a key and served open.
+    `source` names where the value came from, for the message; the value itself is never shown."""
+    if value is None:
+        return []
+    keys = [k.strip() for k in value.split(",")]
+    if not all(keys):
+        raise BadInput(f"{source}: holds an empty API key (blank, or an empty item between commas); a server keeps "
+                       f"no empty key, so with none left it would serve anyone. Set {source} to a key (several "
+                       f"tenants: comma-separated keys, none empty), or leave it unset for no key.")
+    return [k.encode() for k in keys]
+
+
 def tenant_of(request: web.Request) -> str:
     """A stable tenant id: a short hash of the bearer key, else the peer address."""
     if key := bearer_key(request.headers.get("Authorization", "")):

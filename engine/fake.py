@@ -10,8 +10,9 @@ way it does on a real engine. Every token is scheduled at an absolute time
 Endpoints: POST /v1/completions and /v1/chat/completions (streaming SSE or not), GET /v1/models,
 GET /health (503 until `startup_s` has passed), GET /metrics (Prometheus text), and GET/DELETE
 /fake/stats (request arrival times as the server saw them, so a benchmark can check the rate a
-client really sent without trusting the client). With an API key, /v1 and /fake need
-`Authorization: Bearer <key>`; /health and /metrics stay open for probes and scrapers.
+client really sent without trusting the client). With an API key (several: comma-separated), /v1
+and /fake need `Authorization: Bearer <key>`; /health and /metrics stay open for probes and
+scrapers. A key that strips to nothing is refused at start, as `kiln serve` refuses it.
 
 Prompt tokens are counted as token ids when given ids, and as whitespace-separated words for text
 (a stand-in for a tokenizer, which a fake has no need of).
@@ -40,7 +41,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pydantic import BaseModel, ConfigDict, Field
 
 from kiln.engine import metric_names as names
-from kiln.engine.admission import key_matches
+from kiln.engine.admission import api_keys, key_matches
 from kiln.engine.remote import stop_process
 
 _TOKEN = " tok"
@@ -114,7 +115,7 @@ class _Engine:
 
     def __init__(self, config: FakeEngineConfig, api_key: str | None):
         self.cfg = config
-        self.api_key = api_key
+        self.keys = api_keys(api_key)
         self.ttft = config.ttft_ms * config.slowdown / 1000
         self.tpot = config.tpot_ms * config.slowdown / 1000
         self.slots = asyncio.Semaphore(config.capacity) if config.capacity else None
@@ -136,8 +137,8 @@ class _Engine:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if self.api_key and request.path.startswith(("/v1/", "/fake/")):
-            if not key_matches(request.headers.get("Authorization", ""), [self.api_key.encode()]):
+        if self.keys and request.path.startswith(("/v1/", "/fake/")):
+            if not key_matches(request.headers.get("Authorization", ""), self.keys):
                 return _error(
                     401, "missing or wrong API key (send 'Authorization: Bearer <key>')", "authentication_error"
                 )
@@ -394,6 +395,7 @@ class FakeServer:
     def __init__(self, config: FakeEngineConfig | None = None, api_key: str | None = None, start_timeout_s: float = 30):
         self.config = config or FakeEngineConfig()
         self.api_key = api_key
+        self._bearer = next(iter(api_keys(api_key)), b"").decode()  # refuses a blank key before the child starts
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen[str] | None = None
         self.url = ""
@@ -420,8 +422,8 @@ class FakeServer:
     def arrivals(self, reset: bool = False) -> list[float]:
         """Arrival times (server's monotonic clock) of every request since the last reset."""
         req = urllib.request.Request(self.url + "/fake/stats", method="DELETE" if reset else "GET")
-        if self.api_key:
-            req.add_header("Authorization", f"Bearer {self.api_key}")
+        if self._bearer:
+            req.add_header("Authorization", f"Bearer {self._bearer}")
         with urllib.request.urlopen(req, timeout=30) as r:
             return json.loads(r.read())["arrivals"]
 

@@ -37,7 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kiln.engine import metric_names as names
 from kiln.engine.admission import (ARRIVAL, SERVE_ADMISSION, STATS, Admission, AdmissionConfig, DrainCut,
-                                   key_matches, serve_until_drained)
+                                   api_keys, key_matches, serve_until_drained)
 from kiln.engine.base import Engine, GenerationRequest, TokenEvent
 from kiln.engine.protocol import TextStream, logprobs_block, position_logprobs, token_text
 from kiln.engine.request import (RequestError, Sampling, budgets, chat_prompt, check_model, parse_prompts,
@@ -52,7 +52,7 @@ STARTER = web.AppKey("starter", asyncio.Task)
 class _State:
     def __init__(self, load: Callable[[], Engine], api_key: str | None, model_name: str | None, owns: bool,
                  admission: Admission, on_ready: Callable[[dict[str, float]], None] | None):
-        self.load, self.keys, self.model_name, self.owns = load, _bearers(api_key), model_name, owns
+        self.load, self.keys, self.model_name, self.owns = load, api_keys(api_key), model_name, owns
         self.admission, self.on_ready = admission, on_ready
         self.metrics = Metrics()
         admission.export(self.metrics.registry, names.ADMISSION, count_requests=True)
@@ -88,11 +88,6 @@ class _State:
         self.status = "ready"
         if self.on_ready:
             self.on_ready(cold)
-
-
-def _bearers(api_key: str | None) -> list[bytes]:
-    """The keys accepted: several comma-separated (one per tenant)."""
-    return [k.strip().encode() for k in (api_key or "").split(",") if k.strip()]
 
 
 def _process_age() -> float:
@@ -457,7 +452,8 @@ def create_app(load: Callable[[], Engine], api_key: str | None = None, model_nam
                owns_engine: bool = True, admission: AdmissionConfig = SERVE_ADMISSION,
                on_ready: Callable[[dict[str, float]], None] | None = None) -> web.Application:
     """The HTTP app. `load` runs in a worker thread after the server is up (so /health can say 503);
-    `on_ready(cold_start)` is called once the engine is loaded and warmed up."""
+    `on_ready(cold_start)` is called once the engine is loaded and warmed up. `api_key`: None for
+    none, else one or more comma-separated keys; one that strips to nothing is BadInput."""
     guard = Admission(admission)
     app = web.Application(middlewares=[_guard, guard.middleware, _errors], client_max_size=64 * 2**20)
     st = app[STATE] = _State(load, api_key, model_name, owns_engine, guard, on_ready)
@@ -496,7 +492,7 @@ def serve(engine_dir: Path, host: str = "127.0.0.1", port: int = 8000, api_key: 
     from kiln.engine.loader import load_engine
 
     app = create_app(lambda: load_engine(Path(engine_dir), **engine_options), api_key, model_name,
-                     admission=admission, on_ready=on_ready)
+                     admission=admission, on_ready=on_ready)  # refuses a blank key before anything binds
     uvloop.run(_serve_or_fail(app, host, port))
 
 
@@ -532,8 +528,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name")
     a = p.parse_args(argv)
+    key = os.environ.get("KILN_API_KEY")
+    try:
+        api_keys(key, "$KILN_API_KEY")
+    except BadInput as e:
+        p.error(str(e))  # exit 2, as `kiln serve`'s
     log_requests_to("stderr")
-    serve(a.engine_dir, a.host, a.port, os.environ.get("KILN_API_KEY") or None, a.model_name)
+    serve(a.engine_dir, a.host, a.port, key, a.model_name)
 
 
 if __name__ == "__main__":
