@@ -4,6 +4,12 @@ Each arm is a `kiln serve`-compatible server: one already running (url), one thi
 (command, with "{port}" replaced by a free port, e.g. ["kiln", "serve", "ENGINE_DIR", "--port",
 "{port}"]), or the fake engine (tests, demos). The router fronts both; clients use `target.url`.
 
+Keys: the router sends its arms an upstream key and never a client's credentials, so the arms
+this target starts are given that key (a fake arm as its api_key, a command arm as $KILN_API_KEY,
+`kiln serve`'s default --api-key-env); with none given, one is made here, so the arms on loopback
+answer only their router. The router's /admin always needs a key too (router_process.py makes one
+when there is no client key).
+
 promote(): the router's stable arm is pointed at the canary's server, the old stable finishes
 what it is serving and is stopped. rollback(): weight 0, the canary finishes and is stopped. In
 both cases no request in flight is cut: the router retires a backend only once it is idle.
@@ -16,6 +22,8 @@ serving throughout; only the requests the dead router had accepted fail.
 
 from __future__ import annotations
 
+import os
+import secrets
 import subprocess
 import threading
 import time
@@ -26,10 +34,14 @@ from pydantic import model_validator
 
 from kiln.deploy.base import DeployTarget, Observations, observations_from
 from kiln.deploy.config import RouterConfig, RouterOptions, Section
+from kiln.deploy.proxy import upstream_key
 from kiln.deploy.router_process import RouterProcess
+from kiln.engine.admission import api_keys
 from kiln.engine.fake import FakeEngineConfig, FakeServer
 from kiln.engine.remote import free_port, wait_healthy
 from kiln.core.errors import BadInput, KilnError
+
+ARM_KEY_ENV = "KILN_API_KEY"  # where a command arm (`kiln serve`, by default) reads the key its router sends
 
 
 class BackendSpec(Section):
@@ -73,6 +85,7 @@ class Arm:
 
 
 def start_arm(spec: BackendSpec, api_key: str | None) -> Arm:
+    """Start (or wait for) one arm; an arm started here requires `api_key`, the one its router sends."""
     if spec.fake is not None:
         return Arm((server := FakeServer(spec.fake, api_key=api_key).__enter__()).url, server)
     if spec.url is not None:
@@ -81,7 +94,8 @@ def start_arm(spec: BackendSpec, api_key: str | None) -> Arm:
     port = free_port()
     cmd = [part.replace("{port}", str(port)) for part in spec.command or []]
     try:
-        proc = subprocess.Popen(cmd)
+        env = {k: v for k, v in os.environ.items() if k != ARM_KEY_ENV} | ({ARM_KEY_ENV: api_key} if api_key else {})
+        proc = subprocess.Popen(cmd, env=env)
     except OSError as e:
         raise BadInput(f"backend command {cmd[0]!r} cannot start: {e}. Check the command (e.g. 'kiln serve').") from None
     arm = Arm(f"http://127.0.0.1:{port}", proc)
@@ -104,7 +118,9 @@ class LocalTarget(DeployTarget):
                  api_key: str | None = None, upstream_api_key: str | None = None, log_path: str | None = None):
         self.specs = {"stable": stable, "canary": canary}
         self.options, self.port = options or RouterOptions(), port
-        self.api_key, self.upstream_api_key, self.log_path = api_key, upstream_api_key, log_path
+        api_keys(api_key, "api_key")  # a blank key is refused before any arm starts
+        self.api_key, self.log_path = api_key, log_path
+        self.upstream_api_key = upstream_key(upstream_api_key) or secrets.token_urlsafe(32)  # its arms need one
         self.arms: dict[str, Arm] = {}
         self.router: RouterProcess | None = None
         self.restarts: list[int | None] = []  # exit codes of routers that died and were replaced

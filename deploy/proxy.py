@@ -23,7 +23,8 @@ from kiln.deploy.config import RouterConfig
 from kiln.deploy.observations import Comparison, Observation, is_failure
 from kiln.deploy.sse import SSERelay, continuation, max_new_tokens
 from kiln.engine import metric_names as names
-from kiln.engine.admission import STATS, Admission
+from kiln.engine.admission import STATS, Admission, api_keys
+from kiln.core.errors import BadInput
 from kiln.evaluate.quality.served import served_scores
 
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
@@ -36,6 +37,14 @@ MIRROR_DROPS = ("user", "metadata", "safety_identifier", "prompt_cache_key", "st
 
 def error_response(status: int, message: str, kind: str = "router_error") -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+def upstream_key(value: str | None) -> str | None:
+    """The one key the router sends its backends (None: it sends none); blank or several is BadInput."""
+    keys = api_keys(value, "upstream_api_key")
+    if len(keys) > 1:
+        raise BadInput("upstream_api_key: holds several comma-separated keys; the router sends its backends one.")
+    return keys[0].decode() if keys else None
 
 
 class Backend:
@@ -67,11 +76,13 @@ class Proxy:
     _mirrors: set[asyncio.Task]
 
 
-    def _headers(self, request: web.Request) -> dict[str, str]:
+    def _headers(self) -> dict[str, str]:
+        """What every upstream request carries: the router's own upstream key, if it has one, and never
+        the client's Authorization (a client's key is for this router; a backend that logs or is run
+        by someone else must not learn it, and a backend that shares it must not be opened by it)."""
         headers = {"Content-Type": "application/json"}
-        auth = f"Bearer {self.upstream_api_key}" if self.upstream_api_key else request.headers.get("Authorization")
-        if auth:
-            headers["Authorization"] = auth
+        if self.upstream_api_key:
+            headers["Authorization"] = f"Bearer {self.upstream_api_key}"
         return headers
 
     def _record(self, arm: str, status: int, error: str | None, start: float, relay: SSERelay | None,
@@ -169,7 +180,7 @@ class Proxy:
         """One backend attempt: (status, error or None, the client response once started, client left)."""
         backend.in_flight += 1
         try:
-            async with backend.post(request.path, body, self._headers(request)) as up:
+            async with backend.post(request.path, body, self._headers()) as up:
                 if up.status != 200:
                     return up.status, (await up.text())[:300] or f"HTTP {up.status}", resp, False
                 async for chunk in up.content.iter_any():
@@ -199,7 +210,7 @@ class Proxy:
             backend, start = self.backends[arm], time.perf_counter()
             backend.in_flight += 1
             try:
-                async with backend.post(request.path, payload, self._headers(request)) as up:
+                async with backend.post(request.path, payload, self._headers()) as up:
                     status, data = up.status, await up.read()
                 error = None if status == 200 else data[:300].decode(errors="replace") or f"HTTP {status}"
             except UPSTREAM_ERRORS as e:
@@ -255,13 +266,6 @@ class Proxy:
             task.cancel()
             self.metrics.mirror_dropped.labels(names.MIRROR_LOAD).inc()
 
-    def _mirror_headers(self) -> dict[str, str]:
-        """The router's own upstream key, if it has one; never the client's Authorization."""
-        headers = {"Content-Type": "application/json"}
-        if self.upstream_api_key:
-            headers["Authorization"] = f"Bearer {self.upstream_api_key}"
-        return headers
-
     async def _mirror(self, payload: dict[str, Any], primary: str, text: str) -> None:
         """Two more answers to the client's prompt, so it has three: stable's twice and the canary's
         once. The canary's and stable's second answer are each scored against stable's first: the
@@ -287,7 +291,7 @@ class Proxy:
             return None
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         try:
-            async with backend.post(path, body, self._mirror_headers()) as up:
+            async with backend.post(path, body, self._headers()) as up:
                 return _answer_text(await up.json()) if up.status == 200 else None
         except (*UPSTREAM_ERRORS, ValueError):
             return None

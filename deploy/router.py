@@ -13,8 +13,10 @@
 - Admission control, rate limits, request logs and drain on SIGTERM come from engine/admission.py
   (shared with `kiln serve`).
 
-API key: clients and /admin need `Authorization: Bearer <key>`; /health and /metrics stay open.
-Binds 127.0.0.1 unless told otherwise.
+Keys: with a client key, /v1 needs `Authorization: Bearer <key>`. /admin always needs a key (it
+moves traffic and points arms at new servers): the admin key if one is given, else the client key;
+with neither, /admin answers 401 to everyone. /health and /metrics stay open. Backends get the
+upstream key, never a client's credentials (proxy.py). Binds 127.0.0.1 unless told otherwise.
 """
 
 from __future__ import annotations
@@ -29,18 +31,22 @@ from prometheus_client import Gauge, generate_latest
 from kiln.deploy.config import RouterConfig
 from kiln.deploy.hashring import WeightedRing
 from kiln.deploy.observations import ArmMetrics, Window
-from kiln.deploy.proxy import UPSTREAM_ERRORS, Backend, Proxy, error_response
+from kiln.deploy.proxy import UPSTREAM_ERRORS, Backend, Proxy, error_response, upstream_key
 from kiln.deploy.sse import prompt_prefix
 from kiln.engine import metric_names as names
-from kiln.engine.admission import Admission, key_matches
+from kiln.engine.admission import Admission, api_keys, key_matches
 
 
 class Router(Proxy):
     """The application: routes, auth, admin endpoints and the choice of arm; the request path
     itself (relay, failover, observations, mirroring) is in proxy.py."""
 
-    def __init__(self, config: RouterConfig, api_key: str | None = None, upstream_api_key: str | None = None):
-        self.cfg, self.api_key, self.upstream_api_key = config, api_key, upstream_api_key
+    def __init__(self, config: RouterConfig, api_key: str | None = None, upstream_api_key: str | None = None,
+                 admin_key: str | None = None):
+        """Keys: None for none; a blank one is BadInput. `api_key` may hold several (comma-separated)."""
+        self.cfg, self.upstream_api_key = config, upstream_key(upstream_api_key)
+        self.keys = api_keys(api_key, "api_key")
+        self.admin_keys = api_keys(admin_key, "admin_key") or self.keys
         self.ring = WeightedRing(config.vnodes, config.weight if config.canary_url else 0.0)
         self.backends: dict[str, Backend] = {}
         self.observations = Window(config.window)
@@ -85,9 +91,15 @@ class Router(Proxy):
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if self.api_key and request.path.startswith(("/v1/", "/admin/")):
-            if not key_matches(request.headers.get("Authorization", ""), [self.api_key.encode()]):
-                return error_response(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", "authentication_error")
+        admin = request.path.startswith("/admin/")
+        keys = self.admin_keys if admin else self.keys if request.path.startswith("/v1/") else []
+        if admin and not keys:
+            return error_response(401, "this router has no admin key, so /admin is closed to everyone: start it "
+                                  "with an admin key or a client key (`kiln route --help`: --admin-key-env, "
+                                  "--api-key-env)", "authentication_error")
+        if keys and not key_matches(request.headers.get("Authorization", ""), keys):
+            return error_response(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                                  "authentication_error")
         return await handler(request)
 
     @web.middleware
@@ -189,7 +201,7 @@ class Router(Proxy):
     async def models(self, request: web.Request) -> web.Response:
         backend = self.backends["stable"]
         try:
-            async with backend.session.get(backend.url + "/v1/models", headers=self._headers(request)) as up:
+            async with backend.session.get(backend.url + "/v1/models", headers=self._headers()) as up:
                 return web.Response(body=await up.read(), status=up.status, content_type="application/json")
         except UPSTREAM_ERRORS as e:
             return error_response(502, f"stable backend unreachable: {type(e).__name__}")

@@ -3,7 +3,9 @@
 `serve_router(config)` is what `kiln route` runs: uvloop, one JSON log line per request on
 stderr, drain on SIGTERM. `RouterProcess(config)` starts it in a child process (the controller and
 any load generator then never share a GIL with it) and talks to its admin endpoints. API keys
-travel through the environment, never the command line, so they do not show in `ps`.
+travel through the environment, never the command line, so they do not show in `ps`. /admin always
+needs a key: a RouterProcess given no client key makes its own admin key (secrets.token_urlsafe),
+which only it holds, so nothing else on the machine can move its traffic.
 
 The parent binds the listening socket and hands it to the child: if the router dies, connections
 wait in the socket's backlog (none is refused) until `restart()` serves the same socket again, so
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -26,13 +29,14 @@ from kiln.deploy.config import RouterConfig
 from kiln.core.errors import KilnError
 
 READY = "KILN_ROUTER_READY"
-KEY_ENV, UPSTREAM_KEY_ENV = "KILN_ROUTER_API_KEY", "KILN_ROUTER_UPSTREAM_API_KEY"
+KEY_ENV, UPSTREAM_KEY_ENV, ADMIN_KEY_ENV = "KILN_ROUTER_API_KEY", "KILN_ROUTER_UPSTREAM_API_KEY", "KILN_ROUTER_ADMIN_KEY"
 
 
 def serve_router(config: RouterConfig, api_key: str | None = None, upstream_api_key: str | None = None,
-                 sock: socket.socket | None = None) -> None:
+                 sock: socket.socket | None = None, admin_key: str | None = None) -> None:
     """Serve until SIGTERM/SIGINT, then drain. Prints `KILN_ROUTER_READY <port>` on stdout when up.
-    `sock`: an already listening socket (from RouterProcess) instead of binding config.port."""
+    `sock`: an already listening socket (from RouterProcess) instead of binding config.port.
+    A blank key is BadInput (raised before anything binds); see router.py for who needs which key."""
     import uvloop
 
     from kiln.deploy.router import Router
@@ -43,12 +47,14 @@ def serve_router(config: RouterConfig, api_key: str | None = None, upstream_api_
     for name in ("kiln.requests", "kiln.serve"):
         logging.getLogger(name).addHandler(handler)
         logging.getLogger(name).setLevel(logging.INFO)
-    router = Router(config, api_key, upstream_api_key)
+    router = Router(config, api_key, upstream_api_key, admin_key)
+    keys = ("API key required" if router.keys else "no API key") + (
+        ", /admin needs a key" if router.admin_keys else ", /admin closed (no key)")
 
     def ready(port: int) -> None:
         print(f"{READY} {port}", flush=True)
         print(f"kiln router on http://{config.host}:{port} (stable {config.stable_url}, canary "
-              f"{config.canary_url or '-'} at {config.weight:g}%)", file=sys.stderr, flush=True)
+              f"{config.canary_url or '-'} at {config.weight:g}%; {keys})", file=sys.stderr, flush=True)
 
     uvloop.run(serve_until_drained(router.app(), router.admission, config.host, config.port, ready, sock=sock))
 
@@ -70,8 +76,17 @@ class RouterProcess:
     """The router in a child process; `.url` once entered. Admin calls are plain blocking HTTP."""
 
     def __init__(self, config: RouterConfig, api_key: str | None = None, upstream_api_key: str | None = None,
-                 log_path: str | None = None, start_timeout_s: float = 30):
+                 log_path: str | None = None, start_timeout_s: float = 30, admin_key: str | None = None):
+        """`admin_key`: what /admin needs; by default the (first) client key, or without one a key made
+        here. Blank keys are refused here, before a child starts."""
+        from kiln.deploy.proxy import upstream_key
+        from kiln.engine.admission import api_keys
+
+        clients = api_keys(api_key, "api_key")  # these raise on a blank key, here rather than in the child
+        upstream_key(upstream_api_key)
+        api_keys(admin_key, "admin_key")
         self.config, self.api_key, self.upstream_api_key = config, api_key, upstream_api_key
+        self.admin_key = admin_key or (clients[0].decode() if clients else secrets.token_urlsafe(32))
         self.log_path, self.start_timeout_s = log_path, start_timeout_s
         self.proc: subprocess.Popen[str] | None = None
         self.sock: socket.socket | None = None
@@ -90,7 +105,8 @@ class RouterProcess:
 
     def _spawn(self) -> None:
         assert self.sock is not None
-        env = {**os.environ, KEY_ENV: self.api_key or "", UPSTREAM_KEY_ENV: self.upstream_api_key or ""}
+        env = {**os.environ, KEY_ENV: self.api_key or "", UPSTREAM_KEY_ENV: self.upstream_api_key or "",
+               ADMIN_KEY_ENV: self.admin_key}
         stderr = open(self.log_path, "a") if self.log_path else subprocess.DEVNULL  # noqa: SIM115 - owned by the child
         fd = self.sock.fileno()
         cmd = [sys.executable, "-m", "kiln.deploy.router_process", self.config.model_dump_json(), str(fd)]
@@ -132,8 +148,7 @@ class RouterProcess:
         req = urllib.request.Request(self.url + path, method=method,
                                      data=json.dumps(body).encode() if body is not None else None)
         req.add_header("Content-Type", "application/json")
-        if self.api_key:
-            req.add_header("Authorization", f"Bearer {self.api_key}")
+        req.add_header("Authorization", f"Bearer {self.admin_key}")
         try:
             with urllib.request.urlopen(req, timeout=30) as r:
                 return json.loads(r.read())
@@ -159,5 +174,6 @@ if __name__ == "__main__":
     # `python -m kiln.deploy.router_process '<RouterConfig json>'`: what RouterProcess runs.
     # A second argument is the fd of a listening socket inherited from RouterProcess.
     inherited = socket.socket(fileno=int(sys.argv[2])) if len(sys.argv) > 2 else None
+    # An empty variable is RouterProcess's "none" (it never passes a blank key: it refused those).
     serve_router(RouterConfig.model_validate_json(sys.argv[1]), os.environ.get(KEY_ENV) or None,
-                 os.environ.get(UPSTREAM_KEY_ENV) or None, inherited)
+                 os.environ.get(UPSTREAM_KEY_ENV) or None, inherited, os.environ.get(ADMIN_KEY_ENV) or None)

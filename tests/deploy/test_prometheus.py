@@ -27,6 +27,7 @@ from kiln.deploy.kubernetes import render
 from kiln.core.gate.policy import GateSection
 
 KEY = "prom-test-key"
+ADMIN_KEY = "prom-admin-key"  # /admin always needs a key; the routers here have no client key
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 POLICY = GateSection.model_validate({"checks": [
     {"kind": "performance", "metric": "ttft_ms", "max_ratio": 3.0},
@@ -276,7 +277,8 @@ def test_a_canary_that_corrupts_batched_tokens_is_rolled_back_on_quality_alone(t
             procs.append(subprocess.Popen([sys.executable, "-m", module, "serve", str(engine_dir), "--port",
                                            str(ports[name]), "--request-log", "off", "--queue-wait", "off", "--max-queue", "256"], cwd=repo,
                                           env={**os.environ, "KILN_API_KEY": KEY}, stdout=subprocess.DEVNULL))
-        router_env = {k: v for k, v in os.environ.items() if k != "KILN_API_KEY"} | {"KILN_UPSTREAM_API_KEY": KEY}
+        router_env = {k: v for k, v in os.environ.items() if k != "KILN_API_KEY"} | {"KILN_UPSTREAM_API_KEY": KEY,
+                                                                                     "KILN_ADMIN_KEY": ADMIN_KEY}
         for canary in ("good", "broken"):
             procs.append(subprocess.Popen([sys.executable, "-m", "kiln.pipeline", "route", "--stable", url["stable"],
                                            "--canary", url[canary], "--weight", "50", "--mirror-fraction", "1",
@@ -294,7 +296,8 @@ def test_a_canary_that_corrupts_batched_tokens_is_rolled_back_on_quality_alone(t
                                      range(2 * n)))
         assert set(statuses) == {200}
         for canary in ("good", "broken"):  # every mirror compared (or dropped) before Prometheus looks
-            _wait(lambda c=canary: len(json.loads(_get(url[f"route-{c}"] + "/admin/observations")[1])["comparisons"])
+            _wait(lambda c=canary: len(json.loads(_get(url[f"route-{c}"] + "/admin/observations", ADMIN_KEY)[1])
+                                       ["comparisons"])
                   + _dropped(url[f"route-{c}"]) >= n, f"route-{canary} mirrors", 120)
         time.sleep(3)  # two scrapes after the traffic
         failing = {}
