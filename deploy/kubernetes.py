@@ -66,7 +66,24 @@ class Rendered:
         return Path(path)
 
 
-def rollout(name: str, deploy: DeployConfig, has_full_gate: bool, warnings: list[str]) -> dict:
+TRUSTED_KEYS_DIR = "/etc/kiln/trusted"  # where the verify container finds the keys it trusts (a ConfigMap)
+
+
+def verify_container(name: str, k: Any, verify: tuple[str, str]) -> dict[str, Any]:
+    """An init container that runs `kiln verify MODEL VERSION --engine <model_path>` before the server
+    starts: a pod whose engine is not the one the signed verdict names, byte for byte, or whose verdict
+    does not verify or did not pass, never serves (the init container exits non-zero)."""
+    model, version = verify
+    return {"name": "kiln-verify", "image": k.image, "command": ["kiln"],
+            "args": ["verify", model, version, "--engine", k.model_path],
+            "env": [{"name": "MLFLOW_TRACKING_URI",
+                     "valueFrom": {"secretKeyRef": {"name": f"{name}-tracking", "key": "uri"}}},
+                    {"name": "KILN_TRUSTED_KEYS", "value": f"{TRUSTED_KEYS_DIR}/kiln.pub"}],
+            "volumeMounts": [{"name": "kiln-trusted-keys", "mountPath": TRUSTED_KEYS_DIR, "readOnly": True}]}
+
+
+def rollout(name: str, deploy: DeployConfig, has_full_gate: bool, warnings: list[str],
+            verify: tuple[str, str] | None = None) -> dict:
     k = deploy.kubernetes
     steps: list[dict] = []
     for s in deploy.steps:
@@ -114,8 +131,15 @@ def rollout(name: str, deploy: DeployConfig, has_full_gate: bool, warnings: list
                          "prometheus.io/scrape": "true", "prometheus.io/port": str(k.port), "prometheus.io/path": "/metrics"}},
                          # preStop, then SIGTERM: serve drains for up to --drain-timeout and exits.
                          "spec": {"terminationGracePeriodSeconds": k.pre_stop_s + drain + GRACE_MARGIN_S,
-                                  "containers": [container]}},
+                                  "containers": [container], **_verified(name, k, verify)}},
                      "strategy": {"canary": canary}}}
+
+
+def _verified(name: str, k: Any, verify: tuple[str, str] | None) -> dict[str, Any]:
+    if verify is None:
+        return {}
+    return {"initContainers": [verify_container(name, k, verify)],
+            "volumes": [{"name": "kiln-trusted-keys", "configMap": {"name": f"{name}-trusted-keys"}}]}
 
 
 def services(name: str, deploy: DeployConfig) -> list[dict]:
@@ -164,9 +188,10 @@ def autoscaler(name: str, deploy: DeployConfig) -> list[dict]:
     return []
 
 
-def render(name: str, policy: GateSection, deploy: DeployConfig) -> Rendered:
-    """Every manifest for one model, plus warnings for what the policy asks that Argo cannot do."""
-    warnings: list[str] = []
+def render(name: str, policy: GateSection, deploy: DeployConfig, verify: tuple[str, str] | None = None) -> Rendered:
+    """Every manifest for one model, plus warnings for what the policy asks that Argo cannot do. `verify`
+    (registered model, version): each pod checks that version's signed verdict before it serves."""
+    warnings: list[str] = _verify_warnings(name, deploy, verify)
     templates = analysis_templates(name, policy, deploy, warnings)
     has_full = any(t["metadata"]["name"] == f"{name}-step-full" for t in templates)
     warnings.append(f"Secret {secret_name(name, deploy.kubernetes)} (key {API_KEY}) must exist before the Rollout: "
@@ -175,13 +200,25 @@ def render(name: str, policy: GateSection, deploy: DeployConfig) -> Rendered:
     if deploy.kubernetes.autoscaler == "hpa":
         warnings.append("hpa: needs an external-metrics adapter (e.g. prometheus-adapter) exposing "
                         f"{METRICS['waiting'].replace(':', '_')}")
-    docs = [*templates, rollout(name, deploy, has_full, warnings), *services(name, deploy), *autoscaler(name, deploy)]
+    docs = [*templates, rollout(name, deploy, has_full, warnings, verify), *services(name, deploy),
+            *autoscaler(name, deploy)]
     violations = validate_rollout(docs)
     if violations:  # Argo would put every such AnalysisRun in Error and abort the rollout
         raise BadInput("deploy: Argo Rollouts would reject the rendered analysis at run time "
                        "(its AnalysisRun validation); change the recipe fields named:",
                        recipe_problems(violations, policy, deploy))
     return Rendered(docs, warnings)
+
+
+def _verify_warnings(name: str, deploy: DeployConfig, verify: tuple[str, str] | None) -> list[str]:
+    ns = deploy.kubernetes.namespace
+    if verify is None:
+        return ["rendered without --version: the pods serve whatever engine the image holds, and nothing checks "
+                "it against a signed verdict; render with --version VERSION to add the kiln-verify init container"]
+    return [f"Secret {name}-tracking (key uri) must hold the tracking server's URI for the kiln-verify init "
+            f"container: kubectl -n {ns} create secret generic {name}-tracking --from-literal=uri=<MLFLOW_TRACKING_URI>",
+            f"ConfigMap {name}-trusted-keys (key kiln.pub) must hold the public key your verdicts are signed with: "
+            f"kubectl -n {ns} create configmap {name}-trusted-keys --from-file=kiln.pub=<(kiln key show)"]
 
 
 class KubernetesTarget(DeployTarget):

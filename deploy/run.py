@@ -71,9 +71,10 @@ def _wait_for_signal(log: Callable[[str], None], url: str) -> None:
 
 
 def render_manifests(name: str, policy: GateSection, deploy: DeployConfig, out: Path,
-                     log: Callable[[str], None] = print) -> Rendered:
-    """Write the manifests to `out` (one YAML file, atomically) and report what was skipped."""
-    rendered = render(name, policy, deploy)
+                     log: Callable[[str], None] = print, verify: tuple[str, str] | None = None) -> Rendered:
+    """Write the manifests to `out` (one YAML file, atomically) and report what was skipped. `verify`:
+    the registered (model, version) each pod checks before it serves."""
+    rendered = render(name, policy, deploy, verify)
     rendered.write(out)
     for warning in rendered.warnings:
         log(f"warning: {warning}")

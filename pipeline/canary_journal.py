@@ -35,9 +35,9 @@ class MlflowJournal(CanaryJournal):
     pipeline run the walk's run nests under."""
 
     def __init__(self, tracker: Tracker, model: str | None = None, version: str | None = None,
-                 parent_run_id: str | None = None):
+                 parent_run_id: str | None = None, forced: str | None = None):
         super().__init__(model, version)
-        self.tracker, self.parent_run_id = tracker, parent_run_id
+        self.tracker, self.parent_run_id, self.forced = tracker, parent_run_id, forced
         self.run_id: str | None = None
 
     def resolve(self) -> None:
@@ -76,7 +76,7 @@ class MlflowJournal(CanaryJournal):
             return
         client = self.tracker.client
         if status == "promoted":  # remembers the champion it replaces, so `kiln rollback` can restore it
-            promote(client, self.model, self.version)
+            promote(client, self.model, self.version, self.forced)  # the walk's own --force reason, if any
         client.set_model_version_tag(self.model, self.version, "kiln.deploy", status)
 
     def finish(self, result: CanaryResult) -> None:
@@ -99,12 +99,14 @@ def _step_metrics(record: StepRecord) -> dict[str, float]:
 
 
 def canary_journal(tracking_uri: str | None = None, experiment: str = "kiln", model: str | None = None,
-                   version: str | None = None, parent_run_id: str | None = None) -> CanaryJournal:
+                   version: str | None = None, parent_run_id: str | None = None,
+                   forced: str | None = None) -> CanaryJournal:
     """The journal for `kiln deploy canary`: MLflow when a tracking server or a registered model is
-    named (the default store otherwise), else one that records nothing."""
+    named (the default store otherwise), else one that records nothing. `forced`: the walk's --force
+    reason, which its promotion (and only it) goes ahead with."""
     if tracking_uri is None and model is None:
         return CanaryJournal(model, version)
-    return MlflowJournal(Tracker(tracking_uri, experiment), model, version, parent_run_id)
+    return MlflowJournal(Tracker(tracking_uri, experiment), model, version, parent_run_id, forced)
 
 
 class TrackedController(Controller):

@@ -18,6 +18,7 @@ from rich.table import Table
 from kiln.core.credentials import guard_streams
 from kiln.core.errors import BadInput, ExitCode, KilnError
 from kiln.pipeline.cli_app import RecipeArg, RunsOpt, SetOpt, app, console, err
+from kiln.pipeline.policy_cmd import PolicyFromOpt, judged_recipe
 
 
 def _env() -> None:
@@ -46,11 +47,10 @@ class _CudaKernelNotice(logging.Filter):
 
 
 @app.command()
-def validate(recipe: RecipeArg, set_: SetOpt = []) -> None:  # noqa: B006 - typer reads defaults
+def validate(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006 - typer reads defaults
+             policy_from: PolicyFromOpt = None) -> None:
     """Check a recipe without doing any work."""
-    from kiln.pipeline.recipe import load_recipe
-
-    r = load_recipe(recipe, set_)
+    r = judged_recipe(recipe, set_, policy_from)
     checks = f"{len(r.gate.checks)} gate checks"
     if r.candidates is None:
         console.print(f"[green]✓[/green] {recipe}: valid ({r.name}, optimize={r.optimize.method}, "
@@ -79,12 +79,12 @@ def schema() -> None:
 @app.command()
 def run(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
         runs: RunsOpt = Path("runs"),
-        fresh: Annotated[list[str], typer.Option(help="recompute a stage even if cached (stage name or 'all')")] = []) -> None:  # noqa: B006
+        fresh: Annotated[list[str], typer.Option(help="recompute a stage even if cached (stage name or 'all')")] = [],  # noqa: B006
+        policy_from: PolicyFromOpt = None) -> None:
     """Run the pipeline: optimize → evaluate quality → benchmark → gate. Resumes a killed run."""
-    from kiln.pipeline.recipe import load_recipe
     from kiln.pipeline.runner import run_pipeline
 
-    r = load_recipe(recipe, set_)
+    r = judged_recipe(recipe, set_, policy_from)
     outcome, run_dir = run_pipeline(r, recipe, runs, console, set(fresh))
     print((run_dir / "report.md").read_text())  # plain: Markdown tables must not be re-wrapped
     print(f"run directory: {run_dir}")
@@ -125,16 +125,26 @@ def show(run_name: Annotated[str, typer.Argument(metavar="RUN")], runs: RunsOpt 
 
 
 @app.command()
-def ui(port: int = 5000, host: Annotated[str, typer.Option(help="bind address (loopback by default)")] = "127.0.0.1",
-       tracking_uri: Annotated[str | None, typer.Option(help="default: $MLFLOW_TRACKING_URI or ./mlflow.db")] = None) -> None:
-    """Start the MLflow UI on the same store; print each kiln experiment's runs table."""
+def ui(port: int = 5000, host: cli_ops.HostOpt = "127.0.0.1",  # cli_ops: imported below, read when typer runs
+       tracking_uri: Annotated[str | None, typer.Option(help="default: $MLFLOW_TRACKING_URI or ./mlflow.db")] = None,
+       api_key_env: cli_ops.KeyEnvOpt = "KILN_API_KEY", insecure_no_api_key: cli_ops.InsecureOpt = False) -> None:
+    """Start the MLflow UI on the same store; print each kiln experiment's runs table.
+
+    With an API key every request needs it (a browser logs in with the key as the password), since
+    anyone who reaches the UI can move a model's aliases; a non-loopback --host needs one."""
+    from kiln.pipeline.mlflow_ui import UI_KEY_ENV
     from kiln.pipeline.tracking import EXPERIMENT_KIND, default_uri, experiment_url, open_client, redact_uri
 
+    api_key = cli_ops._key(api_key_env)
+    cli_ops.check_exposure(host, api_key, api_key_env, insecure_no_api_key)
     uri = tracking_uri or default_uri()
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    env = {k: v for k, v in os.environ.items() if k != UI_KEY_ENV} | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    if api_key:  # through the environment: the command line shows in `ps`
+        env[UI_KEY_ENV] = api_key
     cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--host", host,
            "--port", str(port), "--workers", "1", "--app-name", "kiln"]  # kiln.pipeline.mlflow_ui
-    console.print(f"MLflow UI on http://{host}:{port} (store {redact_uri(uri)}); Ctrl-C to stop", soft_wrap=True)
+    console.print(f"MLflow UI on http://{host}:{port} (store {redact_uri(uri)}" + ("; API key required" if api_key else "")
+                  + "); Ctrl-C to stop", soft_wrap=True)
     kiln_made = " and ".join(f"tags.`{key}` = '{value}'" for key, value in EXPERIMENT_KIND.items())
     for exp in open_client(uri).search_experiments(filter_string=kiln_made):
         console.print(f"  {exp.name}: {experiment_url(f'http://{host}:{port}', exp.experiment_id)}", soft_wrap=True, markup=False)
@@ -182,3 +192,4 @@ def main() -> None:
 from kiln.pipeline import cli_ops  # noqa: E402,F401 - registers the serving, deploy and planning commands
 from kiln.pipeline import cache_cmd  # noqa: E402,F401 - registers `kiln cache`
 from kiln.pipeline import policy_cmd  # noqa: E402,F401 - registers `kiln policy`
+from kiln.pipeline import verify_cmd  # noqa: E402,F401 - registers `kiln verify` and `kiln key`

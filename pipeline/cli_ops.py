@@ -19,9 +19,13 @@ InsecureOpt = Annotated[bool, typer.Option("--insecure-no-api-key",
                                            help="serve a non-loopback --host with no API key: anyone who can reach "
                                                 "it can use it")]
 KeyEnvOpt = Annotated[str, typer.Option(help="env var holding the API key clients must send (unset: no key)")]
+AdminKeyEnvOpt = Annotated[str, typer.Option(help="env var holding the key /admin/* needs (unset: the client key; "
+                                                  "neither set: /admin is closed)")]
 TrackingOpt = Annotated[str | None, typer.Option(help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or ./mlflow.db)")]
-ForceOpt = Annotated[bool, typer.Option("--force", help="go ahead though the version's run did not pass (needs --reason)")]
-ReasonOpt = Annotated[str | None, typer.Option(help="why --force: recorded on the version and in the champion history")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="go ahead with this one action though the verdict does not "
+                                                        "verify or did not pass (needs --reason)")]
+ReasonOpt = Annotated[str | None, typer.Option(help="why --force: recorded with this action (on the version, and in "
+                                                    "the champion history when champion moves)")]
 
 
 def _forced(force: bool, reason: str | None) -> str | None:
@@ -37,7 +41,13 @@ app.add_typer(deploy_app, name="deploy")
 
 
 def _key(env_name: str) -> str | None:
-    return os.environ.get(env_name) or None
+    """The API key(s) in $env_name; None when it is unset. Set but holding no key (blank, ",", "a,,")
+    is refused: a server started with it would say a key is required and serve open."""
+    from kiln.engine.admission import api_keys
+
+    value = os.environ.get(env_name)
+    api_keys(value, f"${env_name}")
+    return value
 
 
 def check_exposure(host: str, key: str | None, key_env: str, insecure: bool) -> None:
@@ -122,9 +132,12 @@ def serve(target: Annotated[str, typer.Argument(metavar="ENGINE_DIR|RUN")],
           ttft_slo_ms: TtftSloOpt = None, rate_limit: RateLimitOpt = 0,
           rate_burst: RateBurstOpt = SERVE_ADMISSION.rate_limit_burst,
           drain_timeout: DrainTimeoutOpt = SERVE_ADMISSION.drain_timeout_s, request_log: RequestLogOpt = "stderr",
-          insecure_no_api_key: InsecureOpt = False, runs: RunsOpt = Path("runs")) -> None:
+          insecure_no_api_key: InsecureOpt = False, runs: RunsOpt = Path("runs"),
+          force: ForceOpt = False, reason: ReasonOpt = None) -> None:
     """Serve an engine behind an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /health, /metrics).
 
+    A RUN's candidate is served only once its signed verdict verifies against the bytes on disk and
+    passed (`kiln verify RUN`); else exit 5 (not verified) or 2 (did not pass), unless --force --reason.
     A full queue answers 429 at once; SIGTERM drains (in-flight requests finish) and exits 0.
     Prints the cold start (boot, engine load, warm-up) when ready. An engine that fails to load,
     or a port in use, exits 2 with the fix.
@@ -134,7 +147,10 @@ def serve(target: Annotated[str, typer.Argument(metavar="ENGINE_DIR|RUN")],
     from kiln.engine.server import serve as serve_engine
 
     check_exposure(host, _key(api_key_env), api_key_env, insecure_no_api_key)
+    reason = _forced(force, reason)
     d = engine_dir(target, role, runs)
+    if role == "candidate" and not (Path(target) / "kiln-engine.json").exists():  # a run, not an engine folder
+        verified_run(run_dir(target, runs), reason, "serve")
     check_hardware(read_manifest(d), d)  # the cheap checks before binding; the load itself follows
     admission = SERVE_ADMISSION.model_validate({
         **SERVE_ADMISSION.model_dump(), "max_concurrency": max_running, "max_queue": max_queue,
@@ -201,13 +217,16 @@ def tune(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
 def fake_engine(ttft_ms: float = 50.0, tpot_ms: float = 10.0,
                 capacity: Annotated[int | None, typer.Option(help="max concurrent generations (default unlimited)")] = None,
                 slowdown: float = 1.0, error_rate: float = 0.0, host: HostOpt = "127.0.0.1", port: int = 8000,
-                api_key_env: KeyEnvOpt = "KILN_API_KEY") -> None:
+                api_key_env: KeyEnvOpt = "KILN_API_KEY", insecure_no_api_key: InsecureOpt = False) -> None:
     """A fake engine streaming at a set TTFT/TPOT: for testing load generators, routers, canaries."""
     from kiln.engine.fake import FakeEngineConfig, serve_fake
 
+    key = _key(api_key_env)
+    check_exposure(host, key, api_key_env, insecure_no_api_key)
     cfg = FakeEngineConfig(ttft_ms=ttft_ms, tpot_ms=tpot_ms, capacity=capacity, slowdown=slowdown, error_rate=error_rate)
-    console.print(f"fake engine on http://{host}:{port}: TTFT {ttft_ms * slowdown:g} ms, TPOT {tpot_ms * slowdown:g} ms")
-    serve_fake(cfg, host=host, port=port, api_key=_key(api_key_env))
+    console.print(f"fake engine on http://{host}:{port}: TTFT {ttft_ms * slowdown:g} ms, TPOT {tpot_ms * slowdown:g} ms"
+                  + (" (API key required)" if key else ""))
+    serve_fake(cfg, host=host, port=port, api_key=key)
 
 
 @app.command()
@@ -217,16 +236,20 @@ def route(stable: Annotated[str, typer.Option(help="stable backend URL")],
           mirror_fraction: Annotated[float, typer.Option(
               help="share of greedy prompts also answered by the canary and by stable again, and scored")] = 0.0,
           host: HostOpt = "127.0.0.1", port: int = 8080, api_key_env: KeyEnvOpt = "KILN_API_KEY",
-          upstream_api_key_env: KeyEnvOpt = "KILN_UPSTREAM_API_KEY", insecure_no_api_key: InsecureOpt = False) -> None:
-    """One OpenAI-compatible entry point splitting traffic between a stable and a canary backend."""
+          upstream_api_key_env: KeyEnvOpt = "KILN_UPSTREAM_API_KEY", admin_key_env: AdminKeyEnvOpt = "KILN_ADMIN_KEY",
+          insecure_no_api_key: InsecureOpt = False) -> None:
+    """One OpenAI-compatible entry point splitting traffic between a stable and a canary backend.
+
+    Backends get the upstream key, never a client's credentials."""
     from kiln.deploy.config import RouterConfig
     from kiln.deploy.router_process import serve_router
 
-    check_exposure(host, _key(api_key_env), api_key_env, insecure_no_api_key)
+    key, upstream, admin = _key(api_key_env), _key(upstream_api_key_env), _key(admin_key_env)
+    check_exposure(host, key, api_key_env, insecure_no_api_key)
     cfg = RouterConfig(host=host, port=port, stable_url=stable, canary_url=canary, weight=weight,
                        mirror_fraction=mirror_fraction)
     try:
-        serve_router(cfg, api_key=_key(api_key_env), upstream_api_key=_key(upstream_api_key_env))
+        serve_router(cfg, api_key=key, upstream_api_key=upstream, admin_key=admin)
     except OSError as e:  # the port in use
         raise BadInput(f"--host/--port: cannot listen on {host}:{port} ({e.strerror or e}). Choose another "
                        "--port, or stop the process that holds it.") from None
@@ -260,17 +283,16 @@ def deploy_canary(run: Annotated[str, typer.Argument(metavar="RUN")], runs: Runs
                        "only a finished run's candidate can go out as a canary.")
     registry = read_json(d / "registry.json")
     reason = _forced(force, reason)
-    from kiln.pipeline.model_registry import FORCED, check_passed
+    from kiln.pipeline.model_registry import permit, record_override
 
     client = _client(recipe.tracking.uri)
-    check_passed(client, registry["name"], str(registry["version"]), reason, "deploy")
-    if state.get("exit_code") != 0 and not reason:  # the version passed in another run, but not in this one
-        raise BadInput(f"RUN: {d.name} ended {state.get('verdict', state.get('status'))} (exit {state.get('exit_code')}); "
-                       "kiln deploys only a run that passed its gate. Pass --force --reason TEXT to override.")
-    if reason:
-        client.set_model_version_tag(registry["name"], str(registry["version"]), FORCED, reason)
-    journal = canary_journal(recipe.tracking.uri, recipe.tracking.experiment, registry["name"],
-                             str(registry["version"]), state["mlflow_parent"])
+    name, version = registry["name"], str(registry["version"])
+    allowed = permit(client, name, version, reason, "deploy")  # the version, as the registry holds it
+    verified_run(d, reason, "deploy")  # and this run: its verdict, and the bytes its engines serve from the cache
+    if allowed.forced or reason:
+        record_override(client, name, version, "deploy canary", reason or "")
+    journal = canary_journal(recipe.tracking.uri, recipe.tracking.experiment, name, version,
+                             state["mlflow_parent"], forced=reason)
     result = deploy_local(recipe.gate, recipe.deploy, kiln_serve(engine_dir(str(d), "baseline", runs)),
                           kiln_serve(engine_dir(str(d), "candidate", runs)), port=port, api_key=_key(api_key_env),
                           journal=journal, keep_serving=keep_serving, log=console.print,
@@ -287,22 +309,43 @@ def deploy_render(recipe: RecipeArg, out: Annotated[Path, typer.Option(help="YAM
                   tracking_uri: TrackingOpt = None, force: ForceOpt = False, reason: ReasonOpt = None) -> None:
     """Render Argo Rollouts manifests (Rollout, AnalysisTemplates from the gate policy, Services, autoscaler).
 
-    With --version, the recipe's registered version is checked first: one whose run did not pass
-    is refused (exit 2) unless --force --reason TEXT, recorded on the version."""
+    With --version, the recipe's registered version is checked first (`kiln verify NAME VERSION`): one
+    whose attestation does not verify (exit 5) or whose run did not pass (exit 2) is refused unless
+    --force --reason TEXT, recorded on the version for this render alone."""
     from kiln.deploy.run import render_manifests
-    from kiln.pipeline.model_registry import FORCED, check_passed, registered_name
+    from kiln.pipeline.model_registry import permit, record_override, registered_name
     from kiln.pipeline.recipe import load_recipe
 
     r = load_recipe(recipe, set_)
     reason = _forced(force, reason)
     if version is not None:
         client = _client(tracking_uri or r.tracking.uri)
-        check_passed(client, registered_name(r), version, reason, "render a rollout of")
-        if reason:
-            client.set_model_version_tag(registered_name(r), version, FORCED, reason)
+        if permit(client, registered_name(r), version, reason, "render a rollout of").forced:
+            record_override(client, registered_name(r), version, "deploy render", reason or "")
     elif force:
         raise BadInput("--force: only with --version (the version whose gate it overrides).")
-    render_manifests(r.name, r.gate, r.deploy, out, log=console.print)
+    render_manifests(r.name, r.gate, r.deploy, out, log=console.print,
+                     verify=(registered_name(r), version) if version is not None else None)
+
+
+def verified_run(d: Path, reason: str | None, what: str) -> Any:
+    """The run's verified attestation (`kiln verify RUN`) when it passed; None when `reason` (--force) lets
+    `what` go ahead without one. Else NotVerified (exit 5) or, verified and not passed, BadInput (exit 2)."""
+    from kiln.core.errors import NotVerified
+    from kiln.pipeline.attestation import verify_run
+
+    try:
+        verified = verify_run(d)
+    except NotVerified as e:
+        if reason:
+            console.print(f"[yellow]! {e}; going ahead (--force: {reason})[/yellow]", markup=True, soft_wrap=True)
+            return None
+        raise NotVerified(f"{e}. kiln will not {what} it; pass --force --reason TEXT to override for this action.") from None
+    p = verified.predicate
+    if not p.get("passed") and not reason:
+        raise BadInput(f"RUN: {d.name} ended {p.get('verdict')} (exit {p.get('exit_code')}); kiln will {what} only a run "
+                       "that passed its gate. Pass --force --reason TEXT to override for this action.")
+    return verified
 
 
 def _client(tracking_uri: str | None):

@@ -21,7 +21,7 @@ from typing import Any
 
 from kiln.evaluate.capacity import cost_per_million
 from kiln.core.errors import BadInput
-from kiln.core.files import atomic_write_json, atomic_write_text
+from kiln.core.files import atomic_write_json, atomic_write_text, read_json
 from kiln.core.gate.base import CheckResult, Evidence, Verdict
 from kiln.core.gate.policy import GateOutcome
 from kiln.core.metrics import METRICS
@@ -378,11 +378,14 @@ def publish(ctx: Any, outcome: GateOutcome, evidence: dict[str, Evidence], artif
     from kiln.core.gate.performance import guard_warnings
     from kiln.pipeline.report_plots import gather, pareto
 
-    registered = model_registry.register(ctx, artifact)
+    judged_under = read_json(ctx.run_dir / "policy.json")  # written by the runner's start_run
+    registered = model_registry.register(ctx, artifact, judged_under["sha256"])
     version = registered.to_dict(passed=int(outcome.exit_code) == 0)
     alias = f"alias {version['alias']}" if version["alias"] else "no alias: the run did not pass"
     links = {"registered model": f"{version['name']} v{version['version']} ({alias})"
                                  + (", the same artifact and recipe as before" if registered.reused else "")}
+    if warning := model_registry.champion_warning_after(ctx.tracker.client, registered, outcome):
+        links["registered model"] += f". ⚠️ {warning}"
     if url := ctx.tracker.run_url(ctx.parent_run):
         links["MLflow run"] = url
     load = ctx.outcomes.get("load:pair")
@@ -415,5 +418,24 @@ def publish(ctx: Any, outcome: GateOutcome, evidence: dict[str, Evidence], artif
     # The version links back along the chain in the UI; set last: only a finished run's version reads as finished.
     lineage_tags = {"kiln.lineage." + step["step"].replace("[", ".").rstrip("]"): f"{step['key']} (run {step['mlflow_run']})"
                     for step in sections.lineage[:-1]}
-    model_registry.complete(ctx, registered, outcome, {**lineage_tags, **serving_tag(ctx)})
+    signed = _attest(ctx, outcome, artifact, version, judged_under)
+    model_registry.complete(ctx, registered, outcome, {**lineage_tags, **serving_tag(ctx), **signed})
     return ctx.run_dir / "report.md"
+
+
+def _attest(ctx: Any, outcome: GateOutcome, artifact: Any, version: dict[str, Any],
+            judged_under: dict[str, Any]) -> dict[str, str]:
+    """The run's signed verdict (kiln.pipeline.attestation) in the run folder and on the parent run; the
+    version's tags that say where it is."""
+    from kiln.core.files import sha256_file
+    from kiln.pipeline import attestation
+
+    engine = ctx.outcomes.get("engine:candidate")
+    judged = attestation.Judged(
+        outcome=outcome, artifact=Path(artifact.path), engine=Path(engine.result["engine_dir"]) if engine else None,
+        registered={"name": version["name"], "version": str(version["version"])},
+        policy_sha256=judged_under["sha256"], policy=judged_under["policy"],
+        recipe={"name": ctx.recipe.name, "sha256": ctx.recipe.digest()}, mlflow_run=ctx.parent_run)
+    envelope = attestation.attest(ctx.run_dir, judged)
+    ctx.tracker.log_artifacts(ctx.parent_run, envelope)
+    return {attestation.ATTESTATION_RUN: ctx.parent_run, attestation.ATTESTATION_SHA: sha256_file(envelope)}

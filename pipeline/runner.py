@@ -79,6 +79,7 @@ def start_run(recipe: Recipe, recipe_path: Path, runs_root: Path, console: Any, 
     _writable(cache_root(), "KILN_CACHE")
     _writable(Path(runs_root), "--runs")
     tracker = Tracker(recipe.tracking.uri, recipe.tracking.experiment)  # an unreachable store fails before any work
+    judged_under = check_policy(tracker.client, recipe)  # a model judged under another policy: before any work
     tracker.mark_stale({"kiln.recipe": recipe.name})  # parents and stages of a killed earlier attempt
     run_dir = new_run_dir(runs_root, recipe)
     (run_dir / "stages").mkdir()
@@ -92,12 +93,29 @@ def start_run(recipe: Recipe, recipe_path: Path, runs_root: Path, console: Any, 
                                                "tracking_uri": redact_uri(tracker.uri), "experiment_id": tracker.experiment_id,
                                                "recipe": str(recipe_path), "started_at": time.time()})
     atomic_write_json(run_dir / "environment.json", environment())
+    atomic_write_json(run_dir / POLICY_FILE, judged_under)
     tracker.log(parent, params=flatten(resolved))
     tracker.log_artifacts(parent, run_dir / "recipe.yaml")
     tracker.log_artifacts(parent, run_dir / "environment.json")
     _log_to_file(run_dir)
     return RunContext(recipe=recipe, recipe_path=recipe_path, run_dir=run_dir, cache=cache_root(),
                       tracker=tracker, parent_run=parent, console=console, fresh=fresh)
+
+
+POLICY_FILE = "policy.json"  # the policy the run is judged under and its digest (report.publish attests it)
+
+
+def check_policy(client: Any, recipe: Recipe) -> dict[str, Any]:
+    """The recipe's policy and digest, once the registered model it registers under does not pin another
+    (BadInput naming both and the ways forward; kiln.pipeline.model_registry)."""
+    from kiln.pipeline.model_registry import pinned_policy, policy_mismatch, registered_name
+    from kiln.pipeline.policy import policy, policy_digest
+
+    digest, name = policy_digest(recipe), registered_name(recipe)
+    pinned = pinned_policy(client, name)
+    if pinned is not None and pinned.policy_sha256 != digest:
+        raise BadInput(policy_mismatch(name, pinned, digest))
+    return {"sha256": digest, "policy": policy(recipe), "registered_model": name}
 
 
 def run_pipeline(recipe: Recipe, recipe_path: Path, runs_root: Path, console: Any,

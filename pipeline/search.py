@@ -81,6 +81,7 @@ class Champion:
     sha256: str
     source: str
     serving: dict[str, Any]
+    verified: Any = None  # its signed verdict (kiln.core.signing.Verified), checked against the store's bytes
 
 
 def find_champion(ctx: RunContext) -> Champion | None:
@@ -101,8 +102,13 @@ def find_champion(ctx: RunContext) -> Champion | None:
         ctx.console.print(f"[yellow]search[/yellow]: the champion candidate is left out: registered model "
                           f"'{name}': {why}", markup=True)
         return None
+    from kiln.pipeline.model_registry import verify_version
+
+    # The bar the winner must beat is the version as it was judged: a champion whose verdict does not verify
+    # (or whose bytes changed in the store) ends the run (exit 5), rather than leave the bar to whoever set it.
+    verified = verify_version(client, name, str(mv.version))
     return Champion(name, str(mv.version), mv.tags[ARTIFACT_SHA], client.get_model_version_download_uri(name, mv.version),
-                    json.loads(mv.tags[SERVING]))
+                    json.loads(mv.tags[SERVING]), verified)
 
 
 def speedup(evidence: dict[str, Evidence], objective: str, confidence: float) -> dict[str, float] | None:
@@ -345,6 +351,10 @@ def champion_artifact(ctx: RunContext, champion: Champion) -> ModelArtifact:
                                                          tracking_uri=ctx.tracker.uri))
         if local != out / "model":
             local.rename(out / "model")
+        if champion.verified is not None:  # the bytes downloaded now are the ones its verdict judged
+            from kiln.pipeline.attestation import MODEL, check_files
+
+            check_files(champion.verified, out / "model", MODEL, f"{champion.name} v{champion.version}")
         manifest = read_json(out / "model" / "kiln-artifact.json")
         (out / "model" / "kiln-artifact.json").unlink()
         got = sha256_tree(out / "model")

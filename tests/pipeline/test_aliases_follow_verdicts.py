@@ -1,7 +1,8 @@
 """Aliases follow verdicts, against a real `mlflow server` on 127.0.0.1: `challenger` goes only to a
-version whose run passed; `kiln promote`, `kiln rollback --to`, `kiln deploy canary` and `kiln deploy
-render --version` refuse a version whose run did not pass (exit 2, naming the run and its verdict)
-unless `--force --reason TEXT`, which is recorded on the version and in the champion history."""
+version whose run passed and leaves one whose latest run did not; `kiln promote`, `kiln rollback --to`,
+`kiln deploy canary` and `kiln deploy render --version` refuse a version whose signed verdict did not pass
+(exit 2, naming the run and its verdict) unless `--force --reason TEXT`, which is recorded with that one
+action and never read as permission by a later one."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from kiln.pipeline import model_registry
 from kiln.core.errors import ExitCode
 from kiln.core.gate.base import Verdict
 from kiln.core.gate.policy import GateOutcome
+from tests.pipeline.attested import attested_version
 from tests.pipeline.conftest import TINY_RECIPE, kiln
 from tests.tracking_servers import mlflow_server
 
@@ -30,13 +32,9 @@ def registry(tmp_path_factory):
         exp = client.create_experiment("aliases")
         client.create_registered_model("m")
         runs = {}
-        for v, (verdict, code) in enumerate((("Successful", 0), ("Failed", 1), ("Inconclusive", 3)), 1):
-            run = client.create_run(exp, run_name=f"run {v}")
-            runs[str(v)] = run.info.run_id
-            mv = client.create_model_version("m", source=f"{run.info.artifact_uri}/model", run_id=run.info.run_id)
-            for key, value in {"kiln.registration": "complete", "kiln.verdict": verdict, "kiln.passed": str(code == 0).lower(),
-                               "kiln.exit_code": str(code), "kiln.last_run": run.info.run_id}.items():
-                client.set_model_version_tag("m", mv.version, key, value)
+        for verdict, code in (("Successful", 0), ("Failed", 1), ("Inconclusive", 3)):
+            version, runs[str(len(runs) + 1)] = attested_version(client, exp, "m", verdict, code)
+            assert version == str(len(runs))
         yield SimpleNamespace(uri=uri, client=client, work=work, runs=runs)
 
 
@@ -60,7 +58,8 @@ def test_promote_refuses_a_version_whose_run_did_not_pass_unless_forced_with_a_r
     forced = _kiln(registry, "promote", "m", "2", "--force", "--reason", "hotfix: the Failed check is a known flake")
     assert forced.returncode == 0, forced.stderr
     assert _champion(client) == "2"
-    assert client.get_model_version("m", "2").tags["kiln.forced"] == "hotfix: the Failed check is a known flake"
+    overrides = json.loads(client.get_model_version("m", "2").tags[model_registry.OVERRIDES])
+    assert overrides[-1]["action"] == "promote" and overrides[-1]["reason"] == "hotfix: the Failed check is a known flake"
     last = model_registry.history(client, "m")[-1]
     assert last["version"] == "2" and last["previous"] == "1" and last["forced"].startswith("hotfix")
     # rollback reads the history: back to v1
@@ -90,10 +89,33 @@ def test_challenger_goes_only_to_a_version_whose_run_passed(registry, tmp_path):
     assert str(client.get_model_version_by_alias("m", "challenger").version) == "1"
 
 
+def test_an_alias_does_not_outlive_its_verdict(registry, tmp_path):
+    """A rerun of v1 that does not pass takes `challenger` off it; `champion` stays (moving it is the team's
+    call) and kiln says so wherever the version is shown."""
+    client = registry.client
+    version, run = attested_version(client, client.get_experiment_by_name("aliases").experiment_id, "m", "Successful", 0)
+    ctx = SimpleNamespace(tracker=SimpleNamespace(client=client, uri=registry.uri), cache=tmp_path, run_dir=tmp_path,
+                          parent_run=run, recipe=SimpleNamespace(tracking=SimpleNamespace(registered_model="m")))
+    model_registry.complete(ctx, model_registry.Version("m", version, reused=True),
+                            GateOutcome(Verdict.SUCCESSFUL, [], ExitCode.PASSED, "rule"))
+    client.set_registered_model_alias("m", "champion", version)
+    failed = GateOutcome(Verdict.FAILED, [], ExitCode.GATE_FAILED, "rule")
+    warning = model_registry.champion_warning_after(client, model_registry.Version("m", version, True), failed)
+    assert warning and "still holds `champion`" in warning and "kiln rollback m" in warning
+    model_registry.complete(ctx, model_registry.Version("m", version, reused=True), failed)
+    with pytest.raises(Exception, match="alias"):
+        client.get_model_version_by_alias("m", "challenger")
+    assert _champion(client) == version
+    shown = _kiln(registry, "verify", "m", version)
+    assert "still holds `champion`" in shown.stdout, shown.stdout + shown.stderr
+
+
 def _run_folder(registry, root: Path, version: str, verdict: str, code: int) -> Path:
     d = root / f"run-v{version}"
     d.mkdir(parents=True)
+    # render needs a check Prometheus can evaluate (error_rate), which needs a stage that measures it (load)
     recipe = {**TINY_RECIPE, "model": {"path": "demo"}, "tracking": {"uri": registry.uri, "registered_model": "m"},
+              "evaluate": {**TINY_RECIPE["evaluate"], "load": {"shape": {"kind": "constant", "rate": 1.0}}},
               "gate": {"checks": [*TINY_RECIPE["gate"]["checks"], {"kind": "error_rate", "max": 0.01}]}}
     (d / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     (d / "state.json").write_text(json.dumps({"status": "done", "verdict": verdict, "exit_code": code,
@@ -113,7 +135,17 @@ def test_deploy_canary_and_render_refuse_a_run_that_did_not_pass(registry, tmp_p
     assert proc.returncode == 2 and "m v3 did not pass" in proc.stderr and not out.exists(), proc.stderr
     proc = kiln("deploy", "render", str(recipe), "--version", "1", "--out", str(out), cwd=tmp_path)
     assert proc.returncode == 0 and out.is_file(), proc.stderr
+    # each pod checks the version's signed verdict against the engine it is about to serve, before serving
+    rollout = next(d for d in yaml.safe_load_all(out.read_text()) if d and d["kind"] == "Rollout")
+    init = rollout["spec"]["template"]["spec"]["initContainers"][0]
+    assert init["args"][:3] == ["verify", "m", "1"] and "--engine" in init["args"], init
     proc = kiln("deploy", "render", str(recipe), "--version", "3", "--force", "--reason", "load test only",
                 "--out", str(out), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert registry.client.get_model_version("m", "3").tags["kiln.forced"] == "load test only"
+    overrides = json.loads(registry.client.get_model_version("m", "3").tags[model_registry.OVERRIDES])
+    assert overrides[-1]["action"] == "deploy render" and overrides[-1]["reason"] == "load test only"
+    # Forced once is not forced forever: a plain promote of the same version is still refused, and the
+    # render's reason never appears as a promotion's.
+    plain = _kiln(registry, "promote", "m", "3")
+    assert plain.returncode == 2 and "m v3 did not pass" in plain.stderr, plain.stdout + plain.stderr
+    assert all(e.get("forced") != "load test only" for e in model_registry.history(registry.client, "m"))
