@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -136,19 +137,41 @@ def dir_size(root: Path) -> int:
     return sum(p.stat().st_size for p in Path(root).rglob("*") if p.is_file())
 
 
-def cached_tree_hash(root: Path, cache_file: Path) -> str:
-    """`sha256_tree`, remembered by the tree's (path, size, mtime) signature.
+# What a file's signature holds. Its bytes cannot change without its ctime moving: no user tool sets
+# ctime, and rewriting bytes (in place, by `cp` over it, by a rename onto it) moves it even when
+# `cp -p`, `rsync -a`, `touch -d` or a reproducible tarball restore the mtime; a rename also brings a
+# new inode. An entry written by an older kiln (path, size, mtime) never matches: it is rehashed once.
+_SIGNED = ("st_dev", "st_ino", "st_size", "st_mtime_ns", "st_ctime_ns")
+# ctime is stamped from a coarse clock (a few ms on Linux, more on some filesystems): a file changed
+# this little before it was hashed could change again within the same tick, unseen, so its signature
+# is not remembered and it is hashed again next time (git's "racily clean" entries, the same rule).
+RACY_NS = 2_000_000_000
 
-    Hashing a 500 MB checkpoint on every run costs seconds; the signature changes whenever a file
-    is rewritten, so a stale hash cannot be returned for changed content.
+
+def _signature(files: list[Path]) -> tuple[str, int]:
+    """The stat signature of `files` and the latest ctime among them."""
+    stats = [(str(p), p.stat()) for p in files]
+    signature = hash_of([(name, *(getattr(st, field) for field in _SIGNED)) for name, st in stats])
+    return signature, max((st.st_ctime_ns for _, st in stats), default=0)
+
+
+def cached_tree_hash(root: Path, cache_file: Path) -> str:
+    """`sha256_tree`, remembered by the tree's stat signature (`_SIGNED`: size, mtime, ctime, inode).
+
+    Hashing a 500 MB checkpoint on every run costs seconds; the signature changes whenever a file's
+    bytes do, even with its mtime restored, so a stale hash is never returned for changed content.
     """
     root = Path(root).resolve()
     files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
-    signature = hash_of([(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files])
+    now = time.time_ns()  # before the stat: a change after it moves a ctime past the one signed
+    signature, changed = _signature(files)
     known = read_json(cache_file) if Path(cache_file).exists() else {}
     if known.get(str(root), {}).get("signature") == signature:
         return known[str(root)]["sha256"]
     digest = sha256_file(root) if root.is_file() else sha256_tree(root)
-    known[str(root)] = {"signature": signature, "sha256": digest}
+    if changed < now - RACY_NS:
+        known[str(root)] = {"signature": signature, "sha256": digest}
+    else:
+        known.pop(str(root), None)
     atomic_write_json(cache_file, known)
     return digest

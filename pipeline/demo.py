@@ -6,7 +6,7 @@ runs with no model hub. The cache lives under `cache_root()`:
     models/smollm2-135m-instruct-<gguf sha256[:16]>/   fp32 safetensors checkpoint + kiln-source.json
     data/<DATA_VERSION>/                               demo texts, prompts, tasks + manifest.json
     debs/r-cran-janeaustenr/                           the downloaded .deb, extracted
-    hashes.json                                        content hashes keyed by (path, size, mtime)
+    hashes.json                                        content hashes keyed by each file's stat (core/files.py)
 
 Each entry is built under a `.partial` name and renamed when complete, behind a file lock, so
 a killed build leaves nothing half-written and two processes never build the same entry twice.
@@ -33,7 +33,7 @@ def cache_root() -> Path:
 
 def _model_target() -> tuple[Path, Path, str]:
     gguf = demo_model.find_gguf()
-    # Hashed once per (path, size, mtime): later calls only stat the 98 MB file.
+    # Hashed once per stat signature (core/files.py): later calls only stat the 98 MB file.
     sha = cached_tree_hash(gguf, cache_root() / "hashes.json")
     return gguf, cache_root() / "models" / f"smollm2-135m-instruct-{sha[:16]}", sha
 
