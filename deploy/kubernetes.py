@@ -85,6 +85,18 @@ def verify_container(name: str, k: Any, verify: tuple[str, str]) -> dict[str, An
 def rollout(name: str, deploy: DeployConfig, has_full_gate: bool, warnings: list[str],
             verify: tuple[str, str] | None = None) -> dict:
     k = deploy.kubernetes
+    steps = _steps(name, deploy, has_full_gate, warnings)
+    canary: dict[str, Any] = {"canaryService": f"{name}-canary", "stableService": f"{name}-stable",
+                              "analysis": {"templates": [{"templateName": f"{name}-guard"}], "startingStep": 0,
+                                           "args": [*ARG_VALUES, {"name": "min-requests",
+                                                                  "value": str(min(s.min_requests for s in deploy.steps))}]},
+                              "steps": steps}
+    return _rollout_tail(name, deploy, canary, verify)
+
+
+def _steps(name: str, deploy: DeployConfig, has_full_gate: bool, warnings: list[str]) -> list[dict]:
+    """Each canary step: its weight, then the step's analysis (none where nothing can judge it)."""
+    k = deploy.kubernetes
     steps: list[dict] = []
     for s in deploy.steps:
         steps.append({"setWeight": int(round(s.weight))})
@@ -102,11 +114,12 @@ def rollout(name: str, deploy: DeployConfig, has_full_gate: bool, warnings: list
                 warnings.append(f"step {s.weight:g}%: with {running} replicas ({owner}) and no traffic router the "
                                 f"canary gets {pods}/{running} pods (~{pods / running:.0%} of traffic); use "
                                 "traffic_routing: nginx for exact weights")
-    canary: dict[str, Any] = {"canaryService": f"{name}-canary", "stableService": f"{name}-stable",
-                              "analysis": {"templates": [{"templateName": f"{name}-guard"}], "startingStep": 0,
-                                           "args": [*ARG_VALUES, {"name": "min-requests",
-                                                                  "value": str(min(s.min_requests for s in deploy.steps))}]},
-                              "steps": steps}
+    return steps
+
+
+def _rollout_tail(name: str, deploy: DeployConfig, canary: dict[str, Any], verify: tuple[str, str] | None) -> dict:
+    """The Rollout around its canary strategy: the pod running `kiln serve` (and `kiln verify` first)."""
+    k = deploy.kubernetes
     if k.traffic_routing == "nginx":
         canary["trafficRouting"] = {"nginx": {"stableIngress": name}}
     drain = math.ceil(deploy.router.admission.drain_timeout_s)

@@ -19,12 +19,14 @@ def mlflow_registry(tmp_path):
     """A sqlite MLflow store with model 'smol': version 1 is champion, version 2 the challenger."""
     from kiln.pipeline.tracking import Tracker
 
+    from tests.pipeline.attested import attested_version
+
     tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "kiln-test")
     client = tracker.client
     client.create_registered_model("smol")
-    for _ in range(2):  # as kiln registers them: from runs that passed (only those may become champion)
-        mv = client.create_model_version("smol", source=(tmp_path / "engine").as_uri())
-        client.set_model_version_tag("smol", mv.version, "kiln.passed", "true")
+    versions = client.create_experiment("versions", artifact_location=(tmp_path / "artifacts").as_uri())
+    for _ in range(2):  # as kiln registers them: from runs that passed and signed it (only those may become champion)
+        attested_version(client, versions, "smol", "Successful", 0)
     client.set_registered_model_alias("smol", "champion", "1")
     client.set_registered_model_alias("smol", "challenger", "2")
     return tracker

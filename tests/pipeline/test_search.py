@@ -222,6 +222,7 @@ def test_a_search_no_candidate_passes_is_a_gate_failure_not_an_error(search_run,
     whose key holds the checks it may stop on, stops before its last round, already Failed."""
     raw = yaml.safe_load(search_run["recipe"].read_text())
     raw["gate"]["checks"][3]["min_ratio"] = 100.0  # no engine decodes 100x faster
+    raw["tracking"]["registered_model"] = "tiny-search-impossible"  # another policy: tiny-search pins its own
     recipe = tmp_path / "impossible.yaml"
     recipe.write_text(yaml.safe_dump(raw))
     proc = kiln("run", str(recipe), cwd=search_run["work"])
@@ -323,9 +324,9 @@ def test_a_search_whose_budget_runs_out_is_not_judged(search_run, tmp_path):
 
     checks = yaml.safe_load(search_run["recipe"].read_text())["gate"]["checks"]
     checks[3]["min_ratio"] = 50.0
-    recipe, _ = _variant(search_run, tmp_path, "budget", search__budget_s=0.5, gate__checks=checks)
+    recipe, _ = _variant(search_run, tmp_path, "budget", search__budget_s=0.5, gate__checks=checks,
+                         tracking__registered_model="tiny-search-budget")  # another policy: tiny-search pins its own
     client = mlflow.MlflowClient(f"sqlite:///{search_run['work'] / 'mlflow.db'}")
-    before = client.search_model_versions("name = 'tiny-search'")
     proc = kiln("run", str(recipe), cwd=search_run["work"])
     printed = proc.stdout + proc.stderr
     assert proc.returncode == 3, printed[-3000:]
@@ -337,30 +338,34 @@ def test_a_search_whose_budget_runs_out_is_not_judged(search_run, tmp_path):
         assert verdict["verdict"] == "Inconclusive" and verdict["exit_code"] == 3, verdict
         assert any(c["reason"].startswith("not judged") for c in verdict["checks"]), verdict
         registered = json.loads((run_dir / "registry.json").read_text())
-        mv = client.get_model_version("tiny-search", str(registered["version"]))
+        mv = client.get_model_version("tiny-search-budget", str(registered["version"]))
         assert mv.tags["kiln.passed"] == "false"
-    challenger = client.get_model_version_by_alias("tiny-search", "challenger").version
-    assert challenger in {v.version for v in before}  # never a version of this run
+    with pytest.raises(Exception, match="alias"):  # never a version of this run
+        client.get_model_version_by_alias("tiny-search-budget", "challenger")
 
 
-def test_on_inconclusive_pass_lets_an_inconclusive_candidate_win_as_in_a_single_run(search_run, tmp_path):
+def test_on_inconclusive_pass_never_waives_too_few_perplexity_documents_in_a_search(search_run, tmp_path):
     """12 perplexity documents are too few for torch-int8 to pass perplexity (24 needed; only identical
-    records pass on fewer): Inconclusive. Under `on_inconclusive: pass` the search goes on through the
-    later phases and exits 0 with it, as a single run does; it used to be eliminated (exit 3)."""
+    records pass on fewer): Inconclusive on too little data, not an undecided interval. Even under
+    `on_inconclusive: pass` it blocks, in a search as in a single run: the candidate stops there and the
+    search has no winner (exit 3). It used to win with exit 0 (issue 52); an undecided interval on enough
+    data is still accepted (tests/pipeline/test_gate.py, test_outcomes.py)."""
     checks = yaml.safe_load(search_run["recipe"].read_text())["gate"]["checks"]
     checks[2]["min"] = 0.9  # int8 on torch agrees 0.996-0.999 with fp32 on this model
     recipe, _ = _variant(search_run, tmp_path, "inconclusive-pass", gate__on_inconclusive="pass", gate__checks=checks,
+                         tracking__registered_model="tiny-search-inconclusive",  # another policy than tiny-search's
                          evaluate__quality__perplexity__max_documents=12,
                          candidates=[c for c in CANDIDATES if c["name"] == "torch-int8"])
     proc = kiln("run", str(recipe), cwd=search_run["work"])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = _newest_run(search_run["work"])
     record = json.loads((run_dir / "search.json").read_text())
-    assert record["winner"] == "torch-int8", record
+    assert record["winner"] is None, record
     verdict = json.loads((run_dir / "verdict.json").read_text())
-    assert verdict["verdict"] == "Inconclusive" and verdict["exit_code"] == 0, verdict
-    assert "on_inconclusive: pass` accepts that" in verdict["summary"]
-    assert [c["name"] for c in verdict["checks"] if c["verdict"] == "Inconclusive"] == ["quality:perplexity"]
+    assert verdict["verdict"] == "Inconclusive" and verdict["exit_code"] == 3, verdict
+    assert "accepts that" not in verdict["summary"]
+    [ppl] = [c for c in verdict["checks"] if c["name"] == "quality:perplexity"]
+    assert ppl["verdict"] == "Inconclusive" and ppl["insufficient"] and "12 documents are too few" in ppl["reason"]
 
 
 def test_a_champion_no_candidate_beats_is_kept_and_no_challenger_is_set(search_run, tmp_path):
