@@ -24,6 +24,7 @@ from kiln.pipeline.evidence import evidence_from_run
 from kiln.pipeline.stage_evidence import ENVELOPE, check, seal, stage_key
 from kiln.pipeline.stages import RunContext, run_stage
 from tests.pipeline.conftest import fresh_cache, kiln, write_recipe
+from tests.tracking_servers import tracking_setup
 
 FORGED = 1000.0  # the issue's forgery: the candidate 1000x as fast as it is
 
@@ -270,3 +271,129 @@ def test_a_doctored_cache_is_computed_again_by_kiln_run(tmp_path, tiny_model_dir
     again = _stages(_newest_run(tmp_path))
     assert not again["benchmark-pair"]["reused"] and again["quality-candidate"]["reused"]
     assert _ratio(_newest_run(tmp_path)) < 50
+
+
+# --- the tracking server: a real `mlflow server` on PostgreSQL with S3 artifacts ---
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    with tracking_setup("postgres-s3", tmp_path_factory.mktemp("forged-store")) as setup:
+        saved = {k: os.environ.get(k) for k in setup.env}
+        os.environ.update(setup.env)  # this process reads and forges through the same S3 store
+        try:
+            yield setup
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def _client(store):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=store.uri, registry_uri=store.uri)
+
+
+def _key_pair(folder: Path, name: str) -> tuple[Path, Path]:
+    """A signing key and its public half, as a machine's owner hands it to a teammate ($KILN_TRUSTED_KEYS)."""
+    private = folder / f"{name}.pem"
+    public = folder / f"{name}.pub"
+    public.write_text(signing.public_pem(signing.new_key(private).public_key()))
+    return private, public
+
+
+def _plant(client, experiment_id: str, key: str, folder: Path, stage: str, role: str) -> str:
+    """What a teammate with write access can do: a FINISHED run tagged as the one that computed `key`,
+    holding `folder` as its stage files. Newer than the honest run, so it is the one found."""
+    run = client.create_run(experiment_id, tags={"kiln.stage_key": key, "kiln.stage": stage, "kiln.role": role,
+                                                 "kiln.reused": "false"}).info.run_id
+    client.log_artifacts(run, str(folder), "stage")
+    client.set_terminated(run, "FINISHED")
+    return run
+
+
+def _computing_runs(client, experiment_id: str, key: str) -> list[str]:
+    return [r.info.run_id for r in client.search_runs(
+        [experiment_id], f"tags.`kiln.stage_key` = '{key}' and tags.`kiln.reused` = 'false'")]
+
+
+def test_a_forged_result_on_the_tracking_server_is_computed_again_and_never_spreads(tmp_path, tiny_model_dir,
+                                                                                      store, monkeypatch):
+    """The issue's first reproduction: the benchmark's stage/result.json on the tracking server edited to
+    1000x the candidate's speed, planted as a newer run with the stage's key (here also sealed again with
+    the attacker's own key, the most a forger can do), was reused by a machine with an empty cache and
+    passed; every reuse uploaded it again, and other recipes passed from the copies."""
+    env = {**store.env, "MLFLOW_TRACKING_URI": store.uri}
+    recipe = _speed_recipe(tmp_path / "r.yaml", tiny_model_dir, tracking={"experiment": "forged-server"})
+    a_key, a_public = _key_pair(tmp_path, "a")
+    (tmp_path / "a").mkdir()
+    a = kiln("run", str(recipe), cwd=tmp_path / "a", env={**env, "KILN_CACHE": str(fresh_cache(tmp_path / "cache-a")),
+                                                          signing.SIGNING_KEY_ENV: str(a_key)})
+    assert a.returncode in (1, 3), a.stdout[-3000:] + a.stderr[-3000:]
+    client = _client(store)
+    exp = client.get_experiment_by_name("forged-server").experiment_id
+    honest = _stages(_newest_run(tmp_path / "a"))["benchmark-pair"]
+    folder = Path(client.download_artifacts(honest["mlflow_run"], "stage", str(tmp_path / "mallory")))
+    inputs = json.loads((folder / "manifest.json").read_text())["inputs"]
+    _forge_speed(folder)
+    monkeypatch.setenv(signing.SIGNING_KEY_ENV, str(_key_pair(tmp_path, "mallory")[0]))
+    seal(folder, "benchmark", honest["key"], inputs)
+    monkeypatch.delenv(signing.SIGNING_KEY_ENV)
+    forged = _plant(client, exp, honest["key"], folder, "benchmark", "pair")
+
+    # Machine B: an empty cache; it trusts machine A's key (a teammate's), not the forger's.
+    (tmp_path / "b").mkdir()
+    b = kiln("run", str(recipe), cwd=tmp_path / "b", env={
+        **env, "KILN_CACHE": str(fresh_cache(tmp_path / "cache-b")),
+        signing.TRUSTED_KEYS_ENV: str(a_public)})
+    said = " ".join(b.stdout.split())
+    assert b.returncode in (1, 3), said[-3000:] + b.stderr[-3000:]
+    assert f"the copy on the tracking server (run {forged}): signed by" in said, said[:4000]
+    assert "which this machine does not trust" in said and "computing it here ▶ benchmark[pair]" in said
+    run_b = _newest_run(tmp_path / "b")
+    stages_b = _stages(run_b)
+    assert not stages_b["benchmark-pair"]["reused"] and _ratio(run_b) < 50
+    # What machine A computed and sealed is reused from the server; what was reused is uploaded nowhere.
+    assert stages_b["quality-candidate"]["reused"]
+    assert stages_b["quality-candidate"]["computed_by"] == _stages(_newest_run(tmp_path / "a"))["quality-candidate"]["mlflow_run"]
+    for name, record in stages_b.items():
+        if record["reused"]:
+            assert client.list_artifacts(record["mlflow_run"]) == [], name
+            assert client.get_run(record["mlflow_run"]).data.tags["kiln.reused_from"] == record["computed_by"]
+            if name.startswith("quality"):  # a portable stage: the one copy on the server is A's
+                assert _computing_runs(client, exp, record["key"]) == [record["computed_by"]], name
+    for mv in client.search_model_versions("name = 'forged'"):
+        assert "challenger" not in mv.aliases and "champion" not in mv.aliases
+
+
+def test_a_result_edited_on_the_tracking_server_is_refused_and_an_honest_copy_reused_once(tmp_path, store):
+    """The same through the stage mechanism alone, with the forgery left unsigned: the planted copy's
+    result.json no longer matches its seal. An honest copy is reused, and reusing it uploads nothing, so
+    however many machines reuse it, its key is held by one run."""
+    from kiln.pipeline.tracking import Tracker
+
+    tracker = Tracker(store.uri, "forged-stage")
+    console, calls = Console(record=True, width=200), []
+    machine_a = replace_tracker(_ctx(tmp_path / "a", console), tracker)
+    computed = run_stage(machine_a, "quality", "candidate", {"x": 1}, _quality(calls))
+    for machine in ("b", "c"):  # empty caches, the same server
+        reused = run_stage(replace_tracker(_ctx(tmp_path / machine, console), tracker), "quality", "candidate",
+                           {"x": 1}, _quality(calls))
+        assert reused.reused and len(calls) == 1 and tracker.client.list_artifacts(reused.mlflow_run) == []
+    assert _computing_runs(tracker.client, tracker.experiment_id, computed.key) == [computed.mlflow_run]
+    folder = Path(tracker.client.download_artifacts(computed.mlflow_run, "stage", str(tmp_path / "mallory")))
+    (folder / "result.json").write_text(json.dumps({"metrics": {"perplexity": 1.0}, "samples": {
+        "file": "samples.jsonl", "columns": ["nll"]}}))
+    forged = _plant(tracker.client, tracker.experiment_id, computed.key, folder, "quality", "candidate")
+    again = run_stage(replace_tracker(_ctx(tmp_path / "d", console), tracker), "quality", "candidate", {"x": 1},
+                      _quality(calls))
+    assert not again.reused and len(calls) == 2 and again.result["metrics"]["perplexity"] == 7.4
+    said = _said(console)
+    assert f"the copy on the tracking server (run {forged}): result.json has changed since the stage sealed it" in said
+
+
+def replace_tracker(ctx: RunContext, tracker) -> RunContext:
+    from dataclasses import replace
+
+    parent = tracker.start("parent", {})
+    return replace(ctx, tracker=tracker, parent_run=parent)
