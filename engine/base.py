@@ -230,8 +230,8 @@ HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenize
 
 
 def keep_checkpoint_files(checkpoint: Path, out_dir: Path) -> None:
-    """The checkpoint's tokenizer and config files in the engine's folder, hard-linked where one
-    filesystem holds both (a copy elsewhere): the cache holds their bytes once (issue 35)."""
+    """The checkpoint's tokenizer and config files in the engine's folder, hard-linked when both are in
+    kiln's cache (the cache holds their bytes once, issue 35), else copied (`link_or_copy`)."""
     from kiln.optimize.checkpoint import link_or_copy
 
     for name in HF_FILES:

@@ -9,6 +9,7 @@ run code when loaded.
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import shutil
@@ -80,19 +81,27 @@ def canonicalize_safetensors(checkpoint: Path) -> None:
     """Rewrite each safetensors header in one canonical form (sorted keys, no spaces), tensor bytes
     untouched: the same weights then give the same file. torchao's serializer emits its metadata
     keys in a different order from one save to the next, which changed the artifact's sha256 on
-    every re-quantization and so every content key downstream of it. A hardlinked file (the
-    pass-through's) holds the source's own bytes, stable already: it is left alone, still shared."""
+    every re-quantization and so every content key downstream of it.
+
+    The same keys in another order (save_pretrained's and torchao's headers) have the same length: the
+    header is rewritten where it stands, a few KB, not the whole file (the pass-through's copy of a
+    500 MB checkpoint is not copied twice). A file with a second name (a hardlink) is replaced through
+    a new file instead, so that name keeps its bytes, as is a header whose length changes."""
     from kiln.core.files import atomic_copy_with
 
     for path in safetensors_files(checkpoint):
-        if path.stat().st_nlink > 1:
-            continue
         with open(path, "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
             raw = f.read(length)
         canonical = json.dumps(json.loads(raw), sort_keys=True, separators=(",", ":")).encode()
         canonical += b" " * (-len(canonical) % 8)  # the spec's padding: tensor data stays 8-byte aligned
-        if canonical != raw:
+        if canonical == raw:
+            continue
+        if len(canonical) == length and path.stat().st_nlink == 1:
+            with open(path, "r+b") as f:
+                f.seek(8)
+                f.write(canonical)
+        else:
             atomic_copy_with(path, struct.pack("<Q", len(canonical)) + canonical, skip=8 + length)
 
 
@@ -155,20 +164,51 @@ def bits_per_weight(checkpoint_dir: Path, source_param_count: int) -> float:
 
 
 def link_or_copy(src: Path, dst: Path) -> str:
-    """Hardlink `src` to `dst` when both are on one filesystem, else copy. Returns which it did.
+    """Hardlink `src` to `dst` when both lie in kiln's cache, else `copy_file`. Returns which it did.
 
-    Checkpoint files are never modified in place (writers replace them), so sharing the inode
-    is safe and saves a copy of every weight byte.
+    The cache's files are never modified in place (a stage or engine is replaced whole), so sharing
+    an inode inside it is safe and saves a copy of every weight byte. A file outside it (the user's
+    checkpoint, a folder a test or bench script builds into) can be rewritten by anyone: an inode
+    shared with it would change the cache's bytes, and what was judged, with no kiln step seeing it.
     """
+    from kiln.core.llama_cpp_build import kiln_cache
+
     dst.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(src, dst)
-        return "hardlink"
-    except OSError as e:
-        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
-            raise
-    shutil.copy2(src, dst)
-    return "copy"
+    cache = kiln_cache().resolve()
+    if Path(src).resolve().is_relative_to(cache) and dst.parent.resolve().is_relative_to(cache):
+        try:
+            os.link(src, dst)
+            return "hardlink"
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                raise
+    return copy_file(src, dst)
+
+
+# ioctl(FICLONE) (linux/fs.h): `dst` shares `src`'s blocks copy-on-write (btrfs, XFS, bcachefs, ...).
+_FICLONE = 0x40049409
+# What a filesystem, or a pair of them, that cannot clone answers.
+_NO_CLONE = {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EPERM, errno.EBADF}
+
+
+def copy_file(src: Path, dst: Path) -> str:
+    """Copy `src` to `dst`, a file of its own: a reflink where the filesystem offers one (the blocks
+    are shared until either side writes, so it costs no disk), else a copy of the bytes (in the
+    kernel: sendfile). Returns "reflink" or "copy". Either way `dst` is a new inode: writing into
+    `src` afterwards, in place or by `cp` over it, leaves `dst`'s bytes as they were."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        try:
+            fcntl.ioctl(fout.fileno(), _FICLONE, fin.fileno())
+            how = "reflink"
+        except OSError as e:
+            if e.errno not in _NO_CLONE:
+                raise
+            how = "copy"
+    if how == "copy":
+        shutil.copyfile(src, dst)
+    shutil.copystat(src, dst)
+    return how
 
 
 def copy_side_files(source: Path, out_dir: Path) -> list[str]:

@@ -1,8 +1,10 @@
 """`none`: the baseline. Passes the checkpoint through unchanged.
 
 Every comparison kiln makes is candidate vs baseline, and both go through the same stage so
-they have the same shape (a folder with a manifest). The weights are hardlinked when the
-output is on the same filesystem as the source, so the baseline costs no disk space.
+they have the same shape (a folder with a manifest). The weights are copied, never hardlinked:
+the baseline is what the gate judged, and a hardlink would let `cp new.safetensors` into the user's
+folder change it. The copy is a reflink where the filesystem offers one (btrfs, XFS: no disk space
+until either side is written), else a full copy of the bytes.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from kiln.optimize.architecture import DecoderShapes
 from kiln.optimize.base import QUANTIZERS, Calibration, Quantizer, QuantizerConfig
 from kiln.optimize.checkpoint import (
     bits_per_weight,
+    copy_file,
     copy_side_files,
-    link_or_copy,
     param_count,
     safetensors_files,
 )
@@ -34,14 +36,14 @@ class PassThrough(Quantizer):
         out_dir.mkdir(parents=True, exist_ok=True)
         weights = safetensors_files(source)
         index = source / "model.safetensors.index.json"
-        how = {link_or_copy(p, out_dir / p.name) for p in weights}
+        how = {copy_file(p, out_dir / p.name) for p in weights}
         for p in (source / "config.json", index):
             if p.is_file():  # small files are copied: the stage may rewrite them in the output
                 shutil.copy2(p, out_dir / p.name)
         copy_side_files(source, out_dir)
         return {
             "format": "unchanged",
-            "weights": "hardlink" if how == {"hardlink"} else "copy",
+            "weights": "reflink" if how == {"reflink"} else "copy",
             "quantized_modules": 0,
             "skipped_modules": [],
             "bits_per_weight": round(bits_per_weight(out_dir, param_count(source)), 3),
@@ -49,6 +51,6 @@ class PassThrough(Quantizer):
 
     @staticmethod
     def memory(shapes: DecoderShapes, config: QuantizerConfig, source_dtype: str) -> MethodMemory:
-        # Linking or copying files streams them: nothing is loaded.
+        # Copying files streams them: nothing is loaded.
         return MethodMemory(working_set=[], serving_weights=weights(shapes, DTYPE_BYTES[source_dtype], source_dtype),
                             serving_dtype=source_dtype)

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import os
 import struct
+from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file, save_file
 
 from kiln.optimize.base import QUANTIZERS
@@ -55,12 +57,53 @@ def test_canonical_header_keeps_tensors_and_metadata(tmp_path):
     assert all(torch.equal(loaded[k], tensors[k]) for k in tensors)
 
 
-def test_a_hardlinked_file_is_left_alone(tmp_path):
+def _with_header(path: Path, header: bytes) -> None:
+    """Rewrite `path` with `header` (padded) in place of its own, the tensor bytes unchanged."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        f.seek(8 + n)
+        data = f.read()
+    header += b" " * (-len(header) % 8)
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+
+
+@pytest.mark.parametrize("spacing", ["reordered", "spaced"])
+def test_a_file_with_a_second_name_is_replaced_never_written_through(tmp_path, spacing):
+    """Canonicalizing never writes through a hardlink: another name for the old bytes keeps them,
+    whether the canonical header has the same length (rewritten in place when the file has one
+    name) or not. The pass-through used to hardlink the user's weights and relied on being skipped
+    here; it copies now (issue 52), and nothing is skipped."""
     import torch
 
     src = tmp_path / "src.safetensors"
-    save_file({"w": torch.zeros(3)}, str(src), metadata={"b": "1", "a": "2"})
+    save_file({"w": torch.zeros(3), "a": torch.ones(2)}, str(src))
+    header = read_header(src)
+    reordered = {k: dict(reversed(list(v.items()))) for k, v in reversed(list(header.items()))}
+    _with_header(src, json.dumps(reordered, separators=(",", ":")).encode() if spacing == "reordered"
+                 else json.dumps(header, indent=1).encode())
+    before = src.read_bytes()
     (tmp_path / "out").mkdir()
     os.link(src, tmp_path / "out" / "model.safetensors")
     canonicalize_safetensors(tmp_path / "out")
-    assert os.stat(src).st_nlink == 2  # still one file shared with the source
+    assert src.read_bytes() == before and os.stat(src).st_nlink == 1
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() != before
+    assert read_header(tmp_path / "out" / "model.safetensors") == header
+
+
+def test_a_header_of_the_same_length_is_rewritten_in_place(tmp_path):
+    """save_pretrained's header holds the canonical keys in another order: the same length, so the
+    file (the pass-through's fresh copy of a 500 MB checkpoint) keeps its inode and is not copied."""
+    import torch
+
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.zeros(3), "a": torch.ones(2)}, str(path))
+    header = read_header(path)
+    _with_header(path, json.dumps({k: dict(reversed(list(v.items()))) for k, v in header.items()},
+                                  separators=(",", ":")).encode())
+    inode, size = path.stat().st_ino, path.stat().st_size
+    canonicalize_safetensors(tmp_path)
+    assert (path.stat().st_ino, path.stat().st_size) == (inode, size)
+    assert read_header(path) == header
+    (n,) = struct.unpack("<Q", path.read_bytes()[:8])
+    canonical = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    assert path.read_bytes()[8:8 + n].rstrip(b" ") == canonical

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +15,7 @@ from kiln.optimize.gptq import GPTQConfig
 from kiln.optimize.int8_weight_only import Int8WeightOnlyConfig
 from kiln.optimize.none import NoneConfig
 from kiln.core.errors import BadInput
+from kiln.core.files import sha256_file
 
 PROMPT_IDS = [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]
 
@@ -32,11 +36,34 @@ def test_every_method_registers_on_import():
         union.validate_python({"method": "gptq", "bitz": 4})
 
 
-def test_none_passes_through_with_hardlinks(tiny_llama, tmp_path, reload):
-    out = tmp_path / "none"
-    fields = QUANTIZERS.create(NoneConfig()).quantize(tiny_llama, out, None)
-    assert fields["weights"] == "hardlink" and fields["quantized_modules"] == 0
-    assert os.stat(out / "model.safetensors").st_ino == os.stat(tiny_llama / "model.safetensors").st_ino
+def _negated(path: Path, floats: int) -> bytes:
+    """`path`'s bytes with the sign of its last `floats` fp32 values flipped: new weights, the same size."""
+    data = bytearray(path.read_bytes())
+    for i in range(len(data) - 4 * floats, len(data), 4):
+        data[i + 3] ^= 0x80
+    return bytes(data)
+
+
+@pytest.mark.parametrize("write", ["in-place", "cp"])
+def test_none_copies_the_weights_so_the_source_cannot_change_them(tiny_llama, tmp_path, reload, write):
+    """The baseline is what the gate judges: its weights are a file of their own (a reflink or a copy,
+    never a hardlink), so new bytes written into the user's checkpoint afterwards, in place or by `cp`
+    over it (both keep the user's inode), leave the artifact as it was (issue 52)."""
+    source, out = tmp_path / "source", tmp_path / "none"
+    shutil.copytree(tiny_llama, source)
+    fields = QUANTIZERS.create(NoneConfig()).quantize(source, out, None)
+    weights = source / "model.safetensors"
+    judged = sha256_file(out / "model.safetensors")
+    assert judged == sha256_file(weights)
+    if write == "in-place":
+        with open(weights, "r+b") as f:
+            f.write(_negated(weights, 16))
+    else:
+        (tmp_path / "new.safetensors").write_bytes(_negated(weights, 16))
+        subprocess.run(["cp", str(tmp_path / "new.safetensors"), str(weights)], check=True)
+    assert sha256_file(out / "model.safetensors") == judged != sha256_file(weights)
+    assert os.stat(out / "model.safetensors").st_ino != os.stat(weights).st_ino
+    assert fields["weights"] in ("reflink", "copy") and fields["quantized_modules"] == 0
     assert (out / "tokenizer.json").is_file() and read_config(out) == read_config(tiny_llama)
     assert fields["bits_per_weight"] == pytest.approx(32.0)
     reload(out)
