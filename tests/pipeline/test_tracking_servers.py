@@ -1,8 +1,8 @@
 """`kiln run` against real tracking setups: sqlite, `mlflow server` over HTTP, and `mlflow server`
 on PostgreSQL with S3 artifacts (SeaweedFS). On each: a full run finishes with its verdict; the
 registered version's artifacts live in the server's artifact store and download from another
-folder; a second machine (another folder, an empty cache) reuses the baseline's stages and the
-registered version; promote and rollback move the aliases. The HTTP and S3 runs also carry
+folder; a second machine (another folder, an empty cache, the team's signing key) reuses the
+baseline's stages, whose seals it trusts, and the registered version; promote and rollback move the aliases. The HTTP and S3 runs also carry
 planted credentials that must appear nowhere."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from kiln.core.files import sha256_tree
+from kiln.core.signing import new_key
 from tests.pipeline.conftest import fresh_cache, kiln, write_recipe
 from tests.tracking_servers import S3_SECRET, tracking_setup
 
@@ -95,9 +96,12 @@ def test_tracking_setup_end_to_end(kind, tmp_path, tiny_model_dir):
         uri = setup.uri if kind == "sqlite" else _with_credentials(setup.uri)
         secrets = [URI_SECRET, PASSWORD_SECRET, TOKEN_SECRET] + ([S3_SECRET] if setup.env else [])
 
-        # Machine A: the shared test cache (its stages may be warm from other tests).
-        cache_a = Path(os.environ["KILN_CACHE"])
-        proc_a, run_a, _ = _run(recipe, tmp_path / "a", cache_a, uri, {**setup.env, **planted})
+        # Machine A: an empty cache, so it computes every stage and the server holds each once (a stage
+        # reused from a cache is never uploaded again). Both machines sign with the team's key.
+        team = {"KILN_SIGNING_KEY": str(tmp_path / "team.pem")}
+        new_key(tmp_path / "team.pem")
+        cache_a = fresh_cache(tmp_path / "cache-a")
+        proc_a, run_a, _ = _run(recipe, tmp_path / "a", cache_a, uri, {**setup.env, **planted, **team})
         verdict_a = json.loads((run_a / "verdict.json").read_text())
         client = _client(setup.uri)
         mv = _version(client, run_a)
@@ -115,7 +119,8 @@ def test_tracking_setup_end_to_end(kind, tmp_path, tiny_model_dir):
             assert _download_tree_hash(client, setup.uri, "tiny", mv.version, tmp_path / "download") == mv.tags["kiln.artifact_sha256"]
 
             # Machine B: another folder, an empty cache, the same server.
-            proc_b, run_b, stages_b = _run(recipe, tmp_path / "b", fresh_cache(tmp_path / "cache-b"), uri, setup.env)
+            proc_b, run_b, stages_b = _run(recipe, tmp_path / "b", fresh_cache(tmp_path / "cache-b"), uri,
+                                           {**setup.env, **team})
             assert proc_b.returncode == proc_a.returncode
             assert json.loads((run_b / "verdict.json").read_text())["verdict"] == verdict_a["verdict"]
             assert PORTABLE <= set(stages_b)
@@ -125,8 +130,13 @@ def test_tracking_setup_end_to_end(kind, tmp_path, tiny_model_dir):
             assert [v.version for v in versions] == [mv.version], "an unchanged recipe registered a second version"
             assert json.loads((run_b / "registry.json").read_text())["reused"] is True
 
-            # A changed policy is a new claim on the same artifact: a new version; then the aliases move.
-            proc_c, run_c, _ = _run(recipe, tmp_path / "b", tmp_path / "cache-b", setup.uri, setup.env,
+            # A changed policy is a new claim on the same artifact: set on the model on purpose (issue 52: the
+            # model owns its policy), then a new version; then the aliases move.
+            stricter = ["--set", "gate.checks.2.max_ratio=0.99"]
+            pinned = kiln("policy", "set", "tiny", str(recipe), *stricter, "--reason", "tracking-setup test: a new bound",
+                          "--tracking-uri", setup.uri, cwd=tmp_path, env={**setup.env, **team})
+            assert pinned.returncode == 0, pinned.stderr[-2000:]
+            proc_c, run_c, _ = _run(recipe, tmp_path / "b", tmp_path / "cache-b", setup.uri, {**setup.env, **team},
                                     "--set", "gate.checks.2.max_ratio=0.99")
             v2 = str(_version(client, run_c).version)
             assert v2 != str(mv.version)
@@ -144,12 +154,13 @@ def test_tracking_setup_end_to_end(kind, tmp_path, tiny_model_dir):
                 os.environ.pop(k, None)
         v1 = str(mv.version)
         # The tiny recipe may end Inconclusive on a busy machine: a version whose run did not pass goes
-        # in only with a reason (test_aliases_follow_verdicts.py holds the refusal itself).
-        forced = {v1: proc_a.returncode != 0, v2: proc_c.returncode != 0}
+        # in only with a reason (test_aliases_follow_verdicts.py holds the refusal itself); v1 was judged
+        # under the policy tiny no longer holds, so it goes back in only with one too.
+        forced = {v1: True, v2: proc_c.returncode != 0}
         for args, champion in ((["promote", "tiny", v1], v1), (["promote", "tiny", v2], v2), (["rollback", "tiny"], v1)):
-            if args[0] == "promote" and forced[args[2]]:
-                args = [*args, "--force", "--reason", "tracking-setup test: the tiny recipe did not pass here"]
-            proc = kiln(*args, "--tracking-uri", uri, cwd=tmp_path, env=planted)
+            if forced[args[2] if args[0] == "promote" else v1]:
+                args = [*args, "--force", "--reason", "tracking-setup test: not passed here, or judged under the old policy"]
+            proc = kiln(*args, "--tracking-uri", uri, cwd=tmp_path, env={**planted, **team})
             assert proc.returncode == 0, proc.stderr[-2000:]
             assert str(client.get_model_version_by_alias("tiny", "champion").version) == champion
             assert not [s for s in secrets if s in proc.stdout + proc.stderr]
