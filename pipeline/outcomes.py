@@ -4,9 +4,10 @@ CI tells endings apart by the exit code alone, so this table is the contract. RE
 docs/search.md print it (`markdown_table`; a test holds them to it). A run exits 0 only when its
 subject (the one candidate, or the search's winner) passed every check of the policy, where
 Inconclusive counts as passing only under `gate.on_inconclusive: pass`, in a search exactly as in
-a single run. A check that never ran (the search's budget ran out first, or the candidate was
-stopped at an earlier phase) is never dropped: it is "not judged", which blocks whatever the
-policy says of Inconclusive.
+a single run, and only when the check had the data to decide: one that measured nothing or too
+little (`CheckResult.insufficient`: no requests, one repeat, too few documents or items) blocks
+whatever the policy says. So does a check that never ran (the search's budget ran out first, or
+the candidate was stopped at an earlier phase): it is never dropped, it is "not judged".
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 from kiln.core.errors import ExitCode
 from kiln.core.gate.base import CheckResult, Verdict
-from kiln.core.gate.policy import GateOutcome, combine
+from kiln.core.gate.policy import GateOutcome, combine, rule
 
 NOT_JUDGED = "not judged"
 
@@ -42,10 +43,13 @@ class Row:
 ROWS = (
     Row(Ending.JUDGED, "every check Successful", Verdict.SUCCESSFUL, ExitCode.PASSED,
         "{subject} passed every check"),
-    Row(Ending.JUDGED, "a check Inconclusive (none Failed or Error), `on_inconclusive: pass`", Verdict.INCONCLUSIVE,
+    Row(Ending.JUDGED, "a check Inconclusive on enough data (none Failed or Error, none measured too little), "
+                       "`on_inconclusive: pass`", Verdict.INCONCLUSIVE,
         ExitCode.PASSED, "{subject}: undecided on {undecided}; `on_inconclusive: pass` accepts that"),
-    Row(Ending.JUDGED, "a check Inconclusive (none Failed or Error), `on_inconclusive: fail` (the default)",
-        Verdict.INCONCLUSIVE, ExitCode.GATE_INCONCLUSIVE, "{subject}: undecided on {undecided}"),
+    Row(Ending.JUDGED, "a check Inconclusive (none Failed or Error), `on_inconclusive: fail` (the default); or a "
+                       "check that measured nothing or too little (no requests, one repeat, too few documents or "
+                       "items) or never ran, whatever `on_inconclusive` says",
+        Verdict.INCONCLUSIVE, ExitCode.GATE_INCONCLUSIVE, "{subject}: undecided on {undecided}{too_little}"),
     Row(Ending.JUDGED, "a check Failed", Verdict.FAILED, ExitCode.GATE_FAILED, "{subject} failed {failed}"),
     Row(Ending.JUDGED, "a check Error (none Failed)", Verdict.ERROR, ExitCode.INTERNAL_ERROR,
         "{subject}: a check could not run: {errors}"),
@@ -77,22 +81,18 @@ def row_for(ending: Ending, verdict: Verdict, exit_code: ExitCode) -> Row:
 
 
 def not_judged(config: Any, why: str) -> CheckResult:
-    """A check of the policy that never ran: it blocks, whatever `on_inconclusive` says."""
+    """A check of the policy that never ran: it measured nothing, so it blocks whatever
+    `on_inconclusive` says."""
     return CheckResult(name=config.label, kind=config.kind, metric=config.metric, verdict=Verdict.INCONCLUSIVE,
-                       observed=None, baseline=None, threshold="", reason=f"{NOT_JUDGED}: {why}")
-
-
-def is_not_judged(result: CheckResult) -> bool:
-    return result.verdict is Verdict.INCONCLUSIVE and result.reason.startswith(NOT_JUDGED)
+                       observed=None, baseline=None, threshold="", reason=f"{NOT_JUDGED}: {why}", insufficient=True)
 
 
 def conclude(results: list[CheckResult], on_inconclusive: str, ending: Ending, subject: str,
              detail: str = "") -> GateOutcome:
     """The run's outcome from its subject's check results: the verdict and exit code of the gate's
-    rule, then the table's row for `ending`. A check not judged never lets the run exit 0."""
-    verdict, code = combine(results, on_inconclusive)
-    if code is ExitCode.PASSED and any(is_not_judged(r) for r in results):
-        code = ExitCode.GATE_INCONCLUSIVE
+    rule, then the table's row for `ending`. A check not judged, or judged on too little data, never
+    lets the run exit 0."""
+    verdict, code = combine(results, on_inconclusive)  # a check not judged is insufficient: combine blocks it
     if ending is Ending.NO_WINNER and code is ExitCode.PASSED:  # only a winner passes
         verdict, code = Verdict.INCONCLUSIVE, ExitCode.GATE_INCONCLUSIVE
     if ending in (Ending.NOTHING_BUILT, Ending.CHAMPION_KEPT):
@@ -104,10 +104,12 @@ def conclude(results: list[CheckResult], on_inconclusive: str, ending: Ending, s
     def names(*verdicts: Verdict) -> str:
         return ", ".join(r.name for r in results if r.verdict in verdicts) or "—"
 
+    short = [r.name for r in results if r.verdict is Verdict.INCONCLUSIVE and r.insufficient]
+    too_little = (f" ({', '.join(short)} measured nothing or too little to decide, which no `on_inconclusive` "
+                  "accepts)") if short and on_inconclusive == "pass" else ""
     line = row.line.format(subject=subject, detail=detail, failed=names(Verdict.FAILED), errors=names(Verdict.ERROR),
-                           undecided=names(Verdict.INCONCLUSIVE))
-    rule = f"any Failed fails; Inconclusive {'passes' if on_inconclusive == 'pass' else 'fails'}"
-    return GateOutcome(verdict, results, code, rule, summary=line)
+                           undecided=names(Verdict.INCONCLUSIVE), too_little=too_little)
+    return GateOutcome(verdict, results, code, rule(on_inconclusive), summary=line)
 
 
 def markdown_table() -> str:

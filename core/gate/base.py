@@ -1,7 +1,10 @@
 """The gate-check contract: `check(candidate, baseline) -> CheckResult`, one file per kind.
 
 A check's verdict is one of Successful, Failed, Inconclusive, Error, kept apart as Argo Rollouts
-does: "the data cannot decide" is not "it regressed", and neither is "the check broke".
+does: "the data cannot decide" is not "it regressed", and neither is "the check broke". An
+Inconclusive check also says whether it measured nothing or too little to decide (`insufficient`:
+no requests, one repeat, fewer items than could ever pass): `gate.on_inconclusive: pass` accepts an
+undecided interval, never a check that had no data to decide on (kiln.core.gate.policy.combine).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kiln.core.verdict import Verdict
 from kiln.core.registry import Registry
 
-__all__ = ["CHECKS", "Check", "CheckConfig", "CheckResult", "Evidence", "Verdict"]
+__all__ = ["CHECKS", "TOO_LITTLE", "Check", "CheckConfig", "CheckResult", "Evidence", "Verdict"]
 
 
 @dataclass
@@ -34,6 +37,10 @@ class Evidence:
     counts: dict[str, tuple[int, int]] = field(default_factory=dict)  # metric -> (events, trials)
 
 
+# What an insufficient check's reason ends with, in the report and the pull-request comment.
+TOO_LITTLE = " — too little data to decide, so it blocks even under `on_inconclusive: pass`"
+
+
 @dataclass
 class CheckResult:
     name: str
@@ -50,6 +57,7 @@ class CheckResult:
     method: str = ""
     reason: str = ""
     items_needed: int | None = None
+    insufficient: bool = False  # Inconclusive on nothing or too little: blocks whatever on_inconclusive says
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -61,6 +69,7 @@ class CheckResult:
 
 class CheckConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    reads: ClassVar[str]  # the kind of metric (kiln.core.metrics.Metric.kind) whose evidence the check reads
     kind: str
     metric: str
     name: str | None = Field(None, description="shown in reports; default '<kind>:<metric>'")
@@ -84,6 +93,10 @@ class Check(abc.ABC):
     def result(self, verdict: Verdict, **fields: Any) -> CheckResult:
         return CheckResult(name=self.config.label, kind=self.config.kind, metric=self.config.metric,
                            verdict=verdict, **fields)
+
+    def too_little(self, reason: str, **fields: Any) -> CheckResult:
+        """Inconclusive because the evidence held nothing or too little to decide: the result blocks."""
+        return self.result(Verdict.INCONCLUSIVE, insufficient=True, reason=f"{reason}{TOO_LITTLE}", **fields)
 
 
 CHECKS: Registry[Check] = Registry("gate check kind", "kind")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -11,6 +11,7 @@ from kiln.core.gate.performance import bounded_verdict
 
 
 class ErrorRateCheckConfig(CheckConfig):
+    reads: ClassVar[str] = "error_rate"
     kind: Literal["error_rate"] = "error_rate"
     metric: Literal["error_rate"] = "error_rate"
     max: float = Field(ge=0, le=1, description="highest acceptable error rate")
@@ -24,8 +25,7 @@ class ErrorRateCheck(Check):
         c: ErrorRateCheckConfig = self.config  # type: ignore[assignment]
         errors, trials = candidate.counts.get("error_rate", (0, 0))
         if trials == 0:
-            return self.result(Verdict.INCONCLUSIVE, observed=None, baseline=None, threshold=f"≤ {c.max:g}",
-                               reason="no requests observed")
+            return self.too_little("no requests observed", observed=None, baseline=None, threshold=f"≤ {c.max:g}")
         ci = stats.binomtest(errors, trials).proportion_ci(self.confidence, method="exact")
         b_err, b_trials = baseline.counts.get("error_rate", (0, 0))
         return self.result(bounded_verdict(ci.low, ci.high, None, c.max), observed=errors / trials,

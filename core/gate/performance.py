@@ -3,7 +3,9 @@
 Baseline and candidate are measured in interleaved pairs (A B, B A, …): the decode benchmark's
 pairs are one prompt on each arm back to back, the load stage's are whole repeats of the load
 shape. Sample i of each arm saw the same machine state. The ratio is estimated from the paired
-log-ratios with a Student-t interval; a single pair has no interval and cannot pass.
+log-ratios with a Student-t interval; a single pair has no interval and cannot pass, and a load
+check whose client fell behind its schedule measured the client, not the server: both are
+Inconclusive on too little data (`insufficient`), which no `on_inconclusive` accepts.
 
 Interleaving cancels drift, not contention: a decode-benchmark check measured while tasks waited
 for a CPU, or while the hypervisor took the CPU away (steal), past the recipe's bounds is
@@ -14,7 +16,7 @@ machine was, by which signal, and whether the recipe switched the guard off.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 from pydantic import Field, model_validator
@@ -25,6 +27,7 @@ from kiln.core.verdict import percent
 
 
 class PerformanceCheckConfig(CheckConfig):
+    reads: ClassVar[str] = "performance"
     kind: Literal["performance"] = "performance"
     min_ratio: float | None = Field(None, gt=0, description="candidate / baseline must be at least this")
     max_ratio: float | None = Field(None, gt=0, description="candidate / baseline must be at most this")
@@ -75,16 +78,16 @@ class PerformanceCheck(Check):
         observed = candidate.metrics.get(c.metric)
         base_value = baseline.metrics.get(c.metric)
         if n < 2:
-            return self.result(Verdict.INCONCLUSIVE, observed=observed, baseline=base_value,
-                               threshold=self._threshold(), reason=f"{n} repeat(s): an interval needs at least 2")
+            return self.too_little(f"{n} repeat(s): an interval needs at least 2", observed=observed,
+                                   baseline=base_value, threshold=self._threshold())
         limited = {ev.role: ev.counts[CLIENT_LIMITED] for ev in (candidate, baseline)
                    if c.metric.startswith(LOAD_PREFIX) and ev.counts.get(CLIENT_LIMITED, (0, 0))[0]}
-        if limited:
-            return self.result(Verdict.INCONCLUSIVE, observed=observed, baseline=base_value, threshold=self._threshold(),
-                               reason="the load generator fell behind its schedule (client-limited) in "
-                                      + ", ".join(f"{n} of {k} {role} repeats" for role, (n, k) in limited.items())
-                                      + ": the figures measure the client, not the server. Lower the rate or "
-                                        "run the load generator on a less busy machine")
+        if limited:  # nothing of the server was measured
+            return self.too_little("the load generator fell behind its schedule (client-limited) in "
+                                   + ", ".join(f"{n} of {k} {role} repeats" for role, (n, k) in limited.items())
+                                   + ": the figures measure the client, not the server. Lower the rate or "
+                                     "run the load generator on a less busy machine",
+                                   observed=observed, baseline=base_value, threshold=self._threshold())
         bench = not c.metric.startswith(LOAD_PREFIX)  # the decode benchmark's: the load stage records no contention
         if bench and (busy := _busy(c, candidate.metrics)):
             return self.result(Verdict.INCONCLUSIVE, observed=observed, baseline=base_value, threshold=self._threshold(),

@@ -6,8 +6,13 @@ both build `Evidence` for each arm and call `judge`.
 Combining rule, explicit and in one place:
 - any check Failed            -> Failed        (exit 1)
 - else any check Error        -> Error         (exit 4)
+- else any check Inconclusive on too little data (`insufficient`: no requests, one repeat, too few
+  documents or items to pass, a check that never ran)
+                              -> Inconclusive  (exit 3, whatever `on_inconclusive` says)
 - else any check Inconclusive -> Inconclusive  (exit 3, or 0 when `on_inconclusive: pass`)
 - else                        -> Successful    (exit 0)
+`on_inconclusive: pass` accepts an interval too wide to decide, never a check that measured
+nothing or too little.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ class GateSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
     confidence: float = Field(0.95, gt=0.5, lt=1, description="confidence level of every interval")
     on_inconclusive: Literal["fail", "pass"] = Field(
-        "fail", description="'fail': an undecided check blocks (exit 3); 'pass': it does not")
+        "fail", description="'fail': an undecided check blocks (exit 3); 'pass': it does not, unless it measured "
+                            "nothing or too little to decide (no requests, one repeat, too few documents or items)")
     checks: Annotated[list[CheckConfigUnion], Field(min_length=1)]  # type: ignore[valid-type]
 
 
@@ -50,7 +56,9 @@ def combine(results: list[CheckResult], on_inconclusive: str) -> tuple[Verdict, 
         if v in verdicts:
             return v, code
     if Verdict.INCONCLUSIVE in verdicts:
-        return Verdict.INCONCLUSIVE, ExitCode.PASSED if on_inconclusive == "pass" else ExitCode.GATE_INCONCLUSIVE
+        short = any(r.insufficient for r in results if r.verdict is Verdict.INCONCLUSIVE)
+        waived = on_inconclusive == "pass" and not short
+        return Verdict.INCONCLUSIVE, ExitCode.PASSED if waived else ExitCode.GATE_INCONCLUSIVE
     return Verdict.SUCCESSFUL, ExitCode.PASSED
 
 
@@ -67,5 +75,11 @@ def judge(policy: GateSection, candidate: Evidence, baseline: Evidence) -> GateO
             results.append(check.result(Verdict.ERROR, observed=None, baseline=None, threshold="",
                                         reason=f"{type(e).__name__}: {e}"))
     verdict, code = combine(results, policy.on_inconclusive)
-    rule = f"any Failed fails; Inconclusive {'passes' if policy.on_inconclusive == 'pass' else 'fails'}"
-    return GateOutcome(verdict, results, code, rule)
+    return GateOutcome(verdict, results, code, rule(policy.on_inconclusive))
+
+
+def rule(on_inconclusive: str) -> str:
+    """`combine`'s rule in one line, as reports print it."""
+    if on_inconclusive == "pass":
+        return "any Failed fails; Inconclusive passes unless a check measured nothing or too little"
+    return "any Failed fails; Inconclusive fails"

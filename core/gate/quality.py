@@ -5,13 +5,18 @@ perplexity the per-document log-ratios (the widest of a t, a skew-corrected t an
 interval, and no pass on fewer than `min_perplexity_documents(confidence)` documents); other
 continuous items a seeded paired bootstrap. A check passes only when the confidence bound on the
 drop is inside the margin (kiln.core.stats.non_inferiority).
+
+Two undecided checks had too little data rather than a wide interval, and block whatever
+`on_inconclusive` says (`insufficient`): perplexity on fewer documents than its minimum, and a check
+whose items are too few to pass even if the candidate matched the baseline on every one (10 0/1
+items leave McNemar's interval about ±0.3 at best: no margin of 0.03 can be shown on them).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import Field, model_validator
@@ -46,6 +51,7 @@ def min_perplexity_documents(confidence: float) -> int:
 
 
 class QualityCheckConfig(CheckConfig):
+    reads: ClassVar[str] = "quality"
     kind: Literal["quality"] = "quality"
     margin: float = Field(ge=0, description="largest tolerated drop (in the metric's units, or a fraction if relative)")
     relative: bool = Field(False, description="margin is a fraction of the baseline (perplexity: 0.05 = +5%)")
@@ -80,10 +86,10 @@ def compare(name: str, candidate: Evidence, baseline: Evidence, confidence: floa
 
 
 def too_few_documents(ni: Any, n: int, least: int) -> Any:
-    """A perplexity pass on fewer than `least` documents (`min_perplexity_documents`), turned
-    Inconclusive: the interval's upper end is not trusted there. A Failed verdict stands (its lower
-    end is), and so does a pass on identical records (the same computation on every document:
-    nothing to skew)."""
+    """A perplexity pass (or undecided interval) on fewer than `least` documents
+    (`min_perplexity_documents`), turned Inconclusive on too little data: the interval's upper end is
+    not trusted there. A Failed verdict stands (its lower end is), and so does a pass on identical
+    records (the same computation on every document: nothing to skew)."""
     needed = max(least, ni.items_needed or 0)
     reason = (f"{n} documents are too few to pass at this confidence: below {least} a sample too often misses "
               f"the few documents a candidate damages most, and the interval then passes a regression "
@@ -107,17 +113,39 @@ class QualityCheck(Check):
         cmp = compare(c.metric, candidate, baseline, self.confidence, c.relative)
         ni = stats.non_inferiority(cmp, c.margin, m.higher_is_better)
         least = min_perplexity_documents(self.confidence)
-        if c.metric == "perplexity" and cmp.n < least and ni.verdict is Verdict.SUCCESSFUL:
+        short = False  # too little data: blocks whatever on_inconclusive says
+        if c.metric == "perplexity" and cmp.n < least and ni.verdict in (Verdict.SUCCESSFUL, Verdict.INCONCLUSIVE):
             identical = cmp.extra["log_ratio"] == 0 and cmp.extra["log_ratio_se"] == 0  # the same NLL on every document
-            ni = ni if identical else too_few_documents(ni, cmp.n, least)
+            ni, short = (ni, False) if identical else (too_few_documents(ni, cmp.n, least), True)
+        elif c.metric != "perplexity" and ni.verdict is Verdict.INCONCLUSIVE:
+            ni, short = _too_few_to_pass(c, m.higher_is_better, baseline, cmp.n, ni, self.confidence)
         unit = " (relative)" if c.relative else ""
-        return self.result(ni.verdict, observed=cmp.candidate, baseline=cmp.baseline,
-                           threshold=f"drop ≤ {c.margin:g}{unit}", ci=(cmp.ci_low, cmp.ci_high),
-                           drop=ni.drop, drop_ci=ni.interval,
-                           p_value=cmp.p_value, method=cmp.method, reason=ni.reason, items_needed=ni.items_needed)
+        fields = dict(observed=cmp.candidate, baseline=cmp.baseline, threshold=f"drop ≤ {c.margin:g}{unit}",
+                      ci=(cmp.ci_low, cmp.ci_high), drop=ni.drop, drop_ci=ni.interval, p_value=cmp.p_value,
+                      method=cmp.method, items_needed=ni.items_needed)
+        return self.too_little(ni.reason, **fields) if short else self.result(ni.verdict, reason=ni.reason, **fields)
+
+
+def _too_few_to_pass(c: QualityCheckConfig, higher_is_better: bool, baseline: Evidence, n: int, ni: Any,
+                     confidence: float) -> tuple[Any, bool]:
+    """(ni, whether its items were too few): too few when a candidate that matched the baseline on
+    every item would be undecided too, so no outcome of these `n` items could pass; then
+    items_needed is how many items that best case needs."""
+    from kiln.core import stats
+
+    best = stats.non_inferiority(compare(c.metric, baseline, baseline, confidence, c.relative), c.margin,
+                                 higher_is_better)
+    if best.verdict is not Verdict.INCONCLUSIVE:
+        return ni, False
+    need = f"at least {best.items_needed}" if best.items_needed else "more"
+    why = (f"{n} paired items cannot show a drop within {c.margin:g} at this confidence even if the candidate "
+           f"matched the baseline on every one ({need} would). {ni.reason}")
+    needed = max(best.items_needed or 0, ni.items_needed or 0) or None
+    return dataclasses.replace(ni, reason=why, items_needed=needed), True
 
 
 class AgreementCheckConfig(CheckConfig):
+    reads: ClassVar[str] = "quality"
     kind: Literal["agreement"] = "agreement"
     min: float | None = Field(None, description="lower bound (top1_agreement, greedy_match)")
     max: float | None = Field(None, description="upper bound (kl_mean, kl_p99)")

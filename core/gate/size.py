@@ -5,7 +5,7 @@ Sizes are exact, so this check has no interval: it is Successful or Failed.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -13,6 +13,7 @@ from kiln.core.gate.base import CHECKS, Check, CheckConfig, CheckResult, Evidenc
 
 
 class SizeCheckConfig(CheckConfig):
+    reads: ClassVar[str] = "size"
     kind: Literal["size"] = "size"
     metric: Literal["size_bytes"] = "size_bytes"
     max_ratio: float | None = Field(None, gt=0, description="candidate size / baseline size at most this")

@@ -156,3 +156,77 @@ def test_a_load_check_on_a_client_limited_measurement_decides_nothing(limited_ro
     assert out.results[0].verdict is verdict, out.results[0].reason
     if limited_role:
         assert f"1 of 3 {limited_role} repeats" in out.results[0].reason and "client-limited" in out.results[0].reason
+
+
+# --- measured nothing or too little: `on_inconclusive: pass` never accepts it ----------------------
+
+def _short(r: CheckResult) -> bool:
+    return r.verdict is Verdict.INCONCLUSIVE and r.insufficient and "too little data" in r.reason
+
+
+def test_combine_blocks_an_insufficient_check_whatever_on_inconclusive_says():
+    wide = CheckResult("wide", "k", "m", Verdict.INCONCLUSIVE, None, None, "")
+    empty = CheckResult("empty", "k", "m", Verdict.INCONCLUSIVE, None, None, "", insufficient=True)
+    assert combine([wide], "pass") == (Verdict.INCONCLUSIVE, ExitCode.PASSED)  # enough data, wide interval
+    for on_inconclusive in ("pass", "fail"):
+        assert combine([wide, empty], on_inconclusive) == (Verdict.INCONCLUSIVE, ExitCode.GATE_INCONCLUSIVE)
+    failed = CheckResult("f", "k", "m", Verdict.FAILED, None, None, "")
+    assert combine([empty, failed], "pass") == (Verdict.FAILED, ExitCode.GATE_FAILED)
+    assert empty.to_dict()["insufficient"] is True and wide.to_dict()["insufficient"] is False
+
+
+def test_no_requests_and_one_repeat_measured_nothing():
+    b, c = Evidence("baseline"), Evidence("candidate")  # no load stage ran: no counts, no repeats
+    out = judge(_policy({"kind": "error_rate", "max": 0.001},
+                        {"kind": "performance", "metric": "load_ttft_p95_ms", "max": 0.001}, on_inconclusive="pass"),
+                c, b)
+    assert out.verdict is Verdict.INCONCLUSIVE and out.exit_code == ExitCode.GATE_INCONCLUSIVE
+    assert all(_short(r) for r in out.results), [r.reason for r in out.results]
+    cand, base = _perf([10], [30])
+    one = judge(_policy({"kind": "performance", "metric": "decode_tok_s", "min_ratio": 1.2}, on_inconclusive="pass"),
+                cand, base)
+    assert one.exit_code == ExitCode.GATE_INCONCLUSIVE and _short(one.results[0])
+    assert "1 repeat(s)" in one.results[0].reason
+
+
+def test_a_client_limited_load_check_blocks_under_pass():
+    from kiln.core.metrics import CLIENT_LIMITED
+
+    cand, base = _perf([2.0, 2.1, 1.9], [4.0, 4.1, 3.9], metric="load_output_token_throughput")
+    cand.counts[CLIENT_LIMITED], base.counts[CLIENT_LIMITED] = (1, 3), (0, 3)
+    out = judge(_policy({"kind": "performance", "metric": "load_output_token_throughput", "min_ratio": 1.5},
+                        on_inconclusive="pass"), cand, base)
+    assert out.exit_code == ExitCode.GATE_INCONCLUSIVE and _short(out.results[0])
+
+
+def test_perplexity_below_its_minimum_documents_blocks_under_pass():
+    """`on_inconclusive: pass` used to waive the perplexity minimum: 12 documents, exit 0."""
+    rng = np.random.default_rng(0)
+    check = {"kind": "quality", "metric": "perplexity", "margin": 0.05, "relative": True}
+    for shift in (0.0, 0.04):  # would pass on its interval; undecided on its interval
+        out = judge(_policy(check, on_inconclusive="pass"), *_ppl_evidence(rng, 12, shift))
+        r = out.results[0]
+        assert out.exit_code == ExitCode.GATE_INCONCLUSIVE, r.reason
+        assert _short(r) and "12 documents are too few" in r.reason, r.reason
+    enough = judge(_policy(check, on_inconclusive="pass"), *_ppl_evidence(rng, 40, 0.0))
+    assert enough.verdict is Verdict.SUCCESSFUL and not enough.results[0].insufficient
+
+
+def _accuracy(n: int, lost: int, won: int = 0):
+    b, c = Evidence("baseline"), Evidence("candidate")
+    b.samples["top1_agreement"] = {str(i): float(i >= won) for i in range(n)}  # the first `won` wrong
+    c.samples["top1_agreement"] = {str(i): float(i < won or i >= won + lost) for i in range(n)}
+    return c, b
+
+
+def test_items_too_few_to_ever_pass_block_but_a_wide_interval_on_enough_items_does_not():
+    check = {"kind": "quality", "metric": "top1_agreement", "margin": 0.03}
+    tiny = judge(_policy(check, on_inconclusive="pass"), *_accuracy(10, 0))  # identical on all 10 items
+    r = tiny.results[0]
+    assert tiny.exit_code == ExitCode.GATE_INCONCLUSIVE, r.reason
+    assert _short(r) and "10 paired items cannot show a drop within 0.03" in r.reason, r.reason
+    assert r.items_needed == 125
+    # 400 items, 8 lost and 4 won: could have passed, but the interval straddles the margin
+    wide = judge(_policy(check, on_inconclusive="pass"), *_accuracy(400, 8, 4))
+    assert wide.results[0].verdict is Verdict.INCONCLUSIVE and not wide.results[0].insufficient, wide.results[0].reason
+    assert wide.exit_code == ExitCode.PASSED

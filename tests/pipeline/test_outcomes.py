@@ -19,9 +19,9 @@ POLICY = GateSection.model_validate({"checks": [
 S, F, I, E = Verdict.SUCCESSFUL, Verdict.FAILED, Verdict.INCONCLUSIVE, Verdict.ERROR
 
 
-def _result(verdict: Verdict, name: str = "size:size_bytes") -> CheckResult:
+def _result(verdict: Verdict, name: str = "size:size_bytes", insufficient: bool = False) -> CheckResult:
     return CheckResult(name=name, kind="size", metric="size_bytes", verdict=verdict, observed=1.0, baseline=1.0,
-                       threshold="≤ 1", reason="measured")
+                       threshold="≤ 1", reason="measured", insufficient=insufficient)
 
 
 NEVER_RAN = not_judged(POLICY.checks[1], "the search budget (3 s) ran out before its speed stages")
@@ -31,6 +31,7 @@ CASES = [
     (Ending.JUDGED, [_result(S)], "fail", S, ExitCode.PASSED),
     (Ending.JUDGED, [_result(S), _result(I, "q")], "pass", I, ExitCode.PASSED),
     (Ending.JUDGED, [_result(S), _result(I, "q")], "fail", I, ExitCode.GATE_INCONCLUSIVE),
+    (Ending.JUDGED, [_result(S), _result(I, "q", insufficient=True)], "pass", I, ExitCode.GATE_INCONCLUSIVE),
     (Ending.JUDGED, [_result(F), _result(E, "q")], "pass", F, ExitCode.GATE_FAILED),
     (Ending.JUDGED, [_result(E), _result(I, "q")], "pass", E, ExitCode.INTERNAL_ERROR),
     (Ending.NO_WINNER, [_result(F), NEVER_RAN], "fail", F, ExitCode.GATE_FAILED),
@@ -73,3 +74,14 @@ def test_only_a_winner_exits_zero():
 @pytest.mark.parametrize("doc", ["README.md", "docs/search.md"])
 def test_the_docs_print_the_table_the_code_follows(doc):
     assert markdown_table() in (ROOT / doc).read_text(), f"{doc}: paste kiln.pipeline.outcomes.markdown_table()"
+
+
+def test_a_check_that_measured_too_little_never_passes_and_the_line_says_why():
+    """`on_inconclusive: pass` accepts an interval too wide to decide, not a check with no data to decide on."""
+    empty = _result(I, "error_rate:error_rate", insufficient=True)
+    outcome = conclude([_result(S), empty], "pass", Ending.JUDGED, "cand")
+    assert (outcome.verdict, outcome.exit_code) == (I, ExitCode.GATE_INCONCLUSIVE)
+    assert "error_rate:error_rate measured nothing or too little" in outcome.summary, outcome.summary
+    assert "accepts that" not in outcome.summary and "unless a check measured nothing" in outcome.rule
+    assert NEVER_RAN.insufficient and NEVER_RAN.to_dict()["insufficient"] is True
+    assert conclude([_result(S), _result(I, "q")], "pass", Ending.JUDGED, "cand").exit_code is ExitCode.PASSED

@@ -392,6 +392,9 @@ def test_a_champion_no_candidate_beats_is_kept_and_no_challenger_is_set(search_r
     checks = [c for c in CHECKS if c["kind"] != "performance"]
     recipe, _ = _variant(search_run, tmp_path, "vs-champion", candidates=[{"name": "prod", "champion": True}, same],
                          gate__checks=checks)
+    # Another gate for tiny-search is a recorded decision; the champion stays the bar as it was judged.
+    pinned = kiln("policy", "set", "tiny-search", str(recipe), "--reason", "speed judged against the champion", cwd=work)
+    assert pinned.returncode == 0, pinned.stdout + pinned.stderr
     proc = kiln("run", str(recipe), cwd=work)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = _newest_run(work)
