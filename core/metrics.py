@@ -1,7 +1,10 @@
 """Every metric kiln reports, declared once with its direction and unit.
 
 A gate needs to know whether up is good (lm-eval's `higher_is_better` idea): checks read the
-direction from here, never from the recipe, so a policy cannot get it backwards.
+direction from here, never from the recipe, so a policy cannot get it backwards. It also needs to
+know what measures a metric: `measured_by` names the recipe section whose stage records it (and
+`task`, the lm-eval task that must be listed), so `kiln validate` refuses a gate check no stage of
+the recipe would measure instead of letting it end Inconclusive (kiln.pipeline.recipe).
 """
 
 from __future__ import annotations
@@ -18,13 +21,19 @@ class Metric:
     unit: str
     description: str
     kind: str  # "quality" (per-sample, paired) | "performance" (repeats) | "size" | "error_rate" | "machine"
+    # The recipe section whose stage records it, as a dotted path ("evaluate.load"); measured when
+    # that section is set (not null, not false). None: no stage records it for the gate to judge.
+    measured_by: str | None = None
+    task: str | None = None  # an lm-eval task's metric: evaluate.quality.lmeval.tasks must list the task
 
 
 METRICS: dict[str, Metric] = {}
+LMEVAL = "evaluate.quality.lmeval"  # the section of every lm-eval task's metrics
 
 
-def declare(name: str, higher_is_better: bool, unit: str, description: str, kind: str) -> Metric:
-    m = Metric(name, higher_is_better, unit, description, kind)
+def declare(name: str, higher_is_better: bool, unit: str, description: str, kind: str,
+            measured_by: str | None = None, task: str | None = None) -> Metric:
+    m = Metric(name, higher_is_better, unit, description, kind, measured_by, task)
     METRICS[name] = m
     return m
 
@@ -38,15 +47,19 @@ def metric(name: str, where: str) -> Metric:
 
 
 # Quality: per-sample values joined on doc id between baseline and candidate.
-declare("perplexity", False, "", "token perplexity on held-out text (per-document NLL, paired)", "quality")
-declare("top1_agreement", True, "fraction", "positions where candidate's argmax equals baseline's", "quality")
-declare("kl_mean", False, "nats", "mean KL(baseline || candidate) of next-token distributions", "quality")
-declare("kl_p99", False, "nats", "99th percentile of per-position KL divergence", "quality")
-declare("greedy_match", True, "fraction", "greedy continuations identical to the baseline's", "quality")
+declare("perplexity", False, "", "token perplexity on held-out text (per-document NLL, paired)", "quality",
+        "evaluate.quality.perplexity")
+AGREEMENT = "evaluate.quality.agreement"
+declare("top1_agreement", True, "fraction", "positions where candidate's argmax equals baseline's", "quality",
+        AGREEMENT)
+declare("kl_mean", False, "nats", "mean KL(baseline || candidate) of next-token distributions", "quality", AGREEMENT)
+declare("kl_p99", False, "nats", "99th percentile of per-position KL divergence", "quality", AGREEMENT)
+declare("greedy_match", True, "fraction", "greedy continuations identical to the baseline's", "quality", AGREEMENT)
 # Performance: measured in interleaved repeats, compared as ratios with intervals.
-declare("decode_tok_s", True, "tok/s", "decode tokens per second per sequence at batch 1", "performance")
-declare("ttft_ms", False, "ms", "time to first token (prefill) of the benchmark prompts", "performance")
-declare("tpot_ms", False, "ms", "time per output token after the first", "performance")
+BENCHMARK = "evaluate.benchmark"
+declare("decode_tok_s", True, "tok/s", "decode tokens per second per sequence at batch 1", "performance", BENCHMARK)
+declare("ttft_ms", False, "ms", "time to first token (prefill) of the benchmark prompts", "performance", BENCHMARK)
+declare("tpot_ms", False, "ms", "time per output token after the first", "performance", BENCHMARK)
 # How busy the machine was during the decode benchmark (kiln.evaluate.contention): not gated on
 # its own; a speed check measured above its bound is Inconclusive. The pressure's name says which
 # signal measured it (PSI, or the run queue where PSI is missing).
@@ -63,8 +76,10 @@ declare(BENCH_RUN_QUEUE, False, "fraction", "runnable tasks beyond the CPUs the 
 declare(BENCH_STEAL, False, "fraction", "share of CPU time the hypervisor gave other guests during the decode "
         "benchmark (steal, /proc/stat)", "machine")
 # Footprint.
-declare("size_bytes", False, "bytes", "checkpoint size on disk", "size")
-declare("error_rate", False, "fraction", "failed requests / all requests", "error_rate")
+# Every arm is built (optimize: a search sets it per candidate), so the build always measures its size.
+declare("size_bytes", False, "bytes", "checkpoint size on disk", "size", "optimize")
+LOAD = "evaluate.load"
+declare("error_rate", False, "fraction", "failed requests / all requests", "error_rate", LOAD)
 # Under load: the evaluate.load stage serves each arm over HTTP and reads these from its headline
 # stage (the knee of a sweep, else the only or last stage); one value per interleaved repeat.
 LOAD_PREFIX = "load_"
@@ -84,7 +99,8 @@ for _name, _up, _unit, _what in (
     ("cost_per_1m_output_tokens", False, "$", "machine price / output tokens, per million"),
     ("knee_rate", True, "req/s", "highest request rate before TTFT climbs (the sweep's knee)"),
 ):
-    declare(LOAD_PREFIX + _name, _up, _unit, f"{_what} (served over HTTP under the load shape)", "performance")
+    declare(LOAD_PREFIX + _name, _up, _unit, f"{_what} (served over HTTP under the load shape)", "performance",
+            f"{LOAD}.price_per_hour" if _name.startswith("cost_") else LOAD)
 declare("peak_rss_bytes", False, "bytes", "peak resident memory while producing the artifact", "size")
 # What each stage held (kiln.pipeline.rss): kiln's own process, and the processes it started.
 for _stage in ("optimize", "engine", "quality", "agreement", "served", "lmeval", "benchmark", "load"):

@@ -25,7 +25,9 @@ from kiln.optimize.base import QUANTIZERS
 from kiln.core import yaml_input
 from kiln.core.errors import BadInput
 from kiln.core.files import hash_of
+from kiln.core.gate.base import CheckConfig
 from kiln.core.gate.policy import GateSection
+from kiln.core.metrics import METRICS
 
 
 class Section(BaseModel):
@@ -235,6 +237,9 @@ class Recipe(Section):
                                  "another backend (torch is the reference)")
             if QUANTIZERS.get("none").artifact_format not in backend.artifact_formats:
                 raise ValueError(f"baseline.engine.backend '{base.backend}' cannot load the unquantized checkpoint")
+        if problems := unmeasured_checks(self):
+            raise ValueError("every gate check needs a stage of the recipe that measures it (unmeasured, it could "
+                             "only end Inconclusive):" + "".join(f"\n    {p}" for p in problems))
         return self
 
     def engine_for(self, role: str) -> Any:
@@ -297,6 +302,71 @@ def _tune_beside_engine(data: dict[str, Any]) -> dict[str, Any]:
         engine = dict(engine)
         data = {**data, "engine": engine, "tune": engine.pop("tune")}
     return data
+
+
+def unmeasured_checks(recipe: Recipe) -> list[str]:
+    """One line per gate check that no stage of `recipe` measures: the check by index and label,
+    and the section to add. What measures a metric is declared with it (`Metric.measured_by`)."""
+    tasks, unread = _lmeval_tasks(recipe)
+    problems = []
+    for i, check in enumerate(recipe.gate.checks):
+        if why := _unmeasured(recipe, check, tasks, unread):
+            problems.append(f"gate.checks.{i} ({check.label}): {why}")
+    return problems
+
+
+def _unmeasured(recipe: Recipe, check: CheckConfig, tasks: set[str], unread: bool) -> str | None:
+    """Why no stage of `recipe` measures `check`'s metric as the check reads it; None when one does."""
+    from kiln.core.registry import did_you_mean
+    from kiln.evaluate.tasks import SHIPPED
+
+    m = METRICS.get(check.metric)
+    if m is None:
+        if unread or any(check.metric.startswith(f"{t}_") for t in tasks - set(SHIPPED)):
+            return None  # a metric of the user's own lm-eval task, declared when the task runs
+        gated = [n for n, g in METRICS.items() if g.measured_by and g.kind == type(check).reads]
+        return (f"unknown metric '{check.metric}'.{did_you_mean(check.metric, gated)} An lm-eval task's metrics are "
+                "named <task>_<metric> after a task listed in evaluate.quality.lmeval.tasks")
+    if m.measured_by is None:
+        return f"'{m.name}' is recorded beside the measurements ({m.description}); no check gates on it"
+    if m.kind != type(check).reads:
+        return (f"a {check.kind} check reads {type(check).reads} metrics, and '{m.name}' is a {m.kind} metric: "
+                "gate it with a check of its own kind")
+    if not _section_set(recipe, m.measured_by):
+        fix = f"set {m.measured_by}: true" if _section(recipe, m.measured_by) is False else f"add {m.measured_by}"
+        return f"no stage of this recipe measures {m.name}: {fix}" + (f" with {m.task} in its tasks" if m.task else "")
+    if m.task and m.task not in tasks and (m.task in SHIPPED or not unread):
+        return f"no stage of this recipe measures {m.name}: add {m.task} to evaluate.quality.lmeval.tasks"
+    return None
+
+
+def _section(recipe: Recipe, path: str) -> Any:
+    node: Any = recipe
+    for part in path.split("."):
+        node = getattr(node, part, None)
+    return node
+
+
+def _section_set(recipe: Recipe, path: str) -> bool:
+    if path == "optimize" and recipe.candidates:  # a search builds each candidate from its own entry
+        return True
+    return _section(recipe, path) not in (None, False)
+
+
+def _lmeval_tasks(recipe: Recipe) -> tuple[set[str], bool]:
+    """The names of the lm-eval tasks the recipe runs, and whether a task YAML could not be read
+    here (then the run reports it, and a check on its metrics is left to the run)."""
+    from kiln.evaluate.tasks import SHIPPED, prepare_tasks
+
+    lmeval = recipe.evaluate.quality.lmeval
+    names, unread = {t for t in (lmeval.tasks if lmeval else []) if t in SHIPPED}, False
+    for spec in lmeval.tasks if lmeval else []:
+        if spec not in SHIPPED:
+            try:  # a user's YAML alone: its `task:` name is read, nothing is rendered or written
+                names.update(prepare_tasks([spec], Path(".")).names)
+            except BadInput:
+                unread = True
+    return names, unread
 
 
 def _check_arm(optimize: Any, engine: Any, where: str) -> None:

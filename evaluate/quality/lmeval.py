@@ -19,10 +19,10 @@ from typing import Any
 
 from kiln.evaluate.quality.base import QualityResult
 from kiln.evaluate.quality.lmeval_config import DEFAULT_BATCH_SIZE, LmEvalConfig
-from kiln.evaluate.tasks import TaskData, TaskSet, prepare_tasks, task_fingerprint, task_manager
+from kiln.evaluate.tasks import SHIPPED, TaskData, TaskSet, prepare_tasks, task_fingerprint, task_manager
 from kiln.core.errors import BadInput
 from kiln.core.files import atomic_write_json
-from kiln.core.metrics import METRICS, declare
+from kiln.core.metrics import LMEVAL, METRICS, declare
 
 __all__ = ["DEFAULT_BATCH_SIZE", "LmEvalConfig", "TaskSet", "evaluate_lmeval", "prepare_tasks", "run_lmeval",
            "task_fingerprint", "task_manager"]
@@ -42,8 +42,9 @@ SHIPPED_METRICS = (
     ("heldout_bits_per_byte", False, "bits/byte", "rolling negative log-likelihood per byte on held-out text"),
     ("heldout_token_perplexity", False, "", "rolling perplexity per token on held-out text"),
 )
-for _metric in SHIPPED_METRICS:
-    declare(*_metric, kind="quality")
+for _metric in SHIPPED_METRICS:  # each measured when its task is listed (`kiln validate` checks)
+    _task = next(t for t in SHIPPED if _metric[0].startswith(f"{t}_"))
+    declare(*_metric, kind="quality", measured_by=LMEVAL, task=_task)
 
 
 def evaluate_lmeval(engine: Any, config: LmEvalConfig, out_dir: Path,
@@ -85,7 +86,8 @@ def _result(task: str, out: dict[str, Any], lm: Any) -> QualityResult:
     aggregation = {m["metric"]: m.get("aggregation") for m in config.get("metric_list") or [] if isinstance(m, dict)}
     for metric, higher in out["higher_is_better"][task].items():
         if f"{task}_{metric}" not in METRICS:  # a user's task: lm-eval's declared direction
-            declare(f"{task}_{metric}", bool(higher), "", f"lm-eval task {task}: {metric}", kind="quality")
+            declare(f"{task}_{metric}", bool(higher), "", f"lm-eval task {task}: {metric}", kind="quality",
+                    measured_by=LMEVAL, task=task)
     records: dict[int, dict[str, Any]] = {}
     for sample in out["samples"][task]:
         rec = records.setdefault(sample["doc_id"], {"doc_id": sample["doc_id"], **_doc_fields(sample)})
@@ -144,7 +146,8 @@ def _token_metrics(task: str, output_type: str, rows: list[dict[str, Any]]) -> d
 
     name = f"{task}_logprob_per_token" if per_token else f"{task}_token_perplexity"
     if name not in METRICS:
-        declare(name, per_token, "", f"lm-eval task {task}: {name.removeprefix(task + '_')}", kind="quality")
+        declare(name, per_token, "", f"lm-eval task {task}: {name.removeprefix(task + '_')}", kind="quality",
+                measured_by=LMEVAL, task=task)
     for r in rows:
         r[name] = value(r["loglikelihood"], r["tokens"]) if r["tokens"] else None
     return {name: value(sum(r["loglikelihood"] for r in rows), tokens)}

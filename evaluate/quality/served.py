@@ -30,9 +30,9 @@ from kiln.core.metrics import declare
 MODEL = "candidate"  # the name the test server serves under
 
 declare("served_match", True, "fraction", "prompts whose greedy continuation from the candidate's server under "
-        "concurrent load equals the baseline's, token for token", "quality")
+        "concurrent load equals the baseline's, token for token", "quality", "evaluate.quality.served")
 declare("served_prefix", True, "fraction", "leading greedy tokens the candidate's server, under concurrent load, "
-        "shares with the baseline, as a fraction of the tokens asked for", "quality")
+        "shares with the baseline, as a fraction of the tokens asked for", "quality", "evaluate.quality.served")
 
 
 class ServedConfig(BaseModel):

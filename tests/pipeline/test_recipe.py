@@ -110,3 +110,105 @@ def test_schema_lists_plugins():
     schema = json.dumps(json.loads(out.stdout))
     for name in ("gptq", "int8_weight_only", "torch", "quality", "performance"):
         assert f'"{name}"' in schema
+
+
+# --- every gate check is measured by a stage of the recipe, or the recipe is refused ----------------
+
+UNMEASURED = """
+name: unmeasured
+optimize: {method: int8_weight_only}
+gate:
+  on_inconclusive: pass
+  checks:
+    - {kind: quality, metric: perplexity, margin: 0.05, relative: true}
+    - {kind: size, max_ratio: 1.0}
+    - {kind: performance, metric: decode_tok_s, min_ratio: 0.5}
+    - {kind: error_rate, max: 0.001}
+    - {kind: performance, metric: load_ttft_p95_ms, max: 0.001}
+"""
+LOAD = ("evaluate.load={shape: {kind: concurrent, concurrency: 2}, duration_s: 1.0, warmup: {seconds: 0.2}, "
+        "cooldown: {seconds: 0.1}, output_tokens: 6, workload: {input_tokens: {mean: 16}}, repeats: 2}")
+
+
+def test_a_check_no_stage_measures_is_refused_naming_the_check_and_the_section(tmp_path):
+    """The issue's reproduction: error_rate and load_ttft_p95_ms with no evaluate.load used to validate,
+    run, end Inconclusive and exit 0 under `on_inconclusive: pass`. Refused before any work instead."""
+    p = _write(tmp_path, UNMEASURED)
+    with pytest.raises(BadInput) as e:
+        load_recipe(p)
+    text = str(e.value)
+    assert e.value.exit_code == ExitCode.BAD_INPUT
+    assert "gate.checks.3 (error_rate:error_rate): no stage of this recipe measures error_rate: add evaluate.load" in text
+    assert "gate.checks.4 (performance:load_ttft_p95_ms)" in text and text.count("add evaluate.load") == 2
+    assert "gate.checks.0" not in text and "gate.checks.2" not in text  # perplexity, decode_tok_s: always measured
+    assert load_recipe(p, [LOAD]).evaluate.load is not None  # with the load stage, the same gate validates
+
+
+def test_kiln_validate_and_run_refuse_an_unmeasured_check_before_any_work(tmp_path):
+    p = _write(tmp_path, UNMEASURED)
+    for command in ("validate", "run"):
+        proc = subprocess.run([sys.executable, "-m", "kiln.pipeline", command, str(p)], capture_output=True,
+                              text=True, cwd=tmp_path)
+        assert proc.returncode == ExitCode.BAD_INPUT, proc.stdout + proc.stderr
+        assert "gate.checks.3 (error_rate:error_rate)" in proc.stderr and "evaluate.load" in proc.stderr
+        assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "runs").exists()  # kiln run stopped at the recipe
+
+
+@pytest.mark.parametrize("sets, needle", [
+    ([], "gate.checks.1 (quality:word_swap_acc): no stage of this recipe measures word_swap_acc: add "
+         "evaluate.quality.lmeval with word_swap in its tasks"),
+    (["evaluate.quality.lmeval={tasks: [heldout]}"],
+     "gate.checks.1 (quality:word_swap_acc): no stage of this recipe measures word_swap_acc: add word_swap to "
+     "evaluate.quality.lmeval.tasks"),
+    (["gate.checks.1={kind: agreement, metric: top1_agreement, min: 0.9}", "evaluate.quality.agreement=false"],
+     "gate.checks.1 (agreement:top1_agreement): no stage of this recipe measures top1_agreement: set "
+     "evaluate.quality.agreement: true"),
+    (["gate.checks.1={kind: agreement, metric: served_prefix, min: 0.3}"],
+     "gate.checks.1 (agreement:served_prefix): no stage of this recipe measures served_prefix: add "
+     "evaluate.quality.served"),
+    (["gate.checks.1={kind: performance, metric: load_cost_per_1m_output_tokens, max: 5}", LOAD],
+     "add evaluate.load.price_per_hour"),
+    (["gate.checks.1={kind: performance, metric: perplexity, max: 30}"],
+     "gate.checks.1 (performance:perplexity): a performance check reads performance metrics, and 'perplexity' "
+     "is a quality metric"),
+    (["gate.checks.1={kind: performance, metric: bench_cpu_pressure, max: 0.5}"], "no check gates on it"),
+    (["gate.checks.1={kind: quality, metric: wordswap_acc, margin: 0.03}"],
+     "unknown metric 'wordswap_acc'. Did you mean 'word_swap_acc'?"),
+])
+def test_each_stage_measures_its_own_metrics(tmp_path, sets, needle):
+    p = _write(tmp_path, "name: x\noptimize: {method: none}\ngate: {checks: [{kind: size, max_ratio: 1}, "
+                         "{kind: quality, metric: word_swap_acc, margin: 0.03}]}\n")
+    with pytest.raises(BadInput) as e:
+        load_recipe(p, sets)
+    assert needle in str(e.value), str(e.value)
+
+
+def test_lmeval_metrics_follow_the_task_list_and_a_users_task_yaml(tmp_path):
+    p = _write(tmp_path, "name: x\noptimize: {method: none}\ngate: {checks: [{kind: quality, metric: word_swap_acc, "
+                         "margin: 0.03}, {kind: quality, metric: mine_acc, margin: 0.03}]}\n")
+    task = tmp_path / "mine.yaml"
+    task.write_text("task: mine\ndataset_path: json\noutput_type: multiple_choice\n")
+    assert load_recipe(p, [f"evaluate.quality.lmeval={{tasks: [word_swap, {task}]}}"]).evaluate.quality.lmeval
+    with pytest.raises(BadInput, match=r"gate.checks.1 \(quality:mine_acc\): unknown metric 'mine_acc'"):
+        load_recipe(p, ["evaluate.quality.lmeval={tasks: [word_swap]}"])
+    task.write_text("task: theirs\n")  # the YAML names another task: nothing measures mine_acc
+    with pytest.raises(BadInput, match="unknown metric 'mine_acc'"):
+        load_recipe(p, [f"evaluate.quality.lmeval={{tasks: [word_swap, {task}]}}"])
+
+
+def test_a_search_recipe_is_held_to_the_same_rule(tmp_path):
+    search = (RECIPES[0].parent / "demo.yaml").read_text()
+    assert "candidates:" in search
+    p = _write(tmp_path, search)
+    checks = len(load_recipe(p).gate.checks)
+    with pytest.raises(BadInput, match=rf"gate.checks.{checks} \(error_rate:error_rate\): .*add evaluate.load"):
+        load_recipe(p, [f"gate.checks={[*_checks(p), {'kind': 'error_rate', 'max': 0.01}]}"])
+    sized = load_recipe(p, [f"gate.checks={[*_checks(p), {'kind': 'size', 'max_ratio': 1.0}]}"])
+    assert sized.optimize is None and sized.candidates  # the size is measured per candidate's build
+
+
+def _checks(path):
+    import yaml
+
+    return yaml.safe_load(path.read_text())["gate"]["checks"]
