@@ -8,7 +8,9 @@ test per check, for the whole walk) and act:
 - all Successful and the step saw min_requests canary requests -> next step;
 - max_duration_s passed first -> Inconclusive: `deploy.on_inconclusive` holds (stop walking,
   traffic stays where it is, exit 3) or rolls back (exit 3); if the gate policy itself says
-  `on_inconclusive: pass`, the step advances instead.
+  `on_inconclusive: pass`, the step advances instead, but only on enough data: a step that saw
+  fewer than min_requests canary requests, or a live check still short of its observations
+  (`CheckResult.insufficient`), holds or rolls back whatever the policy says.
 Successful at the last step -> promote: the target makes the canary the stable arm and the
 journal settles the version (with MLflow: the registry alias `champion` moves to the candidate's
 version). Rollback leaves `champion` where it was and tags the version `kiln.deploy=rolled_back`.
@@ -41,7 +43,7 @@ from kiln.deploy.router_process import RouterProcess
 from kiln.core.stats import Verdict, jsonable
 from kiln.core.errors import ExitCode, KilnError
 from kiln.core.files import atomic_write_json, read_json
-from kiln.core.gate.policy import GateOutcome, GateSection
+from kiln.core.gate.policy import GateOutcome, GateSection, combine
 
 __all__ = ["CanaryResult", "Controller", "StepRecord", "recover_crashed_walk", "run_canary"]
 
@@ -125,13 +127,17 @@ class Controller:
         failing = [f"{r.name}: {r.reason}" for r in outcome.results if r.verdict in (Verdict.FAILED, Verdict.ERROR)]
         if verdict in (Verdict.FAILED, Verdict.ERROR):
             return "rollback", "; ".join(failing)
-        passed = verdict == Verdict.SUCCESSFUL and n_canary >= step.min_requests
+        enough = n_canary >= step.min_requests  # below it a step never passes, whatever the policy says
+        passed = verdict == Verdict.SUCCESSFUL and enough
         if not passed and elapsed < step.max_duration_s:
             return None, ""
-        if not passed and self.policy.on_inconclusive != "pass":
+        waived = enough and combine(outcome.results, self.policy.on_inconclusive)[1] is ExitCode.PASSED
+        if not passed and not waived:
             undecided = [r.name for r in outcome.results if r.verdict != Verdict.SUCCESSFUL]
             why = (f"after {elapsed:.0f} s: {n_canary}/{step.min_requests} canary requests; "
                    f"undecided: {', '.join(undecided) or 'none'}")
+            if self.policy.on_inconclusive == "pass":
+                why += " (too little data, which the gate's `on_inconclusive: pass` does not accept)"
             return self.deploy.on_inconclusive, why
         return ("promote" if last else "advance"), f"{n_canary} canary requests, every live check {verdict.value}"
 

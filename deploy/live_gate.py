@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from kiln.deploy.base import ArmData, Observations
 from kiln.deploy.sequential import SequentialDecision, SequentialTest
 from kiln.core.errors import BadInput
-from kiln.core.gate.base import CheckConfig, CheckResult
+from kiln.core.gate.base import TOO_LITTLE, CheckConfig, CheckResult
 from kiln.core.gate.policy import GateOutcome, GateSection, combine
 
 LIVE_SIGNALS: dict[str, Callable[[ArmData], list[float]]] = {
@@ -69,9 +69,11 @@ class LiveCheck:
             why += (f": {observed:.4g}, {1 - self.test.alpha:.0%} confidence sequence [{lo:.4g}, {hi:.4g}], "
                     f"threshold {self.threshold} (n={d.n_stable}/{d.n_canary} reference/canary)")
         why += self.note()
+        short = min(d.n_stable, d.n_canary) < self.test.min_per_arm  # no verdict yet: too few observations
         return CheckResult(name=self.config.label, kind=self.config.kind, metric=self.config.metric,
                            verdict=d.verdict, observed=observed, baseline=None, threshold=self.threshold,
-                           ci=(lo, hi) if finite else None, method=f"{METHOD}, n={d.n_stable}/{d.n_canary}", reason=why)
+                           ci=(lo, hi) if finite else None, method=f"{METHOD}, n={d.n_stable}/{d.n_canary}",
+                           reason=why + (TOO_LITTLE if short else ""), insufficient=short)
 
 
 class LiveGate:

@@ -100,6 +100,61 @@ def test_rollback_leaves_the_champion_and_tags_the_version(mlflow_registry):
     assert parent.data.tags["kiln.verdict"] == "rolled_back" and "error_rate" in parent.data.tags["kiln.reason"]
 
 
+PASS_POLICY = POLICY.model_copy(update={"on_inconclusive": "pass"})
+
+
+@pytest.mark.parametrize(("on_inconclusive", "status"), [("hold", "held"), ("rollback", "rolled_back")])
+def test_a_step_without_traffic_never_promotes_even_when_the_gate_passes_inconclusive(on_inconclusive, status):
+    """The issue's reproduction: with no client traffic, `on_inconclusive: pass` in the gate walked
+    every step ("step 1: Inconclusive -> promote: 0 canary requests") and moved `champion`."""
+    target = SimulatedTarget(ArmModel(), ArmModel(), rate=0)
+    result = Controller(target, PASS_POLICY, deploy(on_inconclusive, max_s=5), log=lambda _: None,
+                        sleep=target.sleep, clock=target.clock).run()
+    assert result.status == status and result.exit_code == ExitCode.GATE_INCONCLUSIVE, result.reason
+    assert [s.action for s in result.steps] == [on_inconclusive]
+    assert "0/40 canary requests" in result.reason and "does not accept" in result.reason
+    assert not any(event == "promote" for event, _ in target.history)
+
+
+def test_a_step_below_min_requests_never_advances_on_a_waived_inconclusive():
+    """Enough observations for the live checks (min_per_arm 5) but fewer canary requests than the
+    step's min_requests (40): the step holds, whatever the gate's on_inconclusive says."""
+    config = DeployConfig(steps=[CanaryStep(weight=25, min_requests=40, max_duration_s=20)], on_inconclusive="hold",
+                          poll_s=0.5, min_per_arm=5)
+    target = SimulatedTarget(ArmModel(sigma=0.6), ArmModel(sigma=0.6), rate=2)
+    result = Controller(target, PASS_POLICY, config, log=lambda _: None, sleep=target.sleep, clock=target.clock).run()
+    step = result.steps[0]
+    assert result.status == "held" and result.exit_code == ExitCode.GATE_INCONCLUSIVE, result.reason
+    assert step.canary["requests"] < 40 and not any(c["insufficient"] for c in step.checks), step.checks
+
+
+def test_an_undecided_step_on_enough_traffic_still_advances_under_pass():
+    """What `on_inconclusive: pass` is for: a step that saw its min_requests and every live check's
+    observations, still undecided at max_duration_s (a canary 12% slower against a 15% bound)."""
+    slowish = ArmModel(ttft_ms=56, tpot_ms=22.4, sigma=0.6)
+    target = SimulatedTarget(ArmModel(sigma=0.6), slowish, rate=20)
+    result = Controller(target, PASS_POLICY, deploy("hold", max_s=20), log=lambda _: None, sleep=target.sleep,
+                        clock=target.clock).run()
+    first = result.steps[0]
+    assert first.verdict == "Inconclusive" and first.action == "advance", first.reason
+    assert first.canary["requests"] >= 40 and not any(c["insufficient"] for c in first.checks)
+
+
+@pytest.mark.timeout(120)
+def test_no_client_traffic_on_real_processes_holds_the_canary():
+    """Fake engines as both arms behind the real router, nobody sending requests, the gate saying
+    `on_inconclusive: pass`: the first step holds (exit 3) and nothing is promoted."""
+    config = DeployConfig(steps=[CanaryStep(weight=w, min_requests=40, max_duration_s=2) for w in (25, 100)],
+                          on_inconclusive="hold", poll_s=0.5, router=RouterOptions(affinity="random"))
+    with LocalTarget(BackendSpec(fake=fake()), BackendSpec(fake=fake()), config.router) as target:
+        result = Controller(target, PASS_POLICY, config, log=lambda _: None).run()
+        state = target.router.state()
+    assert result.status == "held" and result.exit_code == ExitCode.GATE_INCONCLUSIVE, result.reason
+    assert [(s.weight, s.action) for s in result.steps] == [(25, "hold")]
+    assert result.steps[0].canary["requests"] == 0 and "0/40 canary requests" in result.reason
+    assert state["canary_url"] is not None and state["weight"] == 25  # left where it was for a person
+
+
 # --- whole walks on real processes ------------------------------------------------------------
 
 def walk(canary_fake, tracker=None, kill_canary_after: float | None = None, **steps):

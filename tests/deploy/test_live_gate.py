@@ -154,3 +154,14 @@ def test_failures_count_but_client_errors_do_not():
     for status, error in ((200, None), (500, "boom"), (502, "refused"), (429, "busy"), (400, "bad"), (499, "left")):
         arm.add({"status": status, "error": error, "ttft_s": 0.05 if error is None else None, "tpot_s": None})
     assert arm.errors == [0, 1, 1, 1, 0] and arm.ttft_ms == [50.0]
+
+
+def test_a_check_short_of_its_observations_says_it_measured_too_little():
+    """Below min_per_arm a live check has no verdict to give: `insufficient`, which the canary never
+    advances on, whatever the gate's on_inconclusive says. Past it, an undecided check is not."""
+    gate = LiveGate(policy(TTFT, {"kind": "error_rate", "max": 0.05}), min_per_arm=20)
+    feed(gate, ArmModel(), ArmModel(), looks=1, per_look=10)
+    results = gate.judge().results
+    assert all(r.insufficient and "too little data" in r.reason for r in results), [r.reason for r in results]
+    feed(gate, ArmModel(), ArmModel(), looks=2, per_look=40, seed=1)
+    assert not any(r.insufficient for r in gate.judge().results)
