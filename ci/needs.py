@@ -3,7 +3,11 @@
 ci/action.yml runs it after installing kiln, with the recipe and its overrides, and appends what it
 prints to $GITHUB_OUTPUT:
 
-    python ci/needs.py RECIPE [--set key=value]...
+    python ci/needs.py RECIPE [--set key=value]... [--policy-from BASE_RECIPE]
+
+With `--policy-from` (a pull request's recipe judged under the base branch's policy) the recipe is
+read as `kiln run --policy-from` reads it: the base's evaluate and baseline sections can need the demo
+data or llama.cpp where the pull request's own do not.
 
 - `llama-cpp`: true when an arm quantizes to GGUF (`optimize.method: gguf`) or is served by llama.cpp
   (`engine.backend: llama_cpp`, the baseline's engine included). A champion candidate is served as
@@ -72,13 +76,16 @@ def llama_cpp_key() -> str:
     return f"{b.install_dir().name}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
 
 
-def outputs(recipe_path: str, overrides: list[str]) -> dict[str, str]:
+def outputs(recipe_path: str, overrides: list[str], policy_from: str | None = None) -> dict[str, str]:
     from kiln.core import llama_cpp_build
     from kiln.core.errors import KilnError
+    from kiln.pipeline.policy import policy_overrides, with_policy_of
     from kiln.pipeline.recipe import load_recipe
 
     try:
         recipe = load_recipe(recipe_path, overrides)
+        if policy_from:
+            recipe = with_policy_of(recipe, load_recipe(policy_from, policy_overrides(overrides)))
     except KilnError as e:
         print(f"kiln: {recipe_path} does not validate; `kiln validate` reports it ({type(e).__name__})",
               file=sys.stderr)
@@ -95,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python ci/needs.py", description=__doc__.split("\n")[0])
     parser.add_argument("recipe")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--policy-from", default="", metavar="BASE_RECIPE", help="judged under this recipe's policy")
     args = parser.parse_args(argv)
-    for name, value in outputs(args.recipe, args.sets).items():
+    for name, value in outputs(args.recipe, args.sets, args.policy_from).items():
         print(f"{name}={value}")
     return 0
 

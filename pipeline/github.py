@@ -11,7 +11,8 @@ Under Actions (GITHUB_ACTIONS=true) `kiln run` ends with `publish(run_dir)`, whi
 Secrets never reach any of these: values of secret-like environment variables and credentials
 inside URLs become *** before anything is written. `python -m kiln.pipeline.github` adds the
 workflow's helpers: `changed-recipes` (the job matrix), `no-verdict` (report a run that ended
-before its gate), `add-masks` (hide URL credentials in the job log).
+before its gate), `add-masks` (hide URL credentials in the job log), `policy-report` (what a pull
+request changed in a recipe's policy, and whether that needs an approval).
 """
 
 from __future__ import annotations
@@ -183,6 +184,78 @@ def _command(level: str, message: str, props: Mapping[str, str], env: Mapping[st
     return f"::{level} {props_s}::{esc(message, False)}" if props_s else f"::{level}::{esc(message, False)}"
 
 
+# --- the policy a pull request changed ------------------------------------------------------------
+
+POLICY_ICON = {"looser": "🔓", "changed": "❔", "stricter": "🔒", "identical": "", "new": "🆕", "unreadable": "💥"}
+NEEDS_APPROVAL = ("looser", "changed", "unreadable")
+MUST_PASS = "Successful"  # a recipe with no expected verdict must pass
+
+
+def policy_report(recipe: str, diff: Mapping[str, Any] | None, approved: bool, label: str,
+                  expect: tuple[str, str] = ("", ""), unreadable: str = "") -> tuple[str, str]:
+    """(outcome, Markdown section) for one recipe of a pull request against the base branch's copy.
+
+    `diff`: `kiln policy diff --json` of the base's copy and the PR's, None for a recipe new in the PR;
+    `expect`: the verdicts expected of it on the base branch and in the PR; `unreadable`: why the two
+    could not be compared. The outcome is the weakest of the policy's and the expectation's changes."""
+    from kiln.pipeline.policy import PolicyChange, overall
+
+    changes = [PolicyChange(**c) for c in (diff or {}).get("changes", [])]
+    base_expect, head_expect = (e or MUST_PASS for e in expect)
+    if diff is not None and base_expect != head_expect:
+        way = "stricter" if head_expect == MUST_PASS else "looser" if base_expect == MUST_PASS else "changed"
+        changes.append(PolicyChange("expected verdict", base_expect, head_expect, way))
+    outcome = "unreadable" if unreadable else "new" if diff is None else overall(changes)
+    title = {"new": "new (the base branch has no such recipe): judged under its own",
+             "unreadable": "could not be compared with the base branch's",
+             "identical": "identical to the base branch's"}.get(outcome, f"{outcome} than the base branch's")
+    lines = [f"#### {POLICY_ICON[outcome]} Policy of `{recipe}`: {title}".replace("####  ", "#### "), ""]
+    if unreadable:
+        lines += [f"`kiln policy diff` failed ({_cell(unreadable)}): the recipe is judged under its own policy.", ""]
+    elif diff is not None:
+        old, new = diff["old"]["sha256"][:12], diff["new"]["sha256"][:12]
+        lines += [f"Judged under the base branch's policy (`{old}`)" + ("." if old == new else
+                  f"; the pull request's (`{new}`) decides nothing before it is merged."), ""]
+    if changes:
+        lines += ["| | field | base branch | pull request |", "|---|---|---|---|"]
+        lines += [f"| {POLICY_ICON[c.direction]} {c.direction} | `{_cell(c.path)}` | {_value(c.old)} "
+                  f"| {_value(c.new)} |" for c in changes]
+        lines.append("")
+    if outcome in NEEDS_APPROVAL:
+        lines += [_approval(approved, label), ""]
+    return outcome, "\n".join(lines)
+
+
+def _approval(approved: bool, label: str) -> str:
+    if approved:
+        return (f"**Approved** (the pull request carries the label `{label}`): the change may merge. This run is "
+                "still judged under the base branch's policy and expectations; the new ones apply once merged.")
+    return (f"**Not approved**: a looser or changed policy fails this check until someone with triage or write "
+            f"access adds the label `{label}` to the pull request (the check runs again when they do).")
+
+
+def _value(v: Any) -> str:
+    text = "—" if v is None else v if isinstance(v, str) else json.dumps(v, sort_keys=True)
+    return f"`{_cell(text if len(text) <= 80 else text[:77] + '...')}`"
+
+
+def write_policy_report(out: Path, recipe: str, diff: Mapping[str, Any] | None, approved: bool, label: str,
+                        expect: tuple[str, str], unreadable: str = "", env: Mapping[str, str] = os.environ) -> str:
+    """policy_report's section to `out`, the job summary, and step outputs `policy`, `needs-approval`, `section`."""
+    outcome, section = policy_report(_recipe_path(recipe, env), diff, approved, label, expect, unreadable)
+    section = redact(section, env)
+    atomic_write_text(out, section)
+    if path := env.get("GITHUB_STEP_SUMMARY"):
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(section.rstrip("\n") + "\n\n")
+    if path := env.get("GITHUB_OUTPUT"):
+        outputs = {"policy": outcome, "needs-approval": str(outcome in NEEDS_APPROVAL).lower(),
+                   "section": str(Path(out).resolve())}
+        with open(path, "a", encoding="utf-8") as f:
+            f.write("".join(output_line(k, v) for k, v in outputs.items()))
+    return outcome
+
+
 def add_masks(env: Mapping[str, str] = os.environ) -> list[str]:
     """`::add-mask::` lines for credentials inside URL-valued env vars (the runner masks whole
     secrets only, not the password part of a tracking URI that a library may log on its own)."""
@@ -276,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exit-code", type=int, required=True)
     p.add_argument("--log", type=Path, help="the run's console log; its tail goes into the report")
     sub.add_parser("add-masks", help="print ::add-mask:: for credentials inside URL-valued env vars")
+    _add_policy_cli(sub)
     add_changes_cli(sub)
     args = parser.parse_args(argv)
     if args.command == "publish":
@@ -285,8 +359,37 @@ def main(argv: list[str] | None = None) -> int:
         publish_no_verdict(args.run_dir, args.recipe, args.exit_code, log)
     elif args.command == "add-masks":
         print("\n".join(add_masks()))
+    elif args.command == "policy-report":
+        return _policy_cli(args)
     else:
         return args.func(args)
+    return 0
+
+
+def _add_policy_cli(sub: Any) -> None:
+    p = sub.add_parser("policy-report", help="report what a pull request changed in a recipe's policy")
+    p.add_argument("--recipe", required=True)
+    p.add_argument("--out", type=Path, required=True, help="where the Markdown section goes")
+    p.add_argument("--diff", type=Path, help="`kiln policy diff BASE_COPY RECIPE --json`; absent: a new recipe")
+    p.add_argument("--diff-exit-code", type=int, default=0)
+    p.add_argument("--diff-log", type=Path, help="kiln policy diff's stderr, for an exit code of 2 or more")
+    p.add_argument("--approved", default="false", help="true when the pull request carries the approval label")
+    p.add_argument("--label", default="kiln-policy-approved")
+    p.add_argument("--expect-base", default="", help="the verdict the base branch expects of the recipe")
+    p.add_argument("--expect-head", default="", help="the verdict the pull request expects of it")
+
+
+def _policy_cli(args: argparse.Namespace) -> int:
+    diff, unreadable = None, ""
+    if args.diff is not None:
+        if args.diff_exit_code not in (0, 1):
+            log = args.diff_log.read_text(errors="replace").strip() if args.diff_log and args.diff_log.is_file() else ""
+            unreadable = f"exit {args.diff_exit_code}" + (f": {log.splitlines()[-1]}" if log else "")
+        else:
+            diff = read_json(args.diff)
+    outcome = write_policy_report(args.out, args.recipe, diff, args.approved == "true", args.label,
+                                  (args.expect_base, args.expect_head), unreadable)
+    print(f"policy of {args.recipe}: {outcome}")
     return 0
 
 

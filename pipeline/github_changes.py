@@ -11,6 +11,10 @@ A recipe runs when
 - a file matching one of `run_all` changed (a new pin in constraints.txt can move every number);
 - there is no base commit (a manual run): then every recipe runs.
 
+`removed_recipes` lists the recipes the change deletes (a rename is a deletion and a new recipe): a
+model whose recipe is gone is no longer gated, so the workflow asks for the same approval as for a
+looser policy.
+
 The runner kind comes from the recipe: a top-level `runner: cpu|gpu` wins; otherwise an engine
 that needs CUDA (`engine.backend` tensorrt_llm, vllm, sglang) or any `device: cuda…` means gpu.
 """
@@ -21,7 +25,9 @@ import argparse
 import fnmatch
 import json
 import os
+import re
 import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +76,29 @@ def changed_recipes(base_sha: str | None, head_sha: str, recipes_glob: str, repo
         if reasons:
             found.append(ChangedRecipe(r, runner_of(repo / r), reasons))
     return found
+
+
+def removed_recipes(base_sha: str | None, head_sha: str, recipes_glob: str, repo: Path = Path(".")) -> list[str]:
+    """Recipes (matching `recipes_glob` on the base commit) that the change base...head deletes or renames."""
+    if not base_sha or set(base_sha) == {"0"}:
+        return []
+    pattern = _glob_regex(recipes_glob)
+    gone = _git(Path(repo), "diff", "--name-only", "--no-renames", "--diff-filter=D", "-z", f"{base_sha}...{head_sha}")
+    return sorted(f for f in gone.split("\0") if f and pattern.fullmatch(f))
+
+
+def _glob_regex(glob: str) -> re.Pattern[str]:
+    """`glob` as Path.glob reads it (`**/` is any number of folders), for paths that no longer exist."""
+    out, i = "", 0
+    while i < len(glob):
+        if glob.startswith("**/", i):
+            out, i = out + "(?:.*/)?", i + 3
+        elif glob.startswith("**", i):
+            out, i = out + ".*", i + 2
+        else:
+            out += {"*": "[^/]*", "?": "[^/]"}.get(glob[i], re.escape(glob[i]))
+            i += 1
+    return re.compile(out)
 
 
 def runner_of(recipe: Path) -> str:
@@ -184,15 +213,22 @@ def add_cli(sub: Any) -> None:
 
 def _cli(args: argparse.Namespace) -> int:
     found = changed_recipes(args.base, args.head, args.glob, args.repo, args.run_all)
+    removed = removed_recipes(args.base, args.head, args.glob, args.repo)
     matrix = {"include": [c.as_dict() for c in found]}
     print(json.dumps(matrix, indent=2))
+    if removed:
+        print(f"removed: {', '.join(removed)}", file=sys.stderr)
     if in_github_actions() and (out := os.environ.get("GITHUB_OUTPUT")):
         with open(out, "a", encoding="utf-8") as f:
-            f.write(output_line("matrix", json.dumps(matrix)) + output_line("count", str(len(found))))
+            f.write(output_line("matrix", json.dumps(matrix)) + output_line("count", str(len(found)))
+                    + output_line("removed", "\n".join(removed)))
     if in_github_actions() and (summary := os.environ.get("GITHUB_STEP_SUMMARY")):
         rows = [f"| `{c.recipe}` | {c.runner} | {'; '.join(c.reasons).replace('|', '/')} |" for c in found]
         text = ("### kiln: recipes to run\n\n| recipe | runner | why |\n|---|---|---|\n" + "\n".join(rows)
                 if found else "### kiln: no recipe or file a recipe points to changed; nothing to run")
+        if removed:
+            text += ("\n\n### kiln: recipes this pull request removes (or renames)\n\n"
+                     + "\n".join(f"- `{r}`: the model it gated is no longer gated by it" for r in removed))
         with open(summary, "a", encoding="utf-8") as f:
             f.write(text + "\n\n")
     return 0

@@ -145,6 +145,8 @@ def test_own_data_files_need_no_demo_data(tmp_path: Path, monkeypatch: pytest.Mo
     raw = yaml.safe_load((ROOT / "recipes" / "demo-int8.yaml").read_text())
     raw["evaluate"]["quality"]["perplexity"]["text"] = str(text)
     del raw["evaluate"]["quality"]["lmeval"]
+    # its check goes with it: a gate check no stage measures is refused (issue 52, point 4)
+    raw["gate"]["checks"] = [c for c in raw["gate"]["checks"] if c.get("metric") != "word_swap_acc"]
     raw["evaluate"]["benchmark"]["prompts"] = str(prompts)
     recipe = tmp_path / "own.yaml"
     recipe.write_text(yaml.safe_dump(raw))
@@ -345,8 +347,12 @@ def test_comment_states_the_expected_verdict(tmp_path: Path) -> None:
 
 
 def test_the_workflow_states_every_example_recipes_verdict() -> None:
+    """In .github/kiln-expect.txt, which the workflow reads at the base commit (below), not in the
+    workflow's `with:`, which a pull request edits along with its recipe."""
     kiln_pr = load(ROOT / ".github" / "workflows" / "kiln-pr.yml")["jobs"]["kiln"]["with"]
-    lines = [line.split(":") for line in kiln_pr["expect"].splitlines() if line.strip()]
+    assert "expect" not in kiln_pr and kiln_pr["expect-file"] == ".github/kiln-expect.txt"
+    text = (ROOT / kiln_pr["expect-file"]).read_text()
+    lines = [line.split(":") for line in text.splitlines() if line.strip() and not line.startswith("#")]
     stated = {path.strip(): verdict.strip() for path, verdict in lines}
     assert len(stated) == len(lines), "a recipe listed twice"
     recipes = {str(p.relative_to(ROOT)) for p in (ROOT / "recipes").glob("**/*.yaml")}
@@ -356,10 +362,167 @@ def test_the_workflow_states_every_example_recipes_verdict() -> None:
     assert stated["recipes/demo-broken.yaml"] == "Failed"
     assert stated["recipes/demo-tiny-eval.yaml"] == "Inconclusive"
     assert stated["recipes/demo.yaml"] == stated["recipes/demo-int8.yaml"] == "Successful"
+
+
+def test_the_workflow_judges_by_the_base_branchs_rules() -> None:
+    """The run job checks out the base commit beside the pull request and hands it to the action:
+    no `expect` the pull request's copy of a workflow file could set reaches it."""
     gate = load(ROOT / ".github" / "workflows" / "kiln-gate.yml")
-    assert "expect" in gate["on"]["workflow_call"]["inputs"]
-    action_step = next(s for s in gate["jobs"]["run"]["steps"] if s.get("name") == "kiln")
-    assert action_step["with"]["expect"] == "${{ inputs.expect }}"
+    inputs = gate["on"]["workflow_call"]["inputs"]
+    assert "expect" not in inputs and inputs["expect-file"]["default"] == ".github/kiln-expect.txt"
+    assert inputs["policy-approval-label"]["default"] == "kiln-policy-approved"
+    steps = gate["jobs"]["run"]["steps"]
+    base = next(s for s in steps if s.get("name") == "Check out the base branch")
+    assert base["with"]["ref"] == "${{ github.event.pull_request.base.sha }}" and base["with"]["path"] == ".kiln-base"
+    action = next(s for s in steps if s.get("name") == "kiln")["with"]
+    assert "expect" not in action and action["expect-file"] == "${{ inputs.expect-file }}"
+    assert action["base-root"] == "${{ github.event.pull_request.base.sha && '.kiln-base' || '' }}"
+    # a change to kiln's own code runs every recipe: "kiln gate" never passes as skipped on one
+    kiln_pr = load(ROOT / ".github" / "workflows" / "kiln-pr.yml")
+    run_all = kiln_pr["jobs"]["kiln"]["with"]["run-all-when"].split()
+    for folder in ("core", "optimize", "engine", "evaluate", "deploy", "pipeline", "ci"):
+        assert f"{folder}/**" in run_all
+    assert "pyproject.toml" in run_all and "constraints.txt" in run_all
+    assert {"labeled", "unlabeled"} <= set(kiln_pr["on"]["pull_request"]["types"])  # the label reruns the check
+
+
+# --- a pull request that weakens its own recipe ----------------------------------------------------
+
+# The tiny random Llama, int8 weight-only: its size is ~0.97x the baseline's (embeddings dominate), so a
+# size check decides the verdict in seconds, the same way on every machine.
+WEAKENED_BASE = {
+    "name": "tiny-ci", "optimize": {"method": "int8_weight_only"}, "engine": {"backend": "torch", "threads": 2},
+    "evaluate": {"quality": {"perplexity": {"text": "demo", "max_documents": 2, "seq_len": 16}, "agreement": False},
+                 "benchmark": {"prompts": "demo", "num_prompts": 1, "max_new_tokens": 2, "repeats": 1}},
+    "gate": {"on_inconclusive": "fail", "checks": [{"kind": "size", "max_ratio": 0.5}]},
+    "tracking": {"experiment": "kiln-ci-test"}}
+KILN = '#!/bin/bash\nexec "{python}" -m kiln.pipeline "$@"\n'
+
+
+def checkouts(tmp_path: Path, model: Path, head_edit, expect_base: str = "", expect_head: str = "") -> Path:
+    """The pull request's checkout (the job's workspace) with the base commit's at .kiln-base, as the
+    workflow's two actions/checkout steps leave them."""
+    workspace = tmp_path / "workspace"
+    for root, edit, expect in ((workspace / ".kiln-base", lambda r: None, expect_base),
+                               (workspace, head_edit, expect_head)):
+        recipe = json.loads(json.dumps({**WEAKENED_BASE, "model": {"path": str(model)}}))
+        edit(recipe)
+        (root / "recipes").mkdir(parents=True)
+        (root / "recipes" / "tiny.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+        (root / ".github").mkdir()
+        (root / ".github" / "kiln-expect.txt").write_text(expect)
+    return workspace
+
+
+def weaken(recipe: dict) -> None:
+    """What issue 52's pull request did: the bar raised out of reach and undecided let through."""
+    recipe["gate"] = {"on_inconclusive": "pass", "checks": [{"kind": "size", "max_ratio": 1.0}]}
+
+
+def run_action(tmp_path: Path, workspace: Path, base_root: str, approved: str = "false") -> dict[str, str]:
+    """Prepare, Compare the policy, Validate and run, Conclude: the action's own scripts on `workspace`."""
+    bin_dir = sandbox_bin(tmp_path, kiln=KILN.format(python=PY))
+    (tmp_path / "home").mkdir(exist_ok=True)
+    base = {"PATH": f"{bin_dir}:/usr/bin:/bin", "GITHUB_WORKSPACE": str(workspace)}
+    label = {"APPROVED": approved, "LABEL": "kiln-policy-approved"}
+    proc, prep = run_step(tmp_path, "prep", {**base, "RECIPE": "recipes/tiny.yaml", "CONSTRAINTS": "",
+                                             "KILN_SOURCE": str(ROOT), "EXPECT": "",
+                                             "EXPECT_FILE": ".github/kiln-expect.txt", "BASE_ROOT": base_root},
+                          cwd=workspace)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    policy: dict[str, str] = {}
+    summary = str(tmp_path / "summary.md")
+    if base_root:
+        proc, policy = run_step(tmp_path, "policy", {
+            **base, **label, "RECIPE": "recipes/tiny.yaml", "RUNS": prep["runs"], "BASE_ROOT": base_root,
+            "EXPECT_BASE": prep["expect-base"], "EXPECT_HEAD": prep["expect-head"], "GITHUB_ACTIONS": "true",
+            "GITHUB_STEP_SUMMARY": summary}, cwd=workspace)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc, run = run_step(tmp_path, "run", {**base, "RECIPE": "recipes/tiny.yaml", "SETS": "", "RUNS": prep["runs"],
+                                           "POLICY_FROM": policy.get("policy-from", ""),
+                                           "MLFLOW_TRACKING_URI": f"sqlite:///{workspace}/mlflow.db",
+                                           "KILN_CACHE": os.environ["KILN_CACHE"], "GITHUB_ACTIONS": "true",
+                                           "GITHUB_STEP_SUMMARY": summary}, cwd=workspace, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc, _ = run_step(tmp_path, "Conclude", {"PATH": "/usr/bin:/bin", **label, "RC": run["rc"],
+                                              "VERDICT": run.get("verdict", ""), "EXPECT": prep["expect"],
+                                              "RECIPE": "recipes/tiny.yaml", "POLICY": policy.get("policy", ""),
+                                              "POLICY_NEEDS_APPROVAL": policy.get("needs-approval", "")})
+    return {"job": str(proc.returncode), "conclude": proc.stdout, "rc": run["rc"], **policy,
+            "log": Path(prep["runs"] + ".log").read_text()}
+
+
+def test_a_pull_request_that_weakens_its_recipe_is_judged_by_the_base_branchs_policy(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Issue 52: the PR raises its size bound out of reach and sets `on_inconclusive: pass`. Judged by
+    its own policy (the action before: no base checkout), the candidate passes and so does the job;
+    judged by the base branch's, it fails, and the looser policy fails the check on its own."""
+    own = run_action(tmp_path / "own", checkouts(tmp_path / "own", tiny_model_dir, weaken), base_root="")
+    assert (own["rc"], own["job"]) == ("0", "0"), own["conclude"] + own["log"][-3000:]  # what the PR wanted
+
+    workspace = checkouts(tmp_path / "pr", tiny_model_dir, weaken)
+    pr = run_action(tmp_path / "pr", workspace, base_root=".kiln-base")
+    assert "judged under the policy of .kiln-base/recipes/tiny.yaml" in pr["log"]
+    assert pr["rc"] == "1", pr["log"][-3000:]  # the base branch's size bound: Failed
+    assert pr["job"] == "1" and "::error title=kiln: gate failed::" in pr["conclude"]
+    assert "::error title=kiln: policy change not approved::recipes/tiny.yaml" in pr["conclude"]
+    assert pr["policy"] == "looser" and pr["needs-approval"] == "true"
+    section = Path(pr["section"]).read_text()
+    assert "| 🔓 looser | `gate.on_inconclusive` | `fail` | `pass` |" in section
+    assert "| 🔓 looser | `gate.checks[size:size_bytes].max_ratio` | `0.5` | `1.0` |" in section
+    assert section in (tmp_path / "pr" / "summary.md").read_text()
+    # the comment carries the policy section after kiln's report
+    comment = run_comment_script(tmp_path, "<!-- kiln-report:recipes/tiny.yaml -->\n### ❌ Failed\n", [],
+                                 env={"EXPECT": "", "RC": "1", "POLICY_SECTION": pr["section"]})
+    assert "Policy of `recipes/tiny.yaml`: looser than the base branch's" in comment["comments"][-1]["body"]
+
+    # The approval label waives the policy check, never the verdict: still judged by the base's policy.
+    proc, _ = run_step(tmp_path, "Conclude", {"PATH": "/usr/bin:/bin", "RC": "1", "VERDICT": "Failed", "EXPECT": "",
+                                              "RECIPE": "recipes/tiny.yaml", "POLICY": "looser",
+                                              "POLICY_NEEDS_APPROVAL": "true", "APPROVED": "true",
+                                              "LABEL": "kiln-policy-approved"})
+    assert proc.returncode == 1 and "::notice title=kiln: policy change approved::" in proc.stdout
+
+
+@pytest.mark.parametrize(("approved", "code"), [("false", 1), ("true", 0)])
+def test_a_passing_recipe_whose_policy_loosened_needs_the_label(tmp_path: Path, approved: str, code: int) -> None:
+    env = {"PATH": "/usr/bin:/bin", "RC": "0", "VERDICT": "Successful", "EXPECT": "", "RECIPE": "recipes/r.yaml",
+           "POLICY": "changed", "POLICY_NEEDS_APPROVAL": "true", "APPROVED": approved, "LABEL": "ok-policy"}
+    proc, _ = run_step(tmp_path, "Conclude", env)
+    assert proc.returncode == code and proc.stdout.startswith("kiln: passed (Successful)"), proc.stdout
+    assert ("label ok-policy" in proc.stdout) and (("not approved" in proc.stdout) == (approved == "false"))
+    proc, _ = run_step(tmp_path, "Conclude", {**env, "POLICY": "stricter", "POLICY_NEEDS_APPROVAL": "false"})
+    assert proc.returncode == 0 and "policy" not in proc.stdout
+
+
+def prepare(tmp_path: Path, workspace: Path, base_root: str = ".kiln-base") -> dict[str, str]:
+    proc, out = run_step(tmp_path, "prep", {"PATH": "/usr/bin:/bin", "RECIPE": "recipes/tiny.yaml", "CONSTRAINTS": "",
+                                            "KILN_SOURCE": str(ROOT), "EXPECT": "",
+                                            "EXPECT_FILE": ".github/kiln-expect.txt", "BASE_ROOT": base_root},
+                         cwd=workspace)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out
+
+
+def test_the_base_branchs_expectations_decide(tmp_path: Path) -> None:
+    """A pull request that adds `recipes/tiny.yaml: Failed` to the expectation file would turn its
+    failing candidate into a passing job: the base branch's file decides, and the change is shown."""
+    workspace = checkouts(tmp_path, tmp_path / "model", lambda r: None, expect_head="recipes/tiny.yaml: Failed\n")
+    out = prepare(tmp_path, workspace)
+    assert (out["expect"], out["expect-base"], out["expect-head"]) == ("", "", "Failed")
+    from kiln.pipeline.github import policy_report
+
+    diff = {"old": {"sha256": "a" * 64}, "new": {"sha256": "a" * 64}, "changes": []}
+    outcome, section = policy_report("recipes/tiny.yaml", diff, False, "kiln-policy-approved",
+                                     (out["expect-base"], out["expect-head"]))
+    assert outcome == "looser" and "| 🔓 looser | `expected verdict` | `Successful` | `Failed` |" in section
+    assert "**Not approved**" in section and "`kiln-policy-approved`" in section
+    # a recipe new in the pull request has no base copy: its own expectation, and a new policy
+    (workspace / ".kiln-base" / "recipes" / "tiny.yaml").unlink()
+    assert prepare(tmp_path, workspace)["expect"] == "Failed"
+    assert policy_report("recipes/tiny.yaml", None, False, "x")[0] == "new"
+    # no base checkout (a manual run of the trusted branch): the checkout's own file
+    assert prepare(tmp_path, workspace, base_root="")["expect"] == "Failed"
 
 
 # --- the demo recipe on a fresh runner -----------------------------------------------------------

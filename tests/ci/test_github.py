@@ -302,3 +302,52 @@ def test_the_comment_says_how_the_run_ended(tmp_path: Path, actions: dict[str, s
     github.publish(run_dir, actions)
     _, _, comment = written(actions, run_dir)
     assert "**not judged: the search budget (3 s) ran out before every check of fp32-copy ran.**" in comment
+
+
+def policy_report(actions: dict[str, str], tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    (tmp_path / "output.txt").write_text("")
+    proc = subprocess.run([sys.executable, "-m", "kiln.pipeline.github", "policy-report", "--recipe",
+                           "recipes/demo.yaml", "--out", str(tmp_path / "policy.md"), *args],
+                          env=actions, capture_output=True, text=True, cwd=actions["GITHUB_WORKSPACE"])
+    return proc, parse_outputs((tmp_path / "output.txt").read_text())
+
+
+def test_policy_report_command(tmp_path: Path, actions: dict[str, str]) -> None:
+    """The action's policy step: the section in the summary and a file for the comment, the outcome as outputs."""
+    same = {"old": {"recipe": "a", "sha256": "1" * 64}, "new": {"recipe": "b", "sha256": "1" * 64},
+            "outcome": "identical", "needs_approval": False, "changes": []}
+    (tmp_path / "same.json").write_text(json.dumps(same))
+    proc, out = policy_report(actions, tmp_path, "--diff", str(tmp_path / "same.json"))
+    assert proc.returncode == 0, proc.stderr
+    assert out == {"policy": "identical", "needs-approval": "false", "section": str(tmp_path / "policy.md")}
+    section = (tmp_path / "policy.md").read_text()
+    assert section.startswith("#### Policy of `recipes/demo.yaml`: identical to the base branch's")
+    assert "Judged under the base branch's policy (`111111111111`)." in section
+    assert section in (tmp_path / "summary.md").read_text()
+
+    looser = {**same, "new": {"recipe": "b", "sha256": "2" * 64}, "changes": [
+        {"path": "gate.checks[quality:perplexity]", "old": {"kind": "quality", "margin": 0.05}, "new": None,
+         "direction": "looser"},
+        {"path": "gate.confidence", "old": 0.95, "new": 0.99, "direction": "stricter"}]}
+    (tmp_path / "looser.json").write_text(json.dumps(looser))
+    proc, out = policy_report(actions, tmp_path, "--diff", str(tmp_path / "looser.json"), "--diff-exit-code", "1",
+                              "--label", "ok-to-loosen")
+    assert out["policy"] == "looser" and out["needs-approval"] == "true"
+    section = (tmp_path / "policy.md").read_text()
+    assert "| 🔓 looser | `gate.checks[quality:perplexity]` | `{\"kind\": \"quality\", \"margin\": 0.05}` | `—` |" in section
+    assert "| 🔒 stricter | `gate.confidence` | `0.95` | `0.99` |" in section
+    assert "the pull request's (`222222222222`) decides nothing before it is merged" in section
+    assert "**Not approved**" in section and "`ok-to-loosen`" in section
+    proc, out = policy_report(actions, tmp_path, "--diff", str(tmp_path / "looser.json"), "--approved", "true")
+    assert "**Approved**" in (tmp_path / "policy.md").read_text() and out["needs-approval"] == "true"
+
+    # a base copy this kiln cannot read: judged under its own policy, and approval is needed
+    (tmp_path / "diff.log").write_text(f"error: recipes/demo.yaml: 1 problem(s) (token {TOKEN})\n")
+    proc, out = policy_report(actions, tmp_path, "--diff", str(tmp_path / "missing.json"), "--diff-exit-code", "2",
+                              "--diff-log", str(tmp_path / "diff.log"))
+    assert proc.returncode == 0 and out["policy"] == "unreadable" and out["needs-approval"] == "true"
+    assert "could not be compared" in (tmp_path / "policy.md").read_text()
+    assert_no_secret((tmp_path / "policy.md").read_text(), (tmp_path / "summary.md").read_text())
+
+    proc, out = policy_report(actions, tmp_path)  # no diff: the recipe is new in the pull request
+    assert out["policy"] == "new" and out["needs-approval"] == "false"

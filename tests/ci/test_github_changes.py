@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kiln.core.errors import BadInput
-from kiln.pipeline.github_changes import changed_recipes, referenced_paths, runner_of
+from kiln.pipeline.github_changes import changed_recipes, referenced_paths, removed_recipes, runner_of
 
 FILES = {
     "recipes/cpu.yaml": "name: cpu\nmodel: {path: models/tiny}\nengine: {backend: torch}\n",
@@ -135,7 +135,7 @@ def test_command_writes_the_matrix(repo: Path, tmp_path: Path) -> None:
     matrix = {"include": [{"recipe": "recipes/gpu.yaml", "runner": "gpu", "reason": "recipe changed"}]}
     assert json.loads(proc.stdout) == matrix
     lines = out.read_text().splitlines()
-    assert lines == [f"matrix={json.dumps(matrix)}", "count=1"]
+    assert lines == [f"matrix={json.dumps(matrix)}", "count=1", "removed="]
     assert "| `recipes/gpu.yaml` | gpu | recipe changed |" in summary.read_text()
 
 
@@ -206,3 +206,18 @@ def test_a_tasks_python_changes_rerun_the_recipe(repo: Path) -> None:
     git(repo, "checkout", "-q", "-b", "docs")
     head = commit(repo, {"tasks/mine/README.md": "more notes\n"}, "docs beside the task")
     assert changed_recipes(base, head, "recipes/task.yaml", repo) == []  # not code the task runs
+
+
+def test_removed_and_renamed_recipes_are_listed(repo: Path) -> None:
+    """A model whose recipe is gone is no longer gated: the workflow asks for the approval label."""
+    git(repo, "checkout", "-q", "-b", "pr")
+    git(repo, "rm", "-q", "recipes/gpu.yaml")
+    git(repo, "mv", "recipes/nested/hub.yaml", "recipes/nested/hub2.yaml")
+    git(repo, "rm", "-q", "recipes/notes.txt")
+    head = commit(repo, {}, "drop a recipe, rename another")
+    base = git(repo, "rev-parse", "main")
+    assert removed_recipes(base, head, "recipes/**/*.yaml", repo) == ["recipes/gpu.yaml", "recipes/nested/hub.yaml"]
+    assert removed_recipes(base, head, "recipes/*.yaml", repo) == ["recipes/gpu.yaml"]
+    assert removed_recipes("", head, "recipes/**/*.yaml", repo) == []  # a manual run: nothing to compare
+    # the renamed recipe is new: judged under its own policy, so the removal is what asks for approval
+    assert "recipes/nested/hub2.yaml" in as_table(changed_recipes(base, head, "recipes/**/*.yaml", repo))

@@ -333,3 +333,22 @@ def test_conclude_ends_the_job_with_kilns_exit_code(tmp_path: Path, rc: str, lin
                           env={"RC": rc, "VERDICT": "Successful" if rc == "0" else "", "PATH": "/usr/bin:/bin"},
                           capture_output=True, text=True)
     assert proc.returncode == int(rc) and proc.stdout.startswith(line)
+
+
+@pytest.mark.parametrize(("run", "removed", "approved", "code", "line"), [
+    ("success", "", "false", 0, "every changed recipe ended with its expected verdict"),
+    ("skipped", "", "false", 0, "no recipe, and no file a recipe points to, changed"),
+    ("failure", "", "true", 1, "::error title=kiln gate::at least one recipe"),
+    ("skipped", "recipes/a.yaml\nrecipes/b.yaml", "false", 1,
+     "::error title=kiln gate::the pull request removes or renames recipes (recipes/a.yaml, recipes/b.yaml)"),
+    ("skipped", "recipes/a.yaml", "true", 0, "no recipe, and no file a recipe points to, changed")])
+def test_gate_job_combines_and_asks_approval_for_removed_recipes(tmp_path: Path, run: str, removed: str,
+                                                                 approved: str, code: int, line: str) -> None:
+    gate = load(ROOT / ".github" / "workflows" / "kiln-gate.yml")["jobs"]["gate"]["steps"][0]
+    (tmp_path / "step.sh").write_text(gate["run"])
+    env = {"PLAN": "success", "RUN": run, "REMOVED": removed, "APPROVED": approved, "LABEL": "kiln-policy-approved",
+           "PATH": "/usr/bin:/bin"}
+    assert set(env) - {"PATH"} == set(gate["env"])
+    proc = subprocess.run(["bash", "--noprofile", "--norc", "-eo", "pipefail", str(tmp_path / "step.sh")], env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == code and line in proc.stdout, proc.stdout + proc.stderr
