@@ -12,7 +12,11 @@ one file per stage key) remembers each file's digest with its size, mtime, ctime
 it was hashed, and skips rehashing only while all of them still match. ctime cannot be set by user tools
 (`touch`, `cp -p`, `rsync -a` restore mtime only) and changes on every write, chmod or link, so a file
 rewritten in place is always hashed again. Correctness never depends on the cache: a stale or edited
-entry can only name a digest for an inode whose stat it matches.
+entry can only name a digest for an inode whose stat it matches. Unlike a checkpoint's hash
+(core.files.cached_tree_hash), a file changed within the clock's tick of its sealing is remembered
+too: kiln wrote it a moment before into its own `.partial` folder, and whoever could change it in
+that tick could as well have changed it before the seal; refusing to remember it would rehash a
+model-sized stage when the gate reads it seconds later.
 """
 
 from __future__ import annotations
