@@ -397,3 +397,36 @@ def replace_tracker(ctx: RunContext, tracker) -> RunContext:
 
     parent = tracker.start("parent", {})
     return replace(ctx, tracker=tracker, parent_run=parent)
+
+
+def test_the_ray_driver_takes_a_nodes_stage_only_under_a_key_it_or_the_node_trusts(tmp_path, monkeypatch):
+    """A node signs with its own key; the driver reads its stages back through the tracking server and
+    checks them under its own trusted keys and those the node reported over Ray, then seals the copy
+    itself, so the gate checks it as it checks its own. A copy edited on the server is refused (exit 5)."""
+    from kiln.pipeline.ray_executor import fetch_stage, node_keys
+    from kiln.pipeline.tracking import Tracker
+
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "ray-fetch")
+    node_key, node_public = _key_pair(tmp_path, "node")
+    monkeypatch.setenv(signing.SIGNING_KEY_ENV, str(node_key))  # the node computes and seals
+    node = replace_tracker(_ctx(tmp_path / "node", Console(quiet=True)), tracker)
+    computed = run_stage(node, "quality", "candidate", {"x": 1}, _quality([]))
+    record = json.loads((node.run_dir / "stages" / "quality-candidate.json").read_text())
+    monkeypatch.delenv(signing.SIGNING_KEY_ENV)  # the driver: this machine's own key
+    driver = replace_tracker(_ctx(tmp_path / "driver", Console(quiet=True)), tracker)
+    with pytest.raises(NotVerified, match="which this machine does not trust"):
+        fetch_stage(driver, record, node_keys({}))
+    fetch_stage(driver, record, node_keys({"node": node_public.read_text()}))
+    fetched = json.loads((driver.run_dir / "stages" / "quality-candidate.json").read_text())
+    assert Path(fetched["path"]).parent.parent.name == "from-nodes"
+    verified = check(Path(fetched["path"]), "quality", computed.key)  # the driver's own seal now
+    assert verified.predicate["origin"]["mlflow_run"] == computed.mlflow_run
+    assert evidence_from_run(driver.run_dir)["candidate"].samples["nll"]["0"] == 2.0
+    # The same stage, edited on the server (the node's run's files replaced), is refused by the driver.
+    folder = Path(tracker.client.download_artifacts(computed.mlflow_run, "stage", str(tmp_path / "mallory")))
+    (folder / "samples.jsonl").write_text((folder / "samples.jsonl").read_text().replace('"nll": 2.0', '"nll": 0.1'))
+    record = {**record, "computed_by": _plant(tracker.client, tracker.experiment_id, computed.key, folder, "quality",
+                                              "candidate")}
+    other = replace_tracker(_ctx(tmp_path / "driver2", Console(quiet=True)), tracker)
+    with pytest.raises(NotVerified, match="samples.jsonl has changed since the stage sealed it"):
+        fetch_stage(other, record, node_keys({"node": node_public.read_text()}))
