@@ -129,8 +129,9 @@ class QualityCheck(Check):
 def _too_few_to_pass(c: QualityCheckConfig, higher_is_better: bool, baseline: Evidence, n: int, ni: Any,
                      confidence: float) -> tuple[Any, bool]:
     """(ni, whether its items were too few): too few when a candidate that matched the baseline on
-    every item would be undecided too, so no outcome of these `n` items could pass; then
-    items_needed is how many items that best case needs."""
+    every item would be undecided too, so no outcome of these `n` items could pass. The reason
+    names how many items that best case needs; items_needed stays the observed difference's
+    estimate (its reason's "about N items"), or the best case's when there is none."""
     from kiln.core import stats
 
     best = stats.non_inferiority(compare(c.metric, baseline, baseline, confidence, c.relative), c.margin,
@@ -140,8 +141,7 @@ def _too_few_to_pass(c: QualityCheckConfig, higher_is_better: bool, baseline: Ev
     need = f"at least {best.items_needed}" if best.items_needed else "more"
     why = (f"{n} paired items cannot show a drop within {c.margin:g} at this confidence even if the candidate "
            f"matched the baseline on every one ({need} would). {ni.reason}")
-    needed = max(best.items_needed or 0, ni.items_needed or 0) or None
-    return dataclasses.replace(ni, reason=why, items_needed=needed), True
+    return dataclasses.replace(ni, reason=why, items_needed=ni.items_needed or best.items_needed), True
 
 
 class AgreementCheckConfig(CheckConfig):
