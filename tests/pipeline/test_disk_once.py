@@ -3,8 +3,8 @@ and once per registered version in the tracking store, never per rerun.
 
 A one-candidate search on the tiny model runs four times on one cache and one tracking store: the
 recipe, the same recipe again, the same recipe with `--fresh all` (every stage recomputed), and the
-recipe with one gate margin changed (a new recipe hash: a new registered version, and so exactly
-one more upload of the artifact). After each, every file of the store's artifact root is hashed:
+recipe with one gate margin changed, pinned first as the model's policy with `kiln policy set` (a new
+recipe hash: a new registered version, and so exactly one more upload of the artifact). After each, every file of the store's artifact root is hashed:
 the artifact's files appear once per registered version and nothing else big appears at all; the
 cache's stages hold no two copies of the same bytes, and do not grow with a rerun.
 """
@@ -91,6 +91,10 @@ def runs(tmp_path_factory, tiny_model_dir):
     recipe = _recipe(work / "search.yaml", tiny_model_dir)
     after = {}
     for label, extra in RUNS:
+        if label == "margin":  # another gate for a registered model is a recorded change of its policy (issue 52)
+            pin = kiln("policy", "set", NAME, str(recipe), *extra, "--reason", "disk test: a new margin", cwd=work,
+                       env={"KILN_CACHE": str(cache)})  # signed with the key the runs trust: the cache's own
+            assert pin.returncode == 0, pin.stdout[-3000:] + pin.stderr[-3000:]
         proc = kiln("run", str(recipe), *extra, cwd=work, env={"KILN_CACHE": str(cache)})
         assert proc.returncode in (0, 1, 3), (label, proc.stdout[-3000:] + proc.stderr[-3000:])
         after[label] = _disk(work, cache, tiny_model_dir)
@@ -165,6 +169,7 @@ def test_a_ray_search_has_its_node_upload_the_artifact_only_for_a_new_version(ru
     from kiln.pipeline.tracking import Tracker
 
     work = runs["work"]
+    monkeypatch.setenv("KILN_CACHE", str(runs["cache"]))  # the runs' key: the one the model's policy pin is signed by
     run_dir = max((work / "runs").iterdir(), key=lambda p: p.stat().st_mtime)
     # The winner's view of the recipe: what the report registers the artifact under.
     recipe = dict(Recipe.model_validate(yaml.safe_load((run_dir / "recipe.yaml").read_text())).arms())["torch-int8"]
@@ -196,7 +201,8 @@ def test_a_ray_search_has_its_node_upload_the_artifact_only_for_a_new_version(ru
     assert task.upload_to == parent and ray_executor.UPLOAD in task.phases
     model_registry.upload(tracker, task.upload_to, ModelArtifact(path=model, manifest={"sha256": "f" * 64}))  # the node
     ctx = SimpleNamespace(tracker=tracker, recipe=recipe, parent_run=parent, cache=runs["cache"])
-    version = model_registry.register(ctx, new.artifact)  # its path is not on this machine: never read
+    judged_under = json.loads((run_dir / "policy.json").read_text())["sha256"]  # as the report registers it
+    version = model_registry.register(ctx, new.artifact, judged_under)  # its path is not on this machine: never read
     assert not version.reused
     store = Counter(_sha(p) for p in _files(work / "mlruns", BIG))
     assert store[_sha(model / "weights.bin")] == 1
