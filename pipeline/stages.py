@@ -191,8 +191,8 @@ def _log_stage(ctx: RunContext, run_id: str, stage: str, inputs: dict[str, Any],
         ctx.tracker.log_artifacts(run_id, path, "stage")
     else:
         for name in (RESULT, MANIFEST, ENVELOPE, *artifacts):
-            if (path / name).exists():
-                ctx.tracker.log_artifacts(run_id, path / name, "stage")
+            if (path / name).exists():  # at its place in the folder, where its seal names it
+                ctx.tracker.log_artifacts(run_id, path / name, "/".join(("stage", *Path(name).parent.parts)))
     return result
 
 
