@@ -148,6 +148,14 @@ def _quality(calls: list) -> callable:
     return compute
 
 
+def _build(out: Path) -> dict:
+    """An optimize stage's shape: a model folder, its manifest beside the weights."""
+    (out / "model").mkdir()
+    (out / "model" / "weights.bin").write_bytes(b"w" * 1024)
+    (out / "model" / "kiln-artifact.json").write_text(json.dumps({"sha256": "a" * 64}))
+    return {"metrics": {"size_bytes": 1024}}
+
+
 def _said(console: Console) -> str:
     return " ".join(console.export_text(clear=False).split())
 
@@ -422,6 +430,16 @@ def test_the_ray_driver_takes_a_nodes_stage_only_under_a_key_it_or_the_node_trus
     verified = check(Path(fetched["path"]), "quality", computed.key)  # the driver's own seal now
     assert verified.predicate["origin"]["mlflow_run"] == computed.mlflow_run
     assert evidence_from_run(driver.run_dir)["candidate"].samples["nll"]["0"] == 2.0
+    # A build comes back without its model (it stays on the node): the records that came back still check.
+    monkeypatch.setenv(signing.SIGNING_KEY_ENV, str(node_key))
+    build = run_stage(node, "optimize", "candidate", {"x": 1}, _build, artifacts=("model/kiln-artifact.json",),
+                      portable=False)
+    monkeypatch.delenv(signing.SIGNING_KEY_ENV)
+    fetch_stage(driver, json.loads((node.run_dir / "stages" / "optimize-candidate.json").read_text()),
+                node_keys({"node": node_public.read_text()}))
+    brought = Path(json.loads((driver.run_dir / "stages" / "optimize-candidate.json").read_text())["path"])
+    assert set(check(brought, "optimize", build.key).subjects()) == {"result.json", "manifest.json",
+                                                                      "model/kiln-artifact.json"}
     # The same stage, edited on the server (the node's run's files replaced), is refused by the driver.
     folder = Path(tracker.client.download_artifacts(computed.mlflow_run, "stage", str(tmp_path / "mallory")))
     (folder / "samples.jsonl").write_text((folder / "samples.jsonl").read_text().replace('"nll": 2.0', '"nll": 0.1'))
