@@ -181,13 +181,15 @@ class Permit:
     forced: str | None
 
 
-def verify_version(client: Any, name: str, version: str, local: Path | None = None) -> signing.Verified:
+def verify_version(client: Any, name: str, version: str, local: Path | None = None,
+                   pinned_only: bool = True) -> signing.Verified:
     """The version's attestation once it verifies: signed by a trusted key, naming this version, judged under
-    the policy the registered model pins, and its subjects equal to the bytes in the store now — or, with
+    the policy the registered model pins (unless not `pinned_only`: a search's champion is the bar as it was
+    judged, under whatever policy then), and its subjects equal to the bytes in the store now — or, with
     `local`, to that folder: the engine the verdict names when it names one, else the artifact."""
     mv = _version(client, name, version)
     verified = attestation.download_attestation(client, name, version, mv)
-    pinned = pinned_policy(client, name)
+    pinned = pinned_policy(client, name) if pinned_only else None
     judged_under = verified.predicate.get("policy_sha256")
     if pinned is not None and judged_under != pinned.policy_sha256:
         raise NotVerified(f"{name} v{version}: judged under policy {str(judged_under)[:12]}, but {name} pins "

@@ -106,7 +106,7 @@ def find_champion(ctx: RunContext) -> Champion | None:
 
     # The bar the winner must beat is the version as it was judged: a champion whose verdict does not verify
     # (or whose bytes changed in the store) ends the run (exit 5), rather than leave the bar to whoever set it.
-    verified = verify_version(client, name, str(mv.version))
+    verified = verify_version(client, name, str(mv.version), pinned_only=False)
     return Champion(name, str(mv.version), mv.tags[ARTIFACT_SHA], client.get_model_version_download_uri(name, mv.version),
                     json.loads(mv.tags[SERVING]), verified)
 
