@@ -82,3 +82,42 @@ def judged_recipe(recipe: Path, set_: list[str], policy_from: Path | None) -> An
     same = f", the same as {recipe}'s)" if own == used else f"); {recipe}'s own policy {own[:12]} is not used"
     console.print(f"judged under the policy of {policy_from} (policy {used[:12]}{same}", markup=False, soft_wrap=True)
     return judged
+
+
+@policy_app.command("set")
+def set_policy(name: str, recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
+               reason: Annotated[str | None, typer.Option(help="why the model's policy changes (required; recorded)")] = None,
+               tracking_uri: Annotated[str | None, typer.Option(help="MLflow tracking URI (default: "
+                                                                      "$MLFLOW_TRACKING_URI or ./mlflow.db)")] = None) -> None:
+    """Pin RECIPE's policy on registered model NAME: from now on only runs judged under it can pass a version.
+
+    Signed with kiln's key and recorded with who and why in the model's policy history. Versions judged
+    under the old policy no longer verify (`kiln verify`): judge them again under the new one."""
+    from kiln.core.errors import BadInput
+    from kiln.pipeline import model_registry
+    from kiln.pipeline.policy import policy_digest
+    from kiln.pipeline.recipe import load_recipe
+    from kiln.pipeline.tracking import open_client
+
+    if not (reason or "").strip():
+        raise BadInput("--reason: say why the policy of a registered model changes; it is recorded with who set it.")
+    digest = policy_digest(load_recipe(recipe, set_))
+    client = open_client(tracking_uri)
+    model_registry.ensure_model(client, name)
+    before = _pinned(client, name)
+    pin = model_registry.pin_policy(client, name, digest, reason.strip())
+    console.print(f"{name}: policy {before[:12] if before else '(none)'} -> {digest[:12]}, set by {pin.set_by}",
+                  soft_wrap=True, markup=False)
+
+
+def _pinned(client: object, name: str) -> str | None:
+    """The digest pinned now; a pin that does not verify is replaced, and said so."""
+    from kiln.core.errors import NotVerified
+    from kiln.pipeline import model_registry
+
+    try:
+        pin = model_registry.pinned_policy(client, name)
+    except NotVerified as e:
+        console.print(f"! {e}: replacing it", soft_wrap=True, markup=False)
+        return None
+    return pin.policy_sha256 if pin else None
