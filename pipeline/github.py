@@ -44,7 +44,8 @@ _SECRET_QUERY = re.compile(r"(?P<key>[?&](?:token|access_token|sig|signature|pas
                            re.IGNORECASE)
 ICON = {"Successful": "✅", "Failed": "❌", "Inconclusive": "⚠️", "Error": "💥"}
 ORDER = {"Failed": 0, "Error": 1, "Inconclusive": 2, "Successful": 3}
-EXIT_MEANING = {0: "passed", 1: "gate failed", 2: "bad input", 3: "gate inconclusive", 4: "internal error"}
+EXIT_MEANING = {0: "passed", 1: "gate failed", 2: "bad input", 3: "gate inconclusive", 4: "internal error",
+                5: "not verified"}
 
 
 def redact(text: str, env: Mapping[str, str] = os.environ) -> str:

@@ -325,7 +325,7 @@ def test_run_step_reports_an_invalid_recipe(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("rc", "line"), [
     ("0", "kiln: passed (Successful)"), ("1", "::error title=kiln: gate failed::"),
     ("2", "::error title=kiln: bad input::"), ("3", "::warning title=kiln: inconclusive::"),
-    ("4", "::error title=kiln: internal error::")])
+    ("4", "::error title=kiln: internal error::"), ("5", "::error title=kiln: not verified::")])
 def test_conclude_ends_the_job_with_kilns_exit_code(tmp_path: Path, rc: str, line: str) -> None:
     step = next(s for s in load(ACTION)["runs"]["steps"] if s.get("name") == "Conclude")
     (tmp_path / "step.sh").write_text(step["run"])
@@ -352,3 +352,14 @@ def test_gate_job_combines_and_asks_approval_for_removed_recipes(tmp_path: Path,
     proc = subprocess.run(["bash", "--noprofile", "--norc", "-eo", "pipefail", str(tmp_path / "step.sh")], env=env,
                           capture_output=True, text=True)
     assert proc.returncode == code and line in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_the_signing_key_never_lands_in_a_saved_cache() -> None:
+    """GitHub's cache is readable by every workflow of the repository, pull requests' included: kiln's
+    cache is saved without its keys/ folder, and the signing-key input goes to a file of the job's own."""
+    steps = load(ACTION)["runs"]["steps"]
+    saved = next(s for s in steps if s.get("name") == "Cache kiln artifacts")["with"]["path"].split()
+    assert "!${{ steps.prep.outputs.kiln-cache }}/keys" in saved, saved
+    run = next(s for s in steps if s.get("id") == "run")
+    assert run["env"]["SIGNING_KEY"] == "${{ inputs.signing-key }}"
+    assert 'export KILN_SIGNING_KEY="$key_file"' in run["run"] and "chmod 600" in run["run"]
