@@ -358,7 +358,7 @@ def test_the_signing_key_never_lands_in_a_saved_cache() -> None:
     """GitHub's cache is readable by every workflow of the repository, pull requests' included: kiln's
     cache is saved without its keys/ folder, and the signing-key input goes to a file of the job's own."""
     steps = load(ACTION)["runs"]["steps"]
-    saved = next(s for s in steps if s.get("name") == "Cache kiln artifacts")["with"]["path"].split()
+    saved = next(s for s in steps if s.get("name") == "Cache kiln artifacts")["with"]["path"].splitlines()
     assert "!${{ steps.prep.outputs.kiln-cache }}/keys" in saved, saved
     run = next(s for s in steps if s.get("id") == "run")
     assert run["env"]["SIGNING_KEY"] == "${{ inputs.signing-key }}"
