@@ -378,14 +378,7 @@ def publish(ctx: Any, outcome: GateOutcome, evidence: dict[str, Evidence], artif
     from kiln.core.gate.performance import guard_warnings
     from kiln.pipeline.report_plots import gather, pareto
 
-    judged_under = read_json(ctx.run_dir / "policy.json")  # written by the runner's start_run
-    registered = model_registry.register(ctx, artifact, judged_under["sha256"])
-    version = registered.to_dict(passed=int(outcome.exit_code) == 0)
-    alias = f"alias {version['alias']}" if version["alias"] else "no alias: the run did not pass"
-    links = {"registered model": f"{version['name']} v{version['version']} ({alias})"
-                                 + (", the same artifact and recipe as before" if registered.reused else "")}
-    if warning := model_registry.champion_warning_after(ctx.tracker.client, registered, outcome):
-        links["registered model"] += f". ⚠️ {warning}"
+    registered, version, signed, links = _register_and_sign(ctx, outcome, artifact)
     if url := ctx.tracker.run_url(ctx.parent_run):
         links["MLflow run"] = url
     load = ctx.outcomes.get("load:pair")
@@ -418,15 +411,34 @@ def publish(ctx: Any, outcome: GateOutcome, evidence: dict[str, Evidence], artif
     # The version links back along the chain in the UI; set last: only a finished run's version reads as finished.
     lineage_tags = {"kiln.lineage." + step["step"].replace("[", ".").rstrip("]"): f"{step['key']} (run {step['mlflow_run']})"
                     for step in sections.lineage[:-1]}
-    signed = _attest(ctx, outcome, artifact, version, judged_under)
     model_registry.complete(ctx, registered, outcome, {**lineage_tags, **serving_tag(ctx), **signed})
     return ctx.run_dir / "report.md"
+
+
+def _register_and_sign(ctx: Any, outcome: GateOutcome, artifact: Any) -> tuple[Any, dict[str, Any], dict[str, str],
+                                                                                dict[str, str]]:
+    """The registry version (under the policy the run was judged by), the signed verdict, and the report's
+    links that say both: (registered, version record, version tags of the attestation, links)."""
+    from kiln.pipeline import model_registry
+
+    judged_under = read_json(ctx.run_dir / "policy.json")  # written by the runner's start_run
+    registered = model_registry.register(ctx, artifact, judged_under["sha256"])
+    version = registered.to_dict(passed=int(outcome.exit_code) == 0)
+    alias = f"alias {version['alias']}" if version["alias"] else "no alias: the run did not pass"
+    links = {"registered model": f"{version['name']} v{version['version']} ({alias})"
+                                 + (", the same artifact and recipe as before" if registered.reused else "")}
+    if warning := model_registry.champion_warning_after(ctx.tracker.client, registered, outcome):
+        links["registered model"] += f". ⚠️ {warning}"
+    signed = _attest(ctx, outcome, artifact, version, judged_under)
+    links["signed verdict"] = (f"attestation.dsse.json, key {signed.pop('key_id')[:12]}, policy "
+                               f"{judged_under['sha256'][:12]} (`kiln verify {ctx.run_dir}`)")
+    return registered, version, signed, links
 
 
 def _attest(ctx: Any, outcome: GateOutcome, artifact: Any, version: dict[str, Any],
             judged_under: dict[str, Any]) -> dict[str, str]:
     """The run's signed verdict (kiln.pipeline.attestation) in the run folder and on the parent run; the
-    version's tags that say where it is."""
+    version's tags that say where it is, and the signing key's id (`key_id`, for the report)."""
     from kiln.core.files import sha256_file
     from kiln.pipeline import attestation
 
@@ -438,4 +450,5 @@ def _attest(ctx: Any, outcome: GateOutcome, artifact: Any, version: dict[str, An
         recipe={"name": ctx.recipe.name, "sha256": ctx.recipe.digest()}, mlflow_run=ctx.parent_run)
     envelope = attestation.attest(ctx.run_dir, judged)
     ctx.tracker.log_artifacts(ctx.parent_run, envelope)
-    return {attestation.ATTESTATION_RUN: ctx.parent_run, attestation.ATTESTATION_SHA: sha256_file(envelope)}
+    return {attestation.ATTESTATION_RUN: ctx.parent_run, attestation.ATTESTATION_SHA: sha256_file(envelope),
+            "key_id": read_json(envelope)["signatures"][0]["keyid"]}

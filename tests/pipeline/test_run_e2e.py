@@ -127,7 +127,9 @@ def test_kiln_run_under_github_actions_writes_summary_outputs_and_comment(tiny_r
 
     event = tmp_path / "event.json"
     event.write_text(json.dumps({"pull_request": {"number": 7, "head": {"sha": "ab" * 20}}}))
-    for label, extra, expected in (("pass", [], None), ("fail", ["--set", "gate.checks.2.max_ratio=0.01"], 1)):
+    # The failing policy registers under a name of its own: `tiny` pins the policy it was first judged under.
+    failing = ["--set", "gate.checks.2.max_ratio=0.01", "--set", "tracking.registered_model=tiny-strict"]
+    for label, extra, expected in (("pass", [], None), ("fail", failing, 1)):
         summary, outputs = tmp_path / f"{label}-summary.md", tmp_path / f"{label}-outputs.txt"
         env = {"GITHUB_ACTIONS": "true", "GITHUB_STEP_SUMMARY": str(summary), "GITHUB_OUTPUT": str(outputs),
                "GITHUB_EVENT_PATH": str(event), "GITHUB_EVENT_NAME": "pull_request"}
