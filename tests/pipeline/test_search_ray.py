@@ -56,7 +56,14 @@ def _outcome(work: Path, proc) -> dict:
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    with tracking_setup("postgres-s3", tmp_path_factory.mktemp("ray-store")) as setup:
+    from kiln.core.signing import SIGNING_KEY_ENV, new_key
+
+    work = tmp_path_factory.mktemp("ray-store")
+    with tracking_setup("postgres-s3", work) as setup:
+        # A team's machines sign with one key (docs/security.md): the driver, every node and the local reference
+        # trust each other's stages and the registered model's policy pin.
+        new_key(work / "team.pem")
+        setup.env[SIGNING_KEY_ENV] = str(work / "team.pem")
         yield setup
 
 
