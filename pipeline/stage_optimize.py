@@ -7,14 +7,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kiln.core.files import atomic_write_json, dir_size, read_json, sha256_tree
+from kiln.core.files import atomic_write_json, dir_size, hash_of, read_json, sha256_tree
 from kiln.core.versions import library_versions
 from kiln.optimize.base import QUANTIZERS, ModelArtifact
 from kiln.optimize.memory import source_dtype
 from kiln.pipeline.demo import prepare_demo_data
 from kiln.pipeline.model_source import ResolvedModel
 from kiln.pipeline.rss import return_freed_memory
-from kiln.pipeline.stage_inputs import text_path, tokenized_prompts, tokenizer_of
+from kiln.pipeline.stage_inputs import read_prompts, text_path, tokenized_prompts, tokenizer_of
 from kiln.pipeline.stages import RunContext, StageOutcome, peak_rss_bytes, run_stage
 
 
@@ -114,10 +114,14 @@ def engine(ctx: RunContext, role: str, art: ModelArtifact) -> Path:
 
     # "parity" keys the stage, so an engine built before the smoke check existed is checked once; the
     # backend's revision (engine/cache.py's key holds it too) so a changed adapter is built and measured again.
+    # The smoke check's prompts are the benchmark's first few: their text is what the stage read, so it keys it
+    # (a recipe with fewer or other prompts must not reuse a check run on these).
     revision = BACKENDS.get(cfg.backend).revision
+    b = ctx.recipe.evaluate.benchmark
+    checked = min(parity.PROMPTS, b.num_prompts)
     outcome = run_stage(ctx, "engine", role, {"backend": cfg.model_dump(mode="json"), "artifact": art.manifest["sha256"],
-                                              "parity": {"prompts": parity.PROMPTS, "tokens": parity.NEW_TOKENS,
-                                                         "shortest": parity.SHORTEST_TEXTS},
+                                              "parity": {"prompts": checked, "texts": hash_of(read_prompts(b.prompts, checked)),
+                                                         "tokens": parity.NEW_TOKENS, "shortest": parity.SHORTEST_TEXTS},
                                               **({"revision": revision} if revision else {})},
                         compute, artifacts=("parity.json",), portable=False,
                         needs=lambda result: [Path(result["engine_dir"]) / ENGINE_MANIFEST])

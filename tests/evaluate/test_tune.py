@@ -206,7 +206,12 @@ def test_rerun_reuses_the_tuning(tuned):
 def test_cli_prints_the_trials_table_from_the_cached_search(tuned):
     recipe = tuned["work"] / "tiny-tune.yaml"
     recipe.write_text(yaml.safe_dump(tuned["recipe"].model_dump(mode="json")))
-    proc = kiln("tune", str(recipe), cwd=tuned["work"], env={"KILN_CACHE": str(tuned["work"] / "cache")})
+    from kiln.core.signing import SIGNING_KEY_ENV, machine_key_path
+
+    # The fixture's stages were sealed in this process, with the key of this session's cache: the CLI, on
+    # another cache, trusts what it finds there only under the same key (a cache's key is its machine's).
+    env = {"KILN_CACHE": str(tuned["work"] / "cache"), SIGNING_KEY_ENV: str(machine_key_path())}
+    proc = kiln("tune", str(recipe), cwd=tuned["work"], env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "unchanged inputs, reusing" in proc.stdout  # the search is not run again
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]

@@ -41,8 +41,9 @@ def store(tmp_path_factory, tiny_model_dir):
     work = tmp_path_factory.mktemp("ui-store")
     git = ["git", "-c", "user.name=kiln", "-c", "user.email=kiln@localhost"]
     subprocess.run(git + ["init", "-q"], cwd=work, check=True)
-    for verdict, checks in GATES.items():
-        write_recipe(work / f"{verdict.lower()}.yaml", tiny_model_dir, gate__checks=checks)
+    for verdict, checks in GATES.items():  # two policies: two registered models (each pins its own)
+        own = {"tracking__registered_model": "tiny-failed"} if verdict == "Failed" else {}
+        write_recipe(work / f"{verdict.lower()}.yaml", tiny_model_dir, gate__checks=checks, **own)
     subprocess.run(git + ["add", "."], cwd=work, check=True)
     subprocess.run(git + ["commit", "-qm", "recipes"], cwd=work, check=True)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=work, capture_output=True, text=True).stdout.strip()
