@@ -40,6 +40,16 @@ def write_recipe(path: Path, model_dir: Path, **changes) -> Path:
     return path
 
 
+def quick_recipe(path: Path, model_dir: Path, name: str) -> Path:
+    """The tiny recipe cut to what a test of the run's plumbing needs: two perplexity documents, a
+    two-prompt benchmark of one round and one size check."""
+    return write_recipe(path, model_dir, name=name,
+                        evaluate__quality={"perplexity": {"text": "demo", "max_documents": 2, "seq_len": 64},
+                                           "agreement": False},
+                        evaluate__benchmark={"prompts": "demo", "num_prompts": 2, "max_new_tokens": 4, "repeats": 1},
+                        gate={"checks": [{"kind": "size", "max_ratio": 1.0}]})
+
+
 def fresh_cache(path: Path) -> Path:
     """An empty kiln cache (no stage, no engine, no hash) as a new machine has, but for the demo data,
     linked from the shared test cache: a new machine runs `kiln prepare-demo` once, not per test."""

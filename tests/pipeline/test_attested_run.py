@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 
 from kiln.core.files import read_json
-from tests.pipeline.conftest import fresh_cache, kiln, write_recipe
+from tests.pipeline.conftest import fresh_cache, kiln, quick_recipe
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, tiny_model_dir):
     work = tmp_path_factory.mktemp("attested")
     cache = fresh_cache(work / "cache")
-    recipe = write_recipe(work / "tiny.yaml", tiny_model_dir, name="attested")
+    recipe = quick_recipe(work / "tiny.yaml", tiny_model_dir, name="attested")
     env = {"KILN_CACHE": str(cache)}
     proc = kiln("run", str(recipe), cwd=work, env=env)
     assert proc.returncode in (0, 1, 3), proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -20,7 +20,7 @@ import pytest
 
 from kiln.core import files
 from kiln.core.files import cached_tree_hash, hash_of, sha256_tree
-from tests.pipeline.conftest import fresh_cache, kiln, write_recipe
+from tests.pipeline.conftest import fresh_cache, kiln, quick_recipe
 
 WEIGHTS = "model.safetensors"
 
@@ -146,11 +146,7 @@ def test_a_judged_checkpoint_rewritten_under_a_finished_run(tmp_path, tiny_model
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
     env = {"KILN_CACHE": str(fresh_cache(tmp_path / "cache"))}
-    recipe = write_recipe(tmp_path / "r.yaml", model, name="judged-bytes",
-                          evaluate__quality={"perplexity": {"text": "demo", "max_documents": 2, "seq_len": 64},
-                                             "agreement": False},
-                          evaluate__benchmark={"prompts": "demo", "num_prompts": 2, "max_new_tokens": 4, "repeats": 1},
-                          gate={"checks": [{"kind": "size", "max_ratio": 1.0}]})
+    recipe = quick_recipe(tmp_path / "r.yaml", model, name="judged-bytes")
     first = kiln("run", str(recipe), cwd=tmp_path, env=env)
     assert first.returncode in (0, 1, 3), first.stdout[-3000:] + first.stderr[-3000:]
     _, baseline = _stage(_newest_run(tmp_path), "optimize-baseline")

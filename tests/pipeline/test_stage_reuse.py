@@ -13,7 +13,7 @@ from types import SimpleNamespace
 from rich.console import Console
 
 from kiln.pipeline.stages import RunContext, run_stage
-from tests.pipeline.conftest import fresh_cache, kiln, write_recipe
+from tests.pipeline.conftest import fresh_cache, kiln, quick_recipe
 
 
 def _ctx(tmp_path: Path, console: Console) -> RunContext:
@@ -49,11 +49,7 @@ def test_a_stage_whose_output_elsewhere_is_gone_is_computed_again(tmp_path):
 def test_a_run_whose_engine_folder_was_deleted_builds_it_again(tmp_path, tiny_model_dir):
     """The real CLI: the failure a CI machine met when its cache's engines were deleted by hand."""
     env = {"KILN_CACHE": str(fresh_cache(tmp_path / "cache"))}
-    recipe = write_recipe(tmp_path / "r.yaml", tiny_model_dir, name="rebuild",
-                          evaluate__quality={"perplexity": {"text": "demo", "max_documents": 2, "seq_len": 64},
-                                             "agreement": False},
-                          evaluate__benchmark={"prompts": "demo", "num_prompts": 2, "max_new_tokens": 4, "repeats": 1},
-                          gate={"checks": [{"kind": "size", "max_ratio": 1.0}]})
+    recipe = quick_recipe(tmp_path / "r.yaml", tiny_model_dir, name="rebuild")
     first = kiln("run", str(recipe), cwd=tmp_path, env=env)
     assert first.returncode in (0, 1, 3), first.stdout[-3000:] + first.stderr[-3000:]
     engines = sorted((tmp_path / "cache" / "engines").iterdir())
