@@ -116,8 +116,19 @@ def batch_size(engine: Engine) -> int | None:
 
 
 def _default_name(engine: Engine) -> str:
+    """The model folder's name, as vLLM serves a model under its path. An engine built from an optimize
+    stage's checkpoint (`<stage>/model`) takes the name of the folder that checkpoint was made from."""
+    from kiln.optimize.base import MANIFEST
+
     source = (engine.manifest.get("source") or {}).get("path") or engine.manifest.get("build", {}).get("checkpoint")
-    return Path(source).name if source else engine.manifest.get("backend", "kiln")
+    if not source:
+        return engine.manifest.get("backend", "kiln")
+    made_from = Path(source) / MANIFEST
+    if made_from.is_file():
+        origin = json.loads(made_from.read_text()).get("source")
+        if isinstance(origin, str) and origin:
+            return Path(origin).name
+    return Path(source).name
 
 
 def _warm_up(engine: Engine) -> None:
@@ -526,7 +537,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("engine_dir", type=Path)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model-name")
+    p.add_argument("--served-model-name", help="the name in /v1/models and responses (default: the model folder's)")
     a = p.parse_args(argv)
     key = os.environ.get("KILN_API_KEY")
     try:
@@ -534,7 +545,7 @@ def main(argv: list[str] | None = None) -> None:
     except BadInput as e:
         p.error(str(e))  # exit 2, as `kiln serve`'s
     log_requests_to("stderr")
-    serve(a.engine_dir, a.host, a.port, key, a.model_name)
+    serve(a.engine_dir, a.host, a.port, key, a.served_model_name)
 
 
 if __name__ == "__main__":
