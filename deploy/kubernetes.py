@@ -226,8 +226,8 @@ def render(name: str, policy: GateSection, deploy: DeployConfig, verify: tuple[s
 def _verify_warnings(name: str, deploy: DeployConfig, verify: tuple[str, str] | None) -> list[str]:
     ns = deploy.kubernetes.namespace
     if verify is None:
-        return ["rendered without --version: the pods serve whatever engine the image holds, and nothing checks "
-                "it against a signed verdict; render with --version VERSION to add the kiln-verify init container"]
+        return ["rendered without --model-version: the pods serve whatever engine the image holds, and nothing checks "
+                "it against a signed verdict; render with --model-version VERSION to add the kiln-verify init container"]
     return [f"Secret {name}-tracking (key uri) must hold the tracking server's URI for the kiln-verify init "
             f"container: kubectl -n {ns} create secret generic {name}-tracking --from-literal=uri=<MLFLOW_TRACKING_URI>",
             f"ConfigMap {name}-trusted-keys (key kiln.pub) must hold the public key your verdicts are signed with: "

@@ -4,6 +4,7 @@ kiln.pipeline.cache_index. Registered on the one `kiln` app (cli_app.py) when `c
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from pathlib import Path
@@ -11,11 +12,11 @@ from typing import Annotated
 
 import typer
 
-from kiln.pipeline.cli_app import app, console, size_option
+from kiln.pipeline.cli_app import JsonOpt, app, console, size_option, typer_app
 from kiln.pipeline.cli_ops import TrackingOpt
 from kiln.core.errors import BadInput
 
-cache_app = typer.Typer(help="What kiln's cache holds (by model, stage and size; what is needed) and pruning the rest.")
+cache_app = typer_app(help="What kiln's cache holds (by model, stage and size; what is needed) and pruning the rest.")
 app.add_typer(cache_app, name="cache")
 
 RUN_DIR_TAG = "kiln.run_dir"  # set on a version by kiln.pipeline.model_registry.complete
@@ -71,7 +72,8 @@ def _ago(t: float) -> str:
 
 @cache_app.command("list")
 def list_cmd(tracking_uri: TrackingOpt = None,
-             entries: Annotated[bool, typer.Option("--entries", help="a line per stage and engine")] = False) -> None:
+             entries: Annotated[bool, typer.Option("--entries", help="a line per stage and engine")] = False,
+             as_json: JsonOpt = False) -> None:
     """What the cache holds: stages and engines by model and kind, with their size and what is
     needed (a registered version's run, or a run or stage running now); the rest by folder."""
     from rich.table import Table
@@ -79,6 +81,9 @@ def list_cmd(tracking_uri: TrackingOpt = None,
     from kiln.optimize.memory import human
 
     ix, note = _index(tracking_uri)
+    if as_json:  # every entry, whether or not --entries
+        print(json.dumps(_as_dict(ix, note), indent=2))
+        return
     console.print(f"{ix.root}: {human(ix.total)} on disk ({note})", soft_wrap=True)
     groups: dict[tuple[str, str], list] = {}
     for e in ix.entries.values():
@@ -100,6 +105,14 @@ def list_cmd(tracking_uri: TrackingOpt = None,
     for name, size in sorted(ix.other.items()):
         t.add_row(name, human(size))
     console.print(t)
+
+
+def _as_dict(ix, note: str) -> dict:
+    entries = [{"stage": e.kind, "key": e.key, "model": e.model, "path": str(e.path), "finished": e.finished,
+                "bytes": e.bytes, "last_used": e.last_used, "needed": e.needed or None}
+               for e in sorted(ix.entries.values(), key=lambda e: (e.model, e.kind, -e.last_used))]
+    return {"root": str(ix.root), "total_bytes": ix.total, "needs_from": note, "entries": entries,
+            "never_pruned": dict(sorted(ix.other.items()))}
 
 
 @cache_app.command("prune")
@@ -145,4 +158,4 @@ def prune_cmd(older_than: Annotated[str | None, typer.Option(help="prune what wa
 def cache_main(ctx: typer.Context) -> None:
     """`kiln cache` alone lists (`kiln cache list`)."""
     if ctx.invoked_subcommand is None:
-        list_cmd(tracking_uri=None, entries=False)
+        list_cmd(tracking_uri=None, entries=False, as_json=False)

@@ -13,11 +13,12 @@ from typing import Annotated
 
 import typer
 from rich.markup import escape
+from typer._click.exceptions import ClickException  # typer bundles click; 0.26 names no public base
 from rich.table import Table
 
 from kiln.core.credentials import guard_streams
 from kiln.core.errors import BadInput, ExitCode, KilnError
-from kiln.pipeline.cli_app import RecipeArg, RunsOpt, SetOpt, app, console, err
+from kiln.pipeline.cli_app import FreshOpt, JsonOpt, RecipeArg, RunArg, RunsOpt, SetOpt, app, console, err, port_option
 from kiln.pipeline.policy_cmd import PolicyFromOpt, judged_recipe
 
 
@@ -48,9 +49,28 @@ class _CudaKernelNotice(logging.Filter):
 
 @app.command()
 def validate(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006 - typer reads defaults
-             policy_from: PolicyFromOpt = None) -> None:
-    """Check a recipe without doing any work."""
-    r = judged_recipe(recipe, set_, policy_from)
+             policy_from: PolicyFromOpt = None, as_json: JsonOpt = False) -> None:
+    """Check a recipe without running it: its fields, and every file and folder it names (model folder,
+    evaluation text, prompt sets, task files) with the counts its stages need from them."""
+    from kiln.pipeline.stage_inputs import validate_inputs
+
+    try:
+        r = judged_recipe(recipe, set_, policy_from)
+        validate_inputs(r)
+    except BadInput as e:
+        if as_json:  # the document says why; the message still goes to stderr, exit 2
+            print(json.dumps({"recipe": str(recipe), "valid": False, "errors": e.problems or [str(e)]}, indent=2))
+        raise
+    if as_json:
+        arms = [{"name": name, "optimize": view.optimize.method, "engine": view.engine.backend} for name, view in r.arms()]
+        print(json.dumps({"recipe": str(recipe), "valid": True, "name": r.name, "search": r.candidates is not None,
+                          "gate_checks": len(r.gate.checks), "arms": arms,
+                          "baseline_engine": r.baseline.engine.backend if r.baseline.engine else None}, indent=2))
+        return
+    _print_valid(recipe, r)
+
+
+def _print_valid(recipe: Path, r) -> None:
     checks = f"{len(r.gate.checks)} gate checks"
     if r.candidates is None:
         console.print(f"[green]✓[/green] {recipe}: valid ({r.name}, optimize={r.optimize.method}, "
@@ -79,7 +99,7 @@ def schema() -> None:
 @app.command()
 def run(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
         runs: RunsOpt = Path("runs"),
-        fresh: Annotated[list[str], typer.Option(help="recompute a stage even if cached (stage name or 'all')")] = [],  # noqa: B006
+        fresh: FreshOpt = [],  # noqa: B006
         policy_from: PolicyFromOpt = None) -> None:
     """Run the pipeline: optimize → evaluate quality → benchmark → gate. Resumes a killed run."""
     from kiln.pipeline.runner import run_pipeline
@@ -96,36 +116,47 @@ def run(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
 
 
 @app.command("runs")
-def runs_(runs: RunsOpt = Path("runs")) -> None:
+def runs_(runs: RunsOpt = Path("runs"), as_json: JsonOpt = False) -> None:
     """List runs, newest first."""
     from kiln.pipeline.runner import list_runs
 
+    listed = list_runs(runs)
+    if as_json:
+        print(json.dumps(listed, indent=2))
+        return
     t = Table("run", "status", "verdict", "exit")
-    for s in list_runs(runs):
+    for s in listed:
         t.add_row(s["run"], s.get("status", "?"), s.get("verdict", "—"), str(s.get("exit_code", "—")))
     console.print(t)
 
 
 @app.command()
-def show(run_name: Annotated[str, typer.Argument(metavar="RUN")], runs: RunsOpt = Path("runs")) -> None:
+def show(run_name: RunArg,
+         runs: RunsOpt = Path("runs"), as_json: JsonOpt = False) -> None:
     """Print a run's stages, metrics and verdict."""
     d = runs / run_name if not Path(run_name).is_dir() else Path(run_name)
     if not (d / "state.json").exists():
         raise BadInput(f"RUN: no run '{run_name}' under {runs}/ (see `kiln runs`).")
+    state = json.loads((d / "state.json").read_text())
+    stages = [json.loads(f.read_text()) for f in sorted((d / "stages").glob("*.json"), key=lambda p: p.stat().st_mtime)]
+    report = (d / "report.md").read_text() if (d / "report.md").exists() else None
+    if as_json:
+        print(json.dumps({"run": d.name, "run_dir": str(d), "state": state, "stages": stages, "report_md": report},
+                         indent=2))
+        return
     t = Table("stage", "role", "reused", "metrics")
-    for f in sorted((d / "stages").glob("*.json"), key=lambda p: p.stat().st_mtime):
-        s = json.loads(f.read_text())
+    for s in stages:
         shown = ", ".join(f"{k}={v:.4g}" for k, v in s["metrics"].items() if isinstance(v, int | float))
         t.add_row(s["stage"], s["role"], "yes" if s["reused"] else "", shown)
     console.print(t)
-    if (d / "report.md").exists():
-        console.print((d / "report.md").read_text(), markup=False)
+    if report is not None:
+        console.print(report, markup=False)
     else:
-        console.print(f"status: {json.loads((d / 'state.json').read_text()).get('status')}")
+        console.print(f"status: {state.get('status')}")
 
 
 @app.command()
-def ui(port: int = 5000, host: cli_ops.HostOpt = "127.0.0.1",  # cli_ops: imported below, read when typer runs
+def ui(port: Annotated[int, port_option("the MLflow UI")] = 5000, host: cli_ops.HostOpt = "127.0.0.1",  # cli_ops: imported below, read when typer runs
        tracking_uri: Annotated[str | None, typer.Option(help="default: $MLFLOW_TRACKING_URI or ./mlflow.db")] = None,
        api_key_env: cli_ops.KeyEnvOpt = "KILN_API_KEY", insecure_no_api_key: cli_ops.InsecureOpt = False) -> None:
     """Start the MLflow UI on the same store; print each kiln experiment's runs table.
@@ -174,7 +205,7 @@ def main() -> None:
     except KeyboardInterrupt:
         err.print("interrupted; run the same command again to resume")
         sys.exit(int(ExitCode.INTERRUPTED))
-    except typer.TyperException as e:  # typer's bundled click: unknown option, bad option value
+    except ClickException as e:  # typer's bundled click: unknown option, bad option value, no arguments
         if hasattr(e, "show"):
             e.show()
         else:

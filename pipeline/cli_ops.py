@@ -3,6 +3,7 @@ compare runs, plan memory and capacity. Registered on the one `kiln` app (cli_ap
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Annotated, Any
@@ -10,7 +11,8 @@ from typing import Annotated, Any
 import typer
 
 from kiln.engine.admission import SERVE_ADMISSION
-from kiln.pipeline.cli_app import RecipeArg, RunsOpt, SetOpt, app, console, size_option
+from kiln.pipeline.cli_app import (FreshOpt, JsonOpt, RecipeArg, RunArg, RunsOpt, SetOpt, app, console, port_option,
+                                   size_option, typer_app)
 from kiln.core.errors import BadInput
 
 HostOpt = Annotated[str, typer.Option(help="bind address; loopback unless you mean otherwise (any other address "
@@ -24,6 +26,8 @@ AdminKeyEnvOpt = Annotated[str, typer.Option(help="env var holding the key /admi
 TrackingOpt = Annotated[str | None, typer.Option(help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or ./mlflow.db)")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="go ahead with this one action though the verdict does not "
                                                         "verify or did not pass (needs --reason)")]
+NameArg = Annotated[str, typer.Argument(help="the registered model's name (the recipe's tracking.registered_model, "
+                                             "else its name)")]
 ReasonOpt = Annotated[str | None, typer.Option(help="why --force: recorded with this action (on the version, and in "
                                                     "the champion history when champion moves)")]
 
@@ -36,7 +40,7 @@ def _forced(force: bool, reason: str | None) -> str | None:
     if reason and not force:
         raise BadInput("--reason: only with --force (it records why a version that did not pass goes ahead).")
     return reason.strip() if force and reason else None
-deploy_app = typer.Typer(no_args_is_help=True, help="Canary rollouts: walk one locally, or render Argo Rollouts manifests.")
+deploy_app = typer_app(help="Canary rollouts: walk one locally, or render Argo Rollouts manifests.")
 app.add_typer(deploy_app, name="deploy")
 
 
@@ -124,10 +128,14 @@ RequestLogOpt = Annotated[str, typer.Option(help="one JSON line per request (que
 
 
 @app.command()
-def serve(target: Annotated[str, typer.Argument(metavar="ENGINE_DIR|RUN")],
+def serve(target: Annotated[str, typer.Argument(metavar="ENGINE_DIR|RUN", help="an engine folder (kiln-engine.json), "
+                                                                             "or a run whose arm to serve")],
           role: Annotated[str, typer.Option(help="with a RUN: which arm to serve")] = "candidate",
-          host: HostOpt = "127.0.0.1", port: int = 8000, api_key_env: ApiKeyEnvOpt = "KILN_API_KEY",
-          model_name: Annotated[str | None, typer.Option(help="name in /v1/models")] = None,
+          host: HostOpt = "127.0.0.1", port: Annotated[int, port_option("the server")] = 8000,
+          api_key_env: ApiKeyEnvOpt = "KILN_API_KEY",
+          served_model_name: Annotated[str | None, typer.Option(
+              help="the name in /v1/models and in responses' `model` (default: a RUN's recipe name, with "
+                   "-baseline for --role baseline; an engine folder's model folder name)")] = None,
           max_running: MaxRunningOpt = None, max_queue: MaxQueueOpt = None, queue_wait: QueueWaitOpt = "auto",
           ttft_slo_ms: TtftSloOpt = None, rate_limit: RateLimitOpt = 0,
           rate_burst: RateBurstOpt = SERVE_ADMISSION.rate_limit_burst,
@@ -149,8 +157,11 @@ def serve(target: Annotated[str, typer.Argument(metavar="ENGINE_DIR|RUN")],
     check_exposure(host, _key(api_key_env), api_key_env, insecure_no_api_key)
     reason = _forced(force, reason)
     d = engine_dir(target, role, runs)
-    if role == "candidate" and not (Path(target) / "kiln-engine.json").exists():  # a run, not an engine folder
-        verified_run(run_dir(target, runs), reason, "serve")
+    if not (Path(target) / "kiln-engine.json").exists():  # a run, not an engine folder
+        run = run_dir(target, runs)
+        if role == "candidate":
+            verified_run(run, reason, "serve")
+        served_model_name = served_model_name or _run_recipe(run).name + ("" if role == "candidate" else f"-{role}")
     check_hardware(read_manifest(d), d)  # the cheap checks before binding; the load itself follows
     admission = SERVE_ADMISSION.model_validate({
         **SERVE_ADMISSION.model_dump(), "max_concurrency": max_running, "max_queue": max_queue,
@@ -160,15 +171,16 @@ def serve(target: Annotated[str, typer.Argument(metavar="ENGINE_DIR|RUN")],
     if admission.log_requests:
         log_requests_to(request_log)
 
-    def ready(cold: dict[str, float]) -> None:
-        console.print(f"ready in {cold['total_s']:.1f} s (boot {cold['boot_s']:.1f} s, engine load "
-                      f"{cold['load_s']:.1f} s, warm-up {cold['warmup_s']:.1f} s)")
-
     console.print(f"serving {d} on http://{host}:{port}" + (" (API key required)" if _key(api_key_env) else ""))
-    serve_engine(d, host=host, port=port, api_key=_key(api_key_env), model_name=model_name,
-                 admission=admission, on_ready=ready)
+    serve_engine(d, host=host, port=port, api_key=_key(api_key_env), model_name=served_model_name,
+                 admission=admission, on_ready=_print_ready)
     console.print("drained and stopped")
     _exit_now()
+
+
+def _print_ready(cold: dict[str, float]) -> None:
+    console.print(f"ready in {cold['total_s']:.1f} s (boot {cold['boot_s']:.1f} s, engine load "
+                  f"{cold['load_s']:.1f} s, warm-up {cold['warmup_s']:.1f} s)")
 
 
 def _exit_now() -> None:
@@ -187,7 +199,7 @@ def _exit_now() -> None:
 @app.command()
 def tune(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
          runs: RunsOpt = Path("runs"),
-         fresh: Annotated[bool, typer.Option(help="tune again even if this search already ran")] = False) -> None:
+         fresh: FreshOpt = []) -> None:  # noqa: B006
     """Tune the recipe's engine knobs (`tune`) on its candidate: every trial, the Pareto front, the winner.
 
     The same cached stage `kiln run` uses, so a later `kiln run` builds the winner without re-tuning.
@@ -201,7 +213,7 @@ def tune(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
     if r.tune is None:
         raise BadInput(f"{recipe}: tune is not set; add `tune: {{space: {{max_batch_size: [1, 4, 8]}}}}` "
                        "beside engine (see recipes/demo-tune.yaml).")
-    ctx = start_run(r, recipe, runs, console, {"tune"} if fresh else set())
+    ctx = start_run(r, recipe, runs, console, set(fresh))  # `--fresh tune`: tune again though this search ran
     try:
         art = quantize(ctx, "candidate", r.optimize, resolve_model(r.model.path, ctx.cache))
         outcome = tune_engine(ctx, art)
@@ -214,9 +226,12 @@ def tune(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
 
 
 @app.command("fake-engine")
-def fake_engine(ttft_ms: float = 50.0, tpot_ms: float = 10.0,
+def fake_engine(ttft_ms: Annotated[float, typer.Option(help="time to first token, ms")] = 50.0,
+                tpot_ms: Annotated[float, typer.Option(help="time per output token after the first, ms")] = 10.0,
                 capacity: Annotated[int | None, typer.Option(help="max concurrent generations (default unlimited)")] = None,
-                slowdown: float = 1.0, error_rate: float = 0.0, host: HostOpt = "127.0.0.1", port: int = 8000,
+                slowdown: Annotated[float, typer.Option(help="multiplies TTFT and TPOT (a slower canary: 1.5)")] = 1.0,
+                error_rate: Annotated[float, typer.Option(help="share of requests answered with a 500")] = 0.0,
+                host: HostOpt = "127.0.0.1", port: Annotated[int, port_option("the fake engine")] = 8000,
                 api_key_env: KeyEnvOpt = "KILN_API_KEY", insecure_no_api_key: InsecureOpt = False) -> None:
     """A fake engine streaming at a set TTFT/TPOT: for testing load generators, routers, canaries."""
     from kiln.engine.fake import FakeEngineConfig, serve_fake
@@ -235,8 +250,11 @@ def route(stable: Annotated[str, typer.Option(help="stable backend URL")],
           weight: Annotated[float, typer.Option(help="percent of traffic to the canary")] = 0.0,
           mirror_fraction: Annotated[float, typer.Option(
               help="share of greedy prompts also answered by the canary and by stable again, and scored")] = 0.0,
-          host: HostOpt = "127.0.0.1", port: int = 8080, api_key_env: KeyEnvOpt = "KILN_API_KEY",
-          upstream_api_key_env: KeyEnvOpt = "KILN_UPSTREAM_API_KEY", admin_key_env: AdminKeyEnvOpt = "KILN_ADMIN_KEY",
+          host: HostOpt = "127.0.0.1", port: Annotated[int, port_option("the router")] = 8080,
+          api_key_env: KeyEnvOpt = "KILN_API_KEY",
+          upstream_api_key_env: Annotated[str, typer.Option(help="env var holding the key the router sends to both "
+                                                                 "backends (unset: none)")] = "KILN_UPSTREAM_API_KEY",
+          admin_key_env: AdminKeyEnvOpt = "KILN_ADMIN_KEY",
           insecure_no_api_key: InsecureOpt = False) -> None:
     """One OpenAI-compatible entry point splitting traffic between a stable and a canary backend.
 
@@ -262,8 +280,8 @@ def _run_recipe(d: Path):
 
 
 @deploy_app.command("canary")
-def deploy_canary(run: Annotated[str, typer.Argument(metavar="RUN")], runs: RunsOpt = Path("runs"),
-                  port: int = 8080, api_key_env: KeyEnvOpt = "KILN_API_KEY",
+def deploy_canary(run: RunArg, runs: RunsOpt = Path("runs"),
+                  port: Annotated[int, port_option("the canary's router")] = 8080, api_key_env: KeyEnvOpt = "KILN_API_KEY",
                   keep_serving: Annotated[bool, typer.Option(help="keep the router and the winner up afterwards")] = False,
                   force: ForceOpt = False, reason: ReasonOpt = None) -> None:
     """Walk a run's candidate through the recipe's canary steps against its baseline, on this machine.
@@ -304,12 +322,13 @@ def deploy_canary(run: Annotated[str, typer.Argument(metavar="RUN")], runs: Runs
 @deploy_app.command("render")
 def deploy_render(recipe: RecipeArg, out: Annotated[Path, typer.Option(help="YAML file to write")] = Path("rollout.yaml"),
                   set_: SetOpt = [],  # noqa: B006
-                  version: Annotated[str | None, typer.Option(help="the registered version the manifests roll out; "
+                  version: Annotated[str | None, typer.Option("--model-version", help="the registered version the "
+                                                                    "manifests roll out; "
                                                                     "refused unless its run passed")] = None,
                   tracking_uri: TrackingOpt = None, force: ForceOpt = False, reason: ReasonOpt = None) -> None:
     """Render Argo Rollouts manifests (Rollout, AnalysisTemplates from the gate policy, Services, autoscaler).
 
-    With --version, the recipe's registered version is checked first (`kiln verify NAME VERSION`): one
+    With --model-version, the recipe's registered version is checked first (`kiln verify NAME VERSION`): one
     whose attestation does not verify (exit 5) or whose run did not pass (exit 2) is refused unless
     --force --reason TEXT, recorded on the version for this render alone."""
     from kiln.deploy.run import render_manifests
@@ -323,7 +342,7 @@ def deploy_render(recipe: RecipeArg, out: Annotated[Path, typer.Option(help="YAM
         if permit(client, registered_name(r), version, reason, "render a rollout of").forced:
             record_override(client, registered_name(r), version, "deploy render", reason or "")
     elif force:
-        raise BadInput("--force: only with --version (the version whose gate it overrides).")
+        raise BadInput("--force: only with --model-version (the version whose gate it overrides).")
     render_manifests(r.name, r.gate, r.deploy, out, log=console.print,
                      verify=(registered_name(r), version) if version is not None else None)
 
@@ -355,7 +374,8 @@ def _client(tracking_uri: str | None):
 
 
 @app.command()
-def promote(name: str, version: str, tracking_uri: TrackingOpt = None, force: ForceOpt = False,
+def promote(name: NameArg, version: Annotated[str, typer.Argument(help="the version `champion` moves to")],
+            tracking_uri: TrackingOpt = None, force: ForceOpt = False,
             reason: ReasonOpt = None) -> None:
     """Move the `champion` alias to VERSION (remembering the one it replaces, for rollback).
 
@@ -367,7 +387,7 @@ def promote(name: str, version: str, tracking_uri: TrackingOpt = None, force: Fo
 
 
 @app.command()
-def rollback(name: str, to: Annotated[str | None, typer.Option(help="version to restore")] = None,
+def rollback(name: NameArg, to: Annotated[str | None, typer.Option(help="version to restore")] = None,
              tracking_uri: TrackingOpt = None, force: ForceOpt = False, reason: ReasonOpt = None) -> None:
     """Move `champion` back to the version it replaced (or --to VERSION), read from the champion history.
 
@@ -379,7 +399,8 @@ def rollback(name: str, to: Annotated[str | None, typer.Option(help="version to 
 
 
 @app.command()
-def compare(run_a: Annotated[str, typer.Argument(metavar="RUN_A")], run_b: Annotated[str, typer.Argument(metavar="RUN_B")],
+def compare(run_a: Annotated[str, typer.Argument(metavar="RUN_A", help="the run whose candidate is the bar")],
+            run_b: Annotated[str, typer.Argument(metavar="RUN_B", help="the run whose candidate is judged, by its gate")],
             runs: RunsOpt = Path("runs")) -> None:
     """Judge RUN_B's candidate against RUN_A's candidate with RUN_B's gate policy: the gate's own table."""
     from kiln.pipeline.evidence import evidence_from_run
@@ -405,7 +426,8 @@ def plan_memory_cmd(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
                     kv_dtype: Annotated[str | None, typer.Option(help="KV cache dtype (default: the serving dtype)")] = None,
                     available: Annotated[str | None, typer.Option(
                         help="plan against this much memory (24G, 512M: powers of 1024) instead of what is free "
-                             "here now: the machine the run is for")] = None) -> None:
+                             "here now: the machine the run is for")] = None,
+                    as_json: JsonOpt = False) -> None:
     """How much memory each arm needs (the baseline and every candidate, one line each) to quantize, to
     serve, to run the parity check's torch reference, to build its engine and to be evaluated (both
     arms' engines in one process), against what is free; `kiln run` checks the same plan before it
@@ -419,6 +441,11 @@ def plan_memory_cmd(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
     free = size_option("--available", available)
     model = resolve_model(r.model.path, cache_root())
     plans, fields = arm_plans(r, model.config, context=context, batch=batch, kv_dtype=kv_dtype, available=free)
+    if as_json:  # the same exit 2 when an arm does not fit, after the document
+        print(json.dumps({"arms": {name: {"optimize_engine": what, **plan.to_dict()} for name, (what, plan) in plans.items()},
+                          "champions": [c.name for c in r.candidates or [] if c.champion]}, indent=2))
+        check_arms(plans, fields, first=first_change(r, model.config))
+        return
     if r.candidates is None:
         console.print(plans["candidate"][1].table())
     console.print(arms_table(plans))
@@ -431,7 +458,10 @@ def plan_memory_cmd(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
 @app.command("plan-capacity")
 def plan_capacity_cmd(target_rps: Annotated[float, typer.Option(help="expected requests per second")],
                       goodput: Annotated[float, typer.Option(help="requests/s one replica serves within the SLO")],
-                      headroom: float = 0.2, price_per_hour: float | None = None) -> None:
+                      headroom: Annotated[float, typer.Option(help="share of each replica's goodput left spare "
+                                                                   "(0.2: plan replicas at 80%)")] = 0.2,
+                      price_per_hour: Annotated[float | None, typer.Option(help="price of one replica-hour, for the "
+                                                                           "cost per month")] = None) -> None:
     """Replicas (and cost per month) to serve a target rate within the SLO."""
     from kiln.evaluate.capacity import plan_capacity
 

@@ -38,6 +38,12 @@ def _model_target() -> tuple[Path, Path, str]:
     return gguf, cache_root() / "models" / f"smollm2-135m-instruct-{sha[:16]}", sha
 
 
+def prepared_demo_model() -> Path | None:
+    """The demo checkpoint's folder if it is converted already, else None (converts nothing)."""
+    final = _model_target()[1]
+    return final if (final / MODEL_MANIFEST).is_file() else None
+
+
 def demo_model_dir() -> Path:
     """The demo model as a plain fp32 HF checkpoint folder, converted on first use (~1 CPU-minute)."""
     gguf, final, sha = _model_target()

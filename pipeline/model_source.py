@@ -25,20 +25,28 @@ def cache_root() -> Path:
 
 
 def resolve_model(spec: str, cache: Path) -> ResolvedModel:
-    if spec == "demo":
-        from kiln.pipeline.demo import demo_model_dir
-
-        path = demo_model_dir()
-    else:
-        path = Path(spec).expanduser()
-        if not (path / "config.json").is_file():
-            raise BadInput(f"model.path: {path} is not a Hugging Face checkpoint folder (no config.json). "
-                           "Point it at a local folder saved with save_pretrained, or use 'demo'.")
-        if not any(path.glob("*.safetensors")):
-            raise BadInput(f"model.path: {path} has no .safetensors weights. kiln never loads pickled "
-                           "weights (.bin/.pt); convert them with save_pretrained(safe_serialization=True).")
+    path = demo_model_folder(prepare=True) if spec == "demo" else checkpoint_folder(spec)
     config = check_checkpoint(path)
     return ResolvedModel(path=path, sha256=cached_tree_hash(path, cache / "hashes.json"), config=config)
+
+
+def demo_model_folder(prepare: bool) -> Path | None:
+    """The demo checkpoint's folder; converted first when `prepare` (~1 CPU-minute), else None until it is."""
+    from kiln.pipeline.demo import demo_model_dir, prepared_demo_model
+
+    return demo_model_dir() if prepare else prepared_demo_model()
+
+
+def checkpoint_folder(spec: str) -> Path:
+    """The local checkpoint folder model.path names, once it holds a config and safetensors weights."""
+    path = Path(spec).expanduser()
+    if not (path / "config.json").is_file():
+        raise BadInput(f"model.path: {path} is not a Hugging Face checkpoint folder (no config.json). "
+                       "Point it at a local folder saved with save_pretrained, or use 'demo'.")
+    if not any(path.glob("*.safetensors")):
+        raise BadInput(f"model.path: {path} has no .safetensors weights. kiln never loads pickled "
+                       "weights (.bin/.pt); convert them with save_pretrained(safe_serialization=True).")
+    return path
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")

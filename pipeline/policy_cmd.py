@@ -10,9 +10,9 @@ from typing import Annotated, Any
 import typer
 
 from kiln.core.errors import ExitCode
-from kiln.pipeline.cli_app import RecipeArg, SetOpt, app, console
+from kiln.pipeline.cli_app import RecipeArg, SetOpt, app, console, typer_app
 
-policy_app = typer.Typer(no_args_is_help=True,
+policy_app = typer_app(
                          help="A model's gate policy: show a recipe's, compare two, pin one on a registered model.")
 app.add_typer(policy_app, name="policy")
 
@@ -85,7 +85,7 @@ def judged_recipe(recipe: Path, set_: list[str], policy_from: Path | None) -> An
 
 
 @policy_app.command("set")
-def set_policy(name: str, recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
+def set_policy(name: Annotated[str, typer.Argument(help="the registered model whose policy to set")], recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
                reason: Annotated[str | None, typer.Option(help="why the model's policy changes (required; recorded)")] = None,
                tracking_uri: Annotated[str | None, typer.Option(help="MLflow tracking URI (default: "
                                                                       "$MLFLOW_TRACKING_URI or ./mlflow.db)")] = None) -> None:

@@ -155,15 +155,82 @@ def check_inputs(ctx: RunContext, model: ResolvedModel) -> None:
     """The recipe's input files, whether its engines can build the checkpoint and whether every arm
     fits in memory, checked before any stage runs: a bad one is refused in seconds, not after the
     optimize and engine stages."""
-    ev = ctx.recipe.evaluate
-    text_path(ev.quality.perplexity.text)
+    check_recipe_inputs(ctx.recipe, model.path, ctx.cache)
+    check_backends(ctx.recipe, model.config)
+    check_run(ctx.recipe, model.config)  # every arm's memory plan, before any stage loads a model
+
+
+def validate_inputs(recipe: Any) -> None:
+    """`kiln validate`'s share of `check_inputs`: the model folder, whether its engines can build it, the
+    files and counts; not the memory plan (`kiln plan-memory`), and the demo checkpoint only once converted."""
+    from kiln.pipeline.model_source import cache_root, check_checkpoint, checkpoint_folder, demo_model_folder
+
+    model = demo_model_folder(prepare=False) if recipe.model.path == "demo" else checkpoint_folder(recipe.model.path)
+    if model is not None:
+        check_backends(recipe, check_checkpoint(model))
+    check_recipe_inputs(recipe, model, cache_root())
+
+
+def check_recipe_inputs(recipe: Any, model_dir: Path | None, cache: Path) -> None:
+    """Every file the recipe names and the counts its stages need from them, for `kiln run` (before any
+    stage) and `kiln validate`: a bad one is BadInput naming the field and the fix. `model_dir`: the
+    checkpoint whose tokenizer cuts the evaluation text into documents; None skips that count (the
+    demo checkpoint before it is converted)."""
+    ev = recipe.evaluate
+    text = text_path(ev.quality.perplexity.text)
     read_prompts(ev.benchmark.prompts, ev.benchmark.num_prompts)
-    if len(ctx.recipe.candidates or []) > 1 and not (ctx.recipe.search.objective or "").startswith(LOAD_PREFIX):
+    if len(recipe.candidates or []) > 1 and not (recipe.search.objective or "").startswith(LOAD_PREFIX):
         read_prompts(ev.benchmark.prompts, 2 * ev.benchmark.num_prompts, CONFIRMATION_PROMPTS)
     if ev.quality.served:
         read_prompts(ev.benchmark.prompts, ev.quality.served.num_prompts, "evaluate.quality.served.num_prompts")
-    check_backends(ctx.recipe, model.config)
-    check_run(ctx.recipe, model.config)  # every arm's memory plan, before any stage loads a model
+    _check_named_files(recipe)
+    if model_dir is not None:
+        check_documents(text, ev.quality.perplexity, model_dir, cache)
+
+
+def _check_named_files(recipe: Any) -> None:
+    """lm-eval task files, the load workload's prompts and each arm's calibration text."""
+    from kiln.evaluate.perf.workload import load_prompts
+    from kiln.optimize.calibration import resolve_dataset
+
+    ev = recipe.evaluate
+    for i, task in enumerate(ev.quality.lmeval.tasks if ev.quality.lmeval else []):
+        if task.endswith((".yaml", ".yml")) and not Path(task).expanduser().is_file():
+            raise BadInput(f"evaluate.quality.lmeval.tasks.{i}: {task} is not a file; give the path of an "
+                           "lm-eval task YAML, or one of kiln's shipped task names.")
+    if ev.load and ev.load.workload.dataset:
+        load_prompts(ev.load.workload)
+    for _, arm in recipe.arms():
+        calibration = getattr(arm.optimize, "calibration", None)
+        if calibration is not None and calibration.dataset != "demo":
+            resolve_dataset(calibration.dataset)
+
+
+def check_documents(text: Path, perplexity: Any, model_dir: Path, cache: Path) -> None:
+    """The evaluation text yields the perplexity section's max_documents windows of seq_len tokens under
+    the checkpoint's tokenizer (fewer were scored without a word)."""
+    n = _token_count(text, model_dir, cache) // perplexity.seq_len
+    if n < perplexity.max_documents:
+        fix = (f"lower max_documents to {n} or seq_len" if n else "lower seq_len") + ", or give a longer text"
+        raise BadInput(f"evaluate.quality.perplexity.max_documents: {text} yields {n} documents of "
+                       f"{perplexity.seq_len} tokens (seq_len) under model.path's tokenizer, not "
+                       f"{perplexity.max_documents}; {fix}.")
+
+
+def _token_count(text: Path, model_dir: Path, cache: Path) -> int:
+    """Tokens in `text` under the checkpoint's tokenizer, kept in the cache under the tokenizer's files and
+    the text's bytes: a run whose stages are all reused loads no tokenizer for this."""
+    from importlib.metadata import version
+
+    key = hash_of({"tokenizer": _tokenizer_files_hash(str(model_dir)), "transformers": version("transformers"),
+                   "text": sha256_file(text)})
+    path = cache / "tokenized" / f"count-{key}.json"
+    if path.exists():
+        return int(read_json(path))
+    ids = _tokenizer_at(str(model_dir))(text.read_text(), add_special_tokens=False, verbose=False)["input_ids"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, len(ids))
+    return len(ids)
 
 
 def check_backends(recipe: Any, config: dict[str, Any]) -> None:

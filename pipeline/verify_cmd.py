@@ -11,10 +11,10 @@ from typing import Annotated, Any
 import typer
 
 from kiln.core.errors import BadInput
-from kiln.pipeline.cli_app import RunsOpt, app, console, err
+from kiln.pipeline.cli_app import RunsOpt, app, console, err, typer_app
 from kiln.pipeline.cli_ops import TrackingOpt, run_dir
 
-key_app = typer.Typer(no_args_is_help=True, help="The key kiln signs verdicts with, and the keys it trusts.")
+key_app = typer_app(help="The key kiln signs verdicts with, and the keys it trusts.")
 app.add_typer(key_app, name="key")
 
 

@@ -1,6 +1,6 @@
 """Aliases follow verdicts, against a real `mlflow server` on 127.0.0.1: `challenger` goes only to a
 version whose run passed and leaves one whose latest run did not; `kiln promote`, `kiln rollback --to`,
-`kiln deploy canary` and `kiln deploy render --version` refuse a version whose signed verdict did not pass
+`kiln deploy canary` and `kiln deploy render --model-version` refuse a version whose signed verdict did not pass
 (exit 2, naming the run and its verdict) unless `--force --reason TEXT`, which is recorded with that one
 action and never read as permission by a later one."""
 
@@ -131,15 +131,15 @@ def test_deploy_canary_and_render_refuse_a_run_that_did_not_pass(registry, tmp_p
     assert "m v3 did not pass" in proc.stderr and registry.runs["3"] in proc.stderr and "Traceback" not in proc.stderr
     recipe = failed / "recipe.yaml"
     out = tmp_path / "rollout.yaml"
-    proc = kiln("deploy", "render", str(recipe), "--version", "3", "--out", str(out), cwd=tmp_path)
+    proc = kiln("deploy", "render", str(recipe), "--model-version", "3", "--out", str(out), cwd=tmp_path)
     assert proc.returncode == 2 and "m v3 did not pass" in proc.stderr and not out.exists(), proc.stderr
-    proc = kiln("deploy", "render", str(recipe), "--version", "1", "--out", str(out), cwd=tmp_path)
+    proc = kiln("deploy", "render", str(recipe), "--model-version", "1", "--out", str(out), cwd=tmp_path)
     assert proc.returncode == 0 and out.is_file(), proc.stderr
     # each pod checks the version's signed verdict against the engine it is about to serve, before serving
     rollout = next(d for d in yaml.safe_load_all(out.read_text()) if d and d["kind"] == "Rollout")
     init = rollout["spec"]["template"]["spec"]["initContainers"][0]
     assert init["args"][:3] == ["verify", "m", "1"] and "--engine" in init["args"], init
-    proc = kiln("deploy", "render", str(recipe), "--version", "3", "--force", "--reason", "load test only",
+    proc = kiln("deploy", "render", str(recipe), "--model-version", "3", "--force", "--reason", "load test only",
                 "--out", str(out), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     overrides = json.loads(registry.client.get_model_version("m", "3").tags[model_registry.OVERRIDES])
