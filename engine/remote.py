@@ -248,8 +248,18 @@ class RemoteEngine(Engine):
         for seq_id in list(self._active):
             self.cancel(seq_id)
         if self._loop.is_running():
-            self._run(self._session.close())
+            self._run(self._shutdown())
             self._loop.call_soon_threadsafe(self._loop.stop)
+
+    async def _shutdown(self) -> None:
+        """A stream whose last token has arrived is no longer active but may still be reading the server's
+        `[DONE]`: every stream is cancelled and awaited here, so none is pending when the loop stops (asyncio
+        printed "Task was destroyed but it is pending!" into the run's console)."""
+        streams = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in streams:
+            task.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
+        await self._session.close()
 
 
 async def _check(resp) -> None:

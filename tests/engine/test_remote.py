@@ -118,3 +118,49 @@ def test_built_remote_engine_loads_anywhere(server, tiny_model_dir, tmp_path, mo
         assert engine.score([([1, 2], [3])])[0].logprob < 0
     finally:
         engine.close()
+
+
+def test_close_leaves_no_stream_pending(tiny_model_dir):
+    """A server that sends a sequence's last token and holds the stream open before `[DONE]` (a slow proxy, a
+    busy server): the sequence is finished, and closing the engine still ends its stream rather than leaving
+    it pending in a stopped loop, which asyncio reported in the middle of a run's console."""
+    import asyncio
+    import json
+    import threading
+
+    from aiohttp import web
+
+    release = asyncio.Event()
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = {"choices": [{"text": "", "token_ids": [5], "finish_reason": "length"}]}
+        await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await release.wait()
+        return resp
+
+    loop, ready = asyncio.new_event_loop(), threading.Event()
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+
+    def serve() -> None:
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
+        ready.set()
+        loop.run_forever()
+
+    threading.Thread(target=serve, daemon=True).start()
+    assert ready.wait(10)
+    url = "http://127.0.0.1:%d/v1" % runner.addresses[0][1]
+    engine = RemoteEngine(RemoteEngineConfig(url=url, model="slow"), tiny_model_dir)
+    try:
+        events = list(engine.generate([GenerationRequest([1, 2, 3], 1, ignore_eos=True)]))
+        assert [e.finish_reason for e in events] == ["length"]
+    finally:
+        engine.close()
+        loop.call_soon_threadsafe(release.set)
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+    assert [t for t in asyncio.all_tasks(engine._loop) if not t.done()] == []
