@@ -116,3 +116,65 @@ def test_the_pods_check_verifies_the_engine_folder_it_is_given(run, tmp_path):
     (image / "extra.bin").write_bytes(b"not judged")
     proc = _kiln(run, *args, str(image))
     assert proc.returncode == 5 and "extra.bin" in proc.stderr, proc.stdout + proc.stderr
+
+
+def _served_name(run, *args: str) -> tuple[str, str]:
+    """`kiln serve RUN *args` started until ready: the id in /v1/models and a completion's `model`; stopped after."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in {**os.environ, **run["env"]}.items() if k != "KILN_API_KEY"}
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.pipeline", "serve", str(run["dir"]), "--port", str(port), *args],
+                            cwd=run["work"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "kiln serve was not ready in 120 s"
+            time.sleep(0.5)
+        with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
+            listed = json.loads(r.read())["data"][0]["id"]
+        req = urllib.request.Request(url + "/v1/completions", data=json.dumps({"prompt": "Hi", "max_tokens": 1}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            answered = json.loads(r.read())["model"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    return listed, answered
+
+
+def test_serve_refuses_a_run_that_did_not_pass_and_serves_it_under_the_recipes_name_when_forced(run):
+    """`kiln serve RUN` served a run that did not pass, without a word, as `model` (issue 54, point 7)."""
+    from kiln.core import signing
+
+    path = run["dir"] / "attestation.dsse.json"
+    before = path.read_bytes()
+    stmt = json.loads(base64.b64decode(read_json(path)["payload"]))
+    stmt["predicate"].update(verdict="Failed", exit_code=1, passed=False)
+    key = signing._load_private(Path(run["env"]["KILN_CACHE"]) / "keys" / "kiln-signing.pem")  # the run's own key
+    try:
+        path.write_text(json.dumps(signing.sign(stmt, key)))
+        refused = _kiln(run, "serve", str(run["dir"]), "--port", "0")
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        assert "ended Failed" in refused.stderr and "only a run that passed" in refused.stderr
+        assert "--force --reason" in " ".join(refused.stderr.split())
+        assert _served_name(run, "--force", "--reason", "a name check") == ("attested", "attested")
+    finally:
+        path.write_bytes(before)
+    assert _served_name(run, "--force", "--reason", "a name check", "--served-model-name", "my-fine-tune") == \
+        ("my-fine-tune", "my-fine-tune")
