@@ -38,7 +38,11 @@ def verify(target: Annotated[str, typer.Argument(metavar="RUN|NAME", help="a run
         if engine is not None:
             raise BadInput("--engine: only with NAME VERSION (a run's engine is checked from the run itself).")
 
-        verified = verify_run(run_dir(target, runs))
+        try:
+            folder = run_dir(target, runs)
+        except BadInput as e:
+            raise BadInput(f"{e} For a registered model, name the version too: kiln verify {target} VERSION.") from None
+        verified = verify_run(folder)
         where = f"run {target}"
         warning = None
     else:

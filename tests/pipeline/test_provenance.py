@@ -134,3 +134,11 @@ def test_a_pin_edited_on_the_server_is_not_trusted(server, tmp_path, tiny_model_
     server.client.set_registered_model_tag(name, model_registry.PIN, json.dumps(pin))
     proc = kiln("run", str(strict), cwd=tmp_path)
     assert proc.returncode == 5 and "policy pin" in proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def test_verify_with_a_models_name_alone_says_to_name_the_version(server):
+    """`kiln verify NAME` without a version is read as a run; none by that name says how to verify the model."""
+    name = _model(server, "name-alone")
+    attested_version(server.client, server.exp, name, "Successful", 0)
+    proc = _kiln(server, "verify", name)
+    assert proc.returncode == 2 and f"kiln verify {name} VERSION" in proc.stderr, proc.stdout + proc.stderr
