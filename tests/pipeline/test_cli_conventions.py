@@ -6,7 +6,6 @@ their cells whole without a terminal."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -96,12 +95,13 @@ def _fake_run(runs: Path, name: str, verdict: str = "Successful") -> Path:
     return d
 
 
-def test_tables_keep_their_cells_whole_without_a_terminal(tmp_path):
-    """A CI log cut `plan-memory`'s table to 80 columns ("opti…"); here stdout is a pipe."""
+def test_tables_keep_their_cells_whole_without_a_terminal(tmp_path, monkeypatch):
+    """A CI log cut `plan-memory`'s table to 80 columns ("opti…"); here stdout is a pipe. (pytest-xdist's
+    workers export COLUMNS=80, which kiln rightly obeys: unset here, as a CI runner has it.)"""
     name = "20261201-120000-" + "a-long-recipe-name-" * 4
     _fake_run(tmp_path / "runs", name, verdict="Inconclusive (the interval straddles the bar)")
-    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
-    r = kiln("runs", cwd=tmp_path, env=env)
+    monkeypatch.delenv("COLUMNS", raising=False)
+    r = kiln("runs", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert name in r.stdout and "Inconclusive (the interval straddles the bar)" in r.stdout and "…" not in r.stdout
 
