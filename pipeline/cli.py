@@ -18,6 +18,7 @@ from rich.table import Table
 
 from kiln.core.credentials import guard_streams
 from kiln.core.errors import BadInput, ExitCode, KilnError
+from kiln.core.units import amount
 from kiln.pipeline.cli_app import FreshOpt, JsonOpt, RecipeArg, RunArg, RunsOpt, SetOpt, app, console, err, port_option
 from kiln.pipeline.policy_cmd import PolicyFromOpt, judged_recipe
 
@@ -146,10 +147,14 @@ def show(run_name: RunArg,
         return
     t = Table("stage", "role", "reused", "metrics")
     for s in stages:
-        shown = ", ".join(f"{k}={v:.4g}" for k, v in s["metrics"].items() if isinstance(v, int | float))
+        shown = ", ".join(f"{k} {amount(k, v)}" for k, v in s["metrics"].items() if isinstance(v, int | float))
         t.add_row(s["stage"], s["role"], "yes" if s["reused"] else "", shown)
     console.print(t)
-    if report is not None:
+    if report is not None and console.is_terminal:  # rendered for a person; Markdown as it is for a pipe or a file
+        from rich.markdown import Markdown
+
+        console.print(Markdown(report))
+    elif report is not None:
         console.print(report, markup=False)
     else:
         console.print(f"status: {state.get('status')}")

@@ -24,7 +24,7 @@ from kiln.core.errors import BadInput
 from kiln.core.files import atomic_write_json, atomic_write_text, read_json
 from kiln.core.gate.base import CheckResult, Evidence, Verdict
 from kiln.core.gate.policy import GateOutcome
-from kiln.core.metrics import METRICS
+from kiln.core.units import amount
 from kiln.core.verdict import percent
 
 ICON = {Verdict.SUCCESSFUL: "✅", Verdict.FAILED: "❌", Verdict.INCONCLUSIVE: "⚠️", Verdict.ERROR: "💥"}
@@ -85,20 +85,19 @@ def tables(outcome: GateOutcome, evidence: dict[str, Evidence], sections: Sectio
     """The report's tables in reading order after the verdict and the plots (empty ones left out)."""
     base, cand = evidence["baseline"].metrics, evidence["candidate"].metrics
     names = sorted(set(base) | set(cand))
-    metric_rows = [[n, _amount(n, base.get(n)), _amount(n, cand.get(n)),  # bytes as MB, the unit in the value
-                    METRICS[n].unit if n in METRICS and not n.endswith("_bytes") else ""] for n in names]
-    memory = [[MEMORY_COST[n], _amount(n, base.get(n)), _amount(n, cand.get(n)),
+    metric_rows = [[n, amount(n, base.get(n)), amount(n, cand.get(n))] for n in names]  # each with its unit
+    memory = [[MEMORY_COST[n], amount(n, base.get(n)), amount(n, cand.get(n)),
                _fmt(cand[n] / base[n]) if base.get(n) and n in cand else "—"] for n in MEMORY_COST if n in names]
     if len(served := sections.serving) == 2:  # the artifact is not what OpenVINO, CTranslate2 or llama.cpp load
         memory.insert(1, ["size served from (engine folder, or the artifact it loads)",
-                          _amount("size_bytes", served["baseline"]), _amount("size_bytes", served["candidate"]),
+                          amount("size_bytes", served["baseline"]), amount("size_bytes", served["candidate"]),
                           _fmt(served["candidate"] / served["baseline"]) if served["baseline"] else "—"])
     out: list[Table] = _search_tables(sections.search) if sections.search else []
     out += [("Checks", CHECK_HEADER, check_rows(outcome.results)),
                         ("Quality, paired item by item", COMPARISON_HEADER, comparison_rows(sections.comparisons))]
     out += _load_tables(sections.load or {"per_role": {}})
     out += [("Memory and cost", ["figure", "baseline", "candidate", "candidate / baseline"], memory),
-            ("Metrics", ["metric", "baseline", "candidate", "unit"], metric_rows),
+            ("Metrics", ["metric", "baseline", "candidate"], metric_rows),
             ("Lineage", ["step", "key", "MLflow run", "detail"],
              [[r["step"], r["key"], r["mlflow_run"], r["detail"]] for r in sections.lineage])]
     return [t for t in out if t[2]]
@@ -122,7 +121,7 @@ def _search_tables(record: dict[str, Any]) -> list[Table]:
                      "—" if not ppl else f"{ppl['change']:+.2%} [{ppl['low']:+.2%}, {ppl['high']:+.2%}]",
                      _fmt(c.get("decode_tok_s")) + (f" ({c['contention']})" if c.get("contention") else "")
                      + _measured_on(c.get("nodes")),
-                     _cost(c.get("cost_per_1m")), _amount("size_bytes", c["serving_bytes"]),
+                     _cost(c.get("cost_per_1m")), amount("size_bytes", c["serving_bytes"]),
                      c["eliminated"] or ("winner" if c["name"] == record["winner"] else "passed every check")
                      + _runoff(c.get("runoff"))])
     summary = [["winner", record["winner"] or "none: no candidate passed every check"], ["why", record["why"]],
@@ -264,10 +263,6 @@ def _no_knee(stages: list[dict[str, Any]]) -> str:
     low = open_loop[0]
     return (f"even the lowest rate, {low['target_rate']:.3g}/s, queued: TTFT p50 {low['ttft_ms']['p50']:.0f} ms "
             f"against {min(unloaded):.0f} ms for one user")
-
-
-def _amount(name: str, v: float | None) -> str:
-    return f"{v / 1e6:,.1f} MB" if v is not None and name.endswith("_bytes") else _fmt(v)
 
 
 def markdown(name: str, outcome: GateOutcome, evidence: dict[str, Evidence], links: dict[str, str],

@@ -31,6 +31,7 @@ from rich.markup import escape
 
 from kiln.core.errors import NotVerified
 from kiln.core.files import atomic_dir, atomic_write_json, file_lock, read_json
+from kiln.core.units import amount
 from kiln.pipeline.rss import StageMemory, peak_rss_bytes  # noqa: F401 - peak_rss_bytes: stage_optimize and bench import it from here
 from kiln.pipeline.stage_evidence import STAGE_FORMAT  # noqa: F401 - importable from here, where it was
 from kiln.pipeline.stage_evidence import ENVELOPE, check, seal, stage_key
@@ -259,7 +260,7 @@ def _compute(ctx: RunContext, label: str, key: str, inputs: dict[str, Any],
         })
         seal(tmp, path.parent.name, key, inputs)
     metrics = result.get("metrics", {})
-    shown = ", ".join(f"{k}={v:.4g}" for k, v in list(metrics.items())[:6] if isinstance(v, int | float))
+    shown = ", ".join(f"{k} {amount(k, v)}" for k, v in list(metrics.items())[:6] if isinstance(v, int | float))
     ctx.console.print(f"  done in {wall:.1f}s {shown}", markup=False)
     log.info("%s finished in %.1fs: %s", label, wall, json.dumps(metrics, default=str))
 

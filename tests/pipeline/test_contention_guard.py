@@ -79,7 +79,7 @@ def test_the_report_warns_when_a_recipe_switched_the_guard_off():
     assert f"> ⚠️ {warning}." in md.split("## ", 1)[0]  # under the verdict, before any table
     assert warning in page
     # The machine's figures stand beside the speed in the metrics table.
-    assert "| bench_cpu_pressure | 0.5 | 0.5 | fraction |" in md and "| bench_cpu_steal | 0 | 0 | fraction |" in md
+    assert "| bench_cpu_pressure | 50.0% | 50.0% |" in md and "| bench_cpu_steal | 0.0% | 0.0% |" in md
     quiet, _ = _report([speed], {"bench_cpu_pressure": 0.02, "bench_cpu_steal": 0.0})
     assert "⚠️" not in quiet
 
