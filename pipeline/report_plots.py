@@ -35,18 +35,21 @@ def quality_deltas(results: Sequence[CheckResult], checks: Mapping[str, Any], pa
     fig = Figure(figsize=(7, 0.3 + 1.6 * len(rows)))
     for ax, (r, cfg, (drop, low, high)) in zip(fig.subplots(len(rows), 1, squeeze=False)[:, 0], rows):
         color = VERDICT_COLORS[r.verdict.value]
+        # A relative drop reads as the report gives it, in percent of the baseline (-0.80%, not -0.00799).
+        scale, unit = (100, "%") if cfg.relative else (1, "")
+        drop, low, high, margin = drop * scale, low * scale, high * scale, cfg.margin * scale
         ax.errorbar([drop], [0], xerr=[[drop - low], [high - drop]], fmt="o", color=color, capsize=6)
-        ax.axvline(cfg.margin, color="#cf222e", linestyle="--", label=f"margin {cfg.margin:g}")
+        ax.axvline(margin, color="#cf222e", linestyle="--", label=f"margin {margin:g}{unit}")
         ax.axvline(0, color="#888", linewidth=0.8)
-        span = max(abs(low), abs(high), cfg.margin) * 1.3 or 1.0
+        span = max(abs(low), abs(high), margin) * 1.3 or 1.0
         ax.set_xlim(min(low, 0) - 0.1 * span, span)
         ax.set_yticks([])
-        unit = " (fraction of baseline)" if cfg.relative else ""
-        ax.set_title(f"{r.name}: drop {drop:.3g} [{low:.3g}, {high:.3g}]{unit} — {r.verdict.value}",
+        ax.set_title(f"{r.name}: drop {drop:+.3g}{unit} [{low:+.3g}{unit}, {high:+.3g}{unit}] — {r.verdict.value}",
                      fontsize=9, color=color)
         ax.legend(fontsize=7, loc="lower right")
         ax.grid(alpha=0.3, axis="x")
-        ax.set_xlabel("drop (candidate worse →) with its confidence interval", fontsize=8)
+        ax.set_xlabel(f"drop{' in % of the baseline' if unit else ''} (candidate worse →) with its confidence interval",
+                      fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")

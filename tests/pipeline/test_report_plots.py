@@ -38,6 +38,19 @@ def test_quality_deltas_draws_one_row_per_quality_check_with_its_margin(tmp_path
     assert quality_deltas([SIZE], CHECKS, tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
 
 
+def test_a_relative_drop_is_drawn_in_percent_as_the_report_gives_it(tmp_path, monkeypatch):
+    """The figure said "drop 0.1 [0.05, 0.15] (fraction of baseline)" where the report said +10.00%."""
+    from matplotlib.figure import Figure
+
+    drawn = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+    quality_deltas([ACC, PPL], CHECKS, tmp_path / "q.png")
+    acc, ppl = (ax.get_title() for ax in drawn[0].axes)
+    assert ppl.startswith("ppl: drop +10% [+5%, +15%]") and "fraction" not in ppl, ppl
+    assert acc.startswith("acc: drop +0.1 [+0.05, +0.15]"), acc  # an absolute drop keeps the metric's own unit
+    assert [line.get_label() for line in drawn[0].axes[1].get_lines() if line.get_label().startswith("margin")] == ["margin 12%"]
+
+
 def test_report_sections_in_order_with_embedded_plots_and_lineage(tmp_path):
     plot = quality_deltas([ACC, PPL], CHECKS, tmp_path / "plots" / "quality_deltas.png")
     outcome = GateOutcome(Verdict.FAILED, [ACC, PPL], ExitCode.GATE_FAILED, "any Failed fails")
