@@ -154,10 +154,13 @@ CONFIRMATION_PROMPTS = ("evaluate.benchmark.num_prompts (a search confirms its w
 def check_inputs(ctx: RunContext, model: ResolvedModel) -> None:
     """The recipe's input files, whether its engines can build the checkpoint and whether every arm
     fits in memory, checked before any stage runs: a bad one is refused in seconds, not after the
-    optimize and engine stages."""
-    check_recipe_inputs(ctx.recipe, model.path, ctx.cache)
+    optimize and engine stages. What loads nothing comes first: a checkpoint no machine here could hold
+    is refused by its memory plan before its tokenizer is read to count the text's documents."""
+    check_recipe_inputs(ctx.recipe, None, ctx.cache)
     check_backends(ctx.recipe, model.config)
     check_run(ctx.recipe, model.config)  # every arm's memory plan, before any stage loads a model
+    perplexity = ctx.recipe.evaluate.quality.perplexity
+    check_documents(text_path(perplexity.text), perplexity, model.path, ctx.cache)
 
 
 def validate_inputs(recipe: Any) -> None:
