@@ -25,7 +25,7 @@ def amount(name: str, value: float | None) -> str:
         return _memory(value) if any(m in name for m in MEMORY) else _size(value)
     if unit == "fraction":
         return f"{value:.1%}"
-    if unit in ("ms", "tok/s", "nats") or unit.endswith("/s"):
+    if unit in ("ms", "nats") or unit.endswith("/s"):
         return f"{number(value)} {unit}"
     if name.endswith("_ms"):
         return f"{number(value)} ms"
@@ -38,7 +38,7 @@ def number(value: float) -> str:
     """Four significant figures, never in e-notation below a trillion: 0.0003473, 66.42, 1,019."""
     if value == 0 or 1e-4 <= abs(value) < 1e4:
         return f"{value:.4g}"
-    if abs(value) < 1e12 and abs(value) >= 1e4:
+    if 1e4 <= abs(value) < 1e12:
         return f"{value:,.0f}"
     return f"{value:.3e}"
 

@@ -135,9 +135,7 @@ def runs_(runs: RunsOpt = Path("runs"), as_json: JsonOpt = False) -> None:
 def show(run_name: RunArg,
          runs: RunsOpt = Path("runs"), as_json: JsonOpt = False) -> None:
     """Print a run's stages, metrics and verdict."""
-    d = runs / run_name if not Path(run_name).is_dir() else Path(run_name)
-    if not (d / "state.json").exists():
-        raise BadInput(f"RUN: no run '{run_name}' under {runs}/ (see `kiln runs`).")
+    d = cli_ops.run_dir(run_name, runs)
     state = json.loads((d / "state.json").read_text())
     stages = [json.loads(f.read_text()) for f in sorted((d / "stages").glob("*.json"), key=lambda p: p.stat().st_mtime)]
     report = (d / "report.md").read_text() if (d / "report.md").exists() else None
