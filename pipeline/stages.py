@@ -29,6 +29,7 @@ from typing import Any
 
 from rich.markup import escape
 
+from kiln.core import progress
 from kiln.core.errors import NotVerified
 from kiln.core.files import atomic_dir, atomic_write_json, file_lock, read_json
 from kiln.core.units import amount
@@ -161,8 +162,8 @@ def run_stage(ctx: RunContext, stage: str, role: str, inputs: dict[str, Any],
             ctx.holds.hold(stage_use(ctx.cache, stage, key))  # before the lock goes: no prune in between
         result = _log_stage(ctx, run_id, stage, inputs, path, found, None if portable else artifacts)
         ctx.tracker.end(run_id)
-    except BaseException:
-        ctx.tracker.end(run_id, "FAILED")
+    except BaseException as e:
+        ctx.tracker.end(run_id, "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")  # Ctrl-C is no failure
         raise
     outcome = StageOutcome(stage, role, key, path, result, found is not None, run_id)
     ctx.outcomes[f"{stage}:{role}"] = outcome
@@ -248,7 +249,8 @@ def _compute(ctx: RunContext, label: str, key: str, inputs: dict[str, Any],
     ctx.console.print(f"[bold]▶ {escape(label)}[/bold]")
     start = time.perf_counter()
     with atomic_dir(path) as tmp:
-        with StageMemory() as memory:
+        # the stage's loops report to this task (kiln.core.progress): a bar on a terminal, else a line every ~10 s
+        with StageMemory() as memory, progress.task(label, displays=progress.displays_for(ctx.console)):
             result = compute(tmp)
         link_equal_files(tmp, path.parent)
         wall = time.perf_counter() - start

@@ -24,6 +24,7 @@ from typing import Any
 
 import aiohttp
 
+from kiln.core import progress
 from kiln.evaluate.perf.http import HTTPError, StreamingHTTP
 
 # A chunk carries output when its text/content string is non-empty (`"content":""` role chunks
@@ -190,6 +191,7 @@ class StreamClient:
             rec.error = f"{type(e).__name__}: {e}"[:300]
         finally:
             rec.done = time.perf_counter()
+            progress.advance()  # the stage's progress (kiln.core.progress), when one is shown
 
 
 def _is_error(event: bytes) -> bool:

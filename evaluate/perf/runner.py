@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kiln.core import progress
 from kiln.evaluate.perf.base import SHAPES
 from kiln.evaluate.perf.client import StreamClient
 from kiln.evaluate.perf.compare import RatioEstimate, format_ratios, ratio_estimates
@@ -85,6 +86,7 @@ async def run_load_async(
     work = Workload(config)
     stages: list[StageResult] = []
     cpu0 = _cpu_seconds()
+    progress.total(None, "requests")  # bounded by time as much as by count: a rate, no ETA
     async with StreamClient(
         url, api_key=api_key, model=model, endpoint=config.endpoint, timeout_s=config.request_timeout_s
     ) as client:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kiln.core import progress
 from kiln.engine.base import Engine, GenerationRequest
 from kiln.evaluate.quality.base import QualityResult
 
@@ -31,6 +32,7 @@ def _kl_and_top1(base: np.ndarray, cand: np.ndarray) -> tuple[np.ndarray, np.nda
 def agreement(baseline: Engine, candidate: Engine, docs: Sequence[list[int]]) -> QualityResult:
     records = []
     all_kl = []
+    progress.total(len(docs), "documents")  # the greedy continuations after them are one batch per arm
     for i, doc in enumerate(docs):
         b = np.asarray(baseline.next_token_logprobs([doc])[0], dtype=np.float32)
         c = np.asarray(candidate.next_token_logprobs([doc])[0], dtype=np.float32)
@@ -38,6 +40,7 @@ def agreement(baseline: Engine, candidate: Engine, docs: Sequence[list[int]]) ->
         all_kl.append(kl)
         records.append({"doc_id": i, "kl_mean": float(kl.mean()), "kl_p99": float(np.quantile(kl, 0.99)),
                         "top1_agreement": float(top1.mean()), "positions": len(kl)})
+        progress.advance()
     prompts = [d[:PROMPT_TOKENS] for d in docs]
     for rec, b, c in zip(records, generate_greedy(baseline, prompts), generate_greedy(candidate, prompts), strict=True):
         rec["greedy_match"] = float(b == c)

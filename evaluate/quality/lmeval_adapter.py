@@ -20,6 +20,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
+from kiln.core import progress
 from kiln.engine.base import Engine, GenerationRequest
 from kiln.evaluate.quality.lmeval_config import DEFAULT_BATCH_SIZE
 from kiln.core.errors import BadInput
@@ -116,6 +117,7 @@ class KilnLM(TemplateLM):
         # lm-eval asks for each request type once, all tasks' requests together: OpenVINO then holds one
         # compiled model at a time (its scorer's or its pipeline's), not both
         self.engine.release_generation()
+        progress.more(len(requests), "requests")
         # disable=None: tqdm draws only on a terminal, not hundreds of redraws into a CI log.
         with tqdm(total=len(requests), disable=disable_tqdm or None, desc="kiln loglikelihood") as bar:
             for start in range(0, len(order), self.batch_size):
@@ -126,6 +128,7 @@ class KilnLM(TemplateLM):
                     if requests[i][0] is not None:
                         self.cache_hook.add_partial("loglikelihood", requests[i][0], results[i])
                 bar.update(len(chunk))
+                progress.advance(len(chunk))
         return results  # type: ignore[return-value]
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
@@ -154,6 +157,7 @@ class KilnLM(TemplateLM):
         live: dict[int, tuple[int, list[str], list[int]]] = {}  # seq id -> (request index, until, tokens)
         out = [""] * len(requests)
         self.engine.release_scoring()  # one compiled model at a time (see _loglikelihood_tokens)
+        progress.more(len(requests), "requests")
         for n, (context, gen_kwargs) in enumerate(req.args for req in requests):
             kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
             until = [u for u in kwargs["until"] if u]
@@ -178,6 +182,7 @@ class KilnLM(TemplateLM):
                         out[n] = _cut(text, until)
                         del live[event.seq_id]
                         bar.update(1)
+                        progress.advance()
         for req, text in zip(requests, out, strict=True):
             self.cache_hook.add_partial("generate_until", req.args, text)
         return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from kiln.core import progress
 from kiln.engine.base import Engine
 from kiln.evaluate.quality.base import QualityResult
 
@@ -17,11 +18,13 @@ BATCH = 4
 
 def perplexity(engine: Engine, docs: Sequence[list[int]]) -> QualityResult:
     records = []
+    progress.total(len(docs), "documents")
     for start in range(0, len(docs), BATCH):
         batch = docs[start:start + BATCH]
         scores = engine.score([(d[:1], d[1:]) for d in batch])
         for i, (doc, s) in enumerate(zip(batch, scores, strict=True)):
             records.append({"doc_id": start + i, "nll": -s.logprob, "tokens": len(doc) - 1})
+        progress.advance(len(batch))
     nll = sum(r["nll"] for r in records)
     tokens = sum(r["tokens"] for r in records)
     return QualityResult("perplexity", records, {"perplexity": math.exp(nll / tokens), "nll_per_token": nll / tokens,

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kiln.core import progress
 from kiln.engine.base import Engine, GenerationRequest
 from kiln.evaluate.parity import with_shortest
 from kiln.evaluate.quality.base import QualityResult
@@ -53,6 +54,7 @@ def one_at_a_time(engine: Engine, prompts: Sequence[list[int]], n: int) -> list[
         while engine.has_work():
             tokens += [e.token_id for e in engine.step()]
         out.append(tokens)
+        progress.advance()
     return out
 
 
@@ -76,6 +78,7 @@ def under_load(load: Callable[[], Engine], tokenizer: Path | str, prompts: Seque
                     out[owner[event.seq_id]].append(event.token_id)
                     if event.finish_reason is not None:
                         del owner[event.seq_id]
+                        progress.advance()
             return out
         finally:
             client.close()
@@ -109,6 +112,7 @@ def served_text(reference: Engine, load: Callable[[], Engine], tokenizer: Path |
     n = config.max_new_tokens
     prompts = with_shortest(prompts, reference.tokenizer)
     order = mixed_order(prompts)
+    progress.total(2 * len(prompts), "answers")  # each prompt answered by the reference, then served
     want = one_at_a_time(reference, prompts, n)
     got_in_order = under_load(load, tokenizer, [prompts[i] for i in order], n, config.concurrency)
     got = [[] for _ in prompts]
