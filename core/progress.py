@@ -157,8 +157,9 @@ class Bar:
     def start(self, task: Task) -> None:
         from rich.progress import BarColumn, Progress, TextColumn
 
-        self.progress = Progress(TextColumn("  {task.description}"), BarColumn(),
-                                 TextColumn("{task.fields[text]}"), console=self.console, transient=True)
+        # markup off: a stage's label is "quality[baseline]", which rich would read as a style tag
+        self.progress = Progress(TextColumn("  {task.description}", markup=False), BarColumn(),
+                                 TextColumn("{task.fields[text]}", markup=False), console=self.console, transient=True)
         self.id = self.progress.add_task(task.name, total=task.total, text="")
         self.progress.start()
 

@@ -72,3 +72,16 @@ def test_a_terminal_gets_a_bar_a_pipe_lines_and_both_the_log(monkeypatch):
     assert [type(d) for d in piped] == [progress.Lines, progress.Lines] and piped[0].every_s == 2.5
     tty = progress.displays_for(Console(force_terminal=True))
     assert [type(d) for d in tty] == [progress.Bar, progress.Lines]
+
+
+def test_the_bar_shows_the_stage_label_as_written():
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=120)
+    with progress.task("quality[baseline]", displays=[progress.Bar(console)]):
+        progress.total(4, "documents")
+        progress.advance(3)
+    assert "quality[baseline]" in out.getvalue() and "3/4 documents" in out.getvalue()  # not rich markup
