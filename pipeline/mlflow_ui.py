@@ -4,8 +4,10 @@ MLflow 3.17 opens every experiment on its GenAI overview (empty for kiln) unless
 chosen "Model training" in the sidebar; the choice is kept per browser in localStorage
 (`mlflow.workflowType_v1`), and the experiment tag `mlflow.experimentKind` is not read. kiln's
 experiments are model training, so the page this app serves makes that choice where the browser
-has made none (a first visit), and leaves a choice the user made alone. Every other request is
-MLflow's, unchanged. Registered as the MLflow app `kiln` (pyproject.toml, `mlflow.app`), started
+has made none (a first visit), and leaves a choice the user made alone. The same way it starts the
+MLflow assistant's chat panel closed (its button stays): opened on a first visit, it takes a quarter
+of the page, where the runs table's verdict and figures columns go, for a chat that needs an LLM
+provider kiln does not set up. Every other request is MLflow's, unchanged. Registered as the MLflow app `kiln` (pyproject.toml, `mlflow.app`), started
 by `mlflow server --app-name kiln`. Should a later MLflow rename the key, the page opens as
 MLflow's own does and the browser test says so.
 
@@ -27,8 +29,12 @@ import os
 from typing import Any
 
 KEY, VALUE = "mlflow.workflowType_v1", "machine_learning"
-SEED = (f"<script>try{{if(localStorage.getItem({json.dumps(KEY)})===null)"
-        f"localStorage.setItem({json.dumps(KEY)},{json.dumps(json.dumps(VALUE))})}}catch(e){{}}</script>").encode()
+# What a browser that has chosen nothing gets (localStorage key -> value as MLflow's UI stores it).
+FIRST_VISIT = {KEY: json.dumps(VALUE), "mlflow.assistant.fab.autoOpenedOnFirstLoad_v1": "true",
+               "mlflow.assistant.panelOpen_v1": "false"}
+SEED = ("<script>try{" + "".join(f"if(localStorage.getItem({json.dumps(k)})===null)"
+                                  f"localStorage.setItem({json.dumps(k)},{json.dumps(v)});" for k, v in FIRST_VISIT.items())
+        + "}catch(e){}</script>").encode()
 PAGES = ("/", "/index.html")
 UI_KEY_ENV = "KILN_UI_API_KEY"  # set by `kiln ui` (pipeline/cli.py) for the server process it starts
 OPEN = ("/health",)
