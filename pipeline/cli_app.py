@@ -59,7 +59,9 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON document o
 
 RecipeArg = Annotated[Path, typer.Argument(help="recipe YAML file", show_default=False)]
 SetOpt = Annotated[list[str], typer.Option("--set", help="override a recipe field: --set optimize.bits=8 (repeatable)")]
-RunsOpt = Annotated[Path, typer.Option(help="where run directories go")]
+# None: runs/ in kiln's home (kiln.core.home.runs_root), read when the command runs
+RunsOpt = Annotated[Path | None, typer.Option(help="the folder of run folders (default: runs/ in kiln's home: "
+                                                   "$KILN_HOME, else ~/.local/share/kiln)", show_default=False)]
 FreshOpt = Annotated[list[str], typer.Option(help="recompute a stage even if cached: a stage name or 'all' (repeatable)")]
 RunArg = Annotated[str, typer.Argument(metavar="RUN", help="a run's name under --runs, or its folder")]
 

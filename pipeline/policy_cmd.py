@@ -88,7 +88,7 @@ def judged_recipe(recipe: Path, set_: list[str], policy_from: Path | None) -> An
 def set_policy(name: Annotated[str, typer.Argument(help="the registered model whose policy to set")], recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
                reason: Annotated[str | None, typer.Option(help="why the model's policy changes (required; recorded)")] = None,
                tracking_uri: Annotated[str | None, typer.Option(help="MLflow tracking URI (default: "
-                                                                      "$MLFLOW_TRACKING_URI or ./mlflow.db)")] = None) -> None:
+                                                                      "$MLFLOW_TRACKING_URI, else mlflow.db in kiln's home)")] = None) -> None:
     """Pin RECIPE's policy on registered model NAME: from now on only runs judged under it can pass a version.
 
     Signed with kiln's key and recorded with who and why in the model's policy history. Versions judged

@@ -21,7 +21,7 @@ app.add_typer(key_app, name="key")
 @app.command()
 def verify(target: Annotated[str, typer.Argument(metavar="RUN|NAME", help="a run (folder or name), or a registered model")],
            version: Annotated[str | None, typer.Argument(metavar="VERSION", help="with NAME: the version")] = None,
-           runs: RunsOpt = Path("runs"), tracking_uri: TrackingOpt = None,
+           runs: RunsOpt = None, tracking_uri: TrackingOpt = None,
            engine: Annotated[Path | None, typer.Option(help="with NAME VERSION: check this local engine (or artifact) "
                                                              "folder against the judged bytes instead of downloading "
                                                              "the version's artifact (what a pod runs before serving)")]

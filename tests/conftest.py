@@ -46,11 +46,22 @@ def _session_cache() -> tuple[Path, bool]:
 
 _CACHE, _MADE_HERE = _session_cache()
 os.environ["KILN_CACHE"] = str(_CACHE)
+# kiln's home (runs, the default MLflow store and its artifacts: kiln.core.home) is never the user's:
+# this session's own folder for what runs before any test (session fixtures), then each test's own.
+os.environ["KILN_HOME"] = str(_CACHE / "home")
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     if _MADE_HERE and not hasattr(session.config, "workerinput"):
         shutil.rmtree(_CACHE, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def kiln_home(tmp_path, monkeypatch) -> Path:
+    """Each test's kiln home is its own tmp_path: what a test runs in-process or starts with the
+    environment it inherits writes runs/, mlflow.db and mlruns/ there, never into ~/.local/share/kiln."""
+    monkeypatch.setenv("KILN_HOME", str(tmp_path))
+    return tmp_path
 
 
 def build_tiny_llama(tokenizer_dir: Path, out: Path) -> Path:

@@ -59,7 +59,10 @@ def fresh_cache(path: Path) -> Path:
 
 
 def kiln(*args, cwd: Path, env: dict | None = None, check: bool = False, **kw) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, **(env or {})}
+    """`kiln ARGS` in `cwd`, whose kiln home is `cwd` unless `env` names one: the tests that read
+    cwd/runs and cwd/mlflow.db were written when runs landed in the current folder (tests/pipeline/
+    test_home.py checks that they no longer do)."""
+    full_env = {**os.environ, "KILN_HOME": str(cwd), **(env or {})}
     return subprocess.run([sys.executable, "-m", "kiln.pipeline", *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, check=check, **kw)
 

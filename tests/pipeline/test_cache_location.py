@@ -8,7 +8,8 @@ says where the build is; the lookup and the stages' cache are then read from a p
 folder; and once, the real CLI: `kiln run` on a recipe whose one candidate is a GGUF served by
 llama.cpp, stopped when that candidate's engine is built (its GGUF converted and quantized by the
 build's tools). Before the fix, make put the build under the checkout and kiln looked under the
-current folder: that run stopped at the GGUF build with exit 2.
+current folder: that run stopped at the GGUF build with exit 2. Its runs and tracking store go to the
+default home (~/.local/share/kiln), not the folder it was started in.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def user(tmp_path: Path, with_cache: bool) -> tuple[dict, Path]:
     bin_dir.mkdir()
     (bin_dir / "cmake").write_text("#!/bin/sh\necho 'test: no compile here' >&2\nexit 1\n")
     (bin_dir / "cmake").chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k not in ("KILN_CACHE", "MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("KILN_CACHE", "KILN_HOME", "XDG_DATA_HOME", "MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
     env.update(HOME=str(home), PATH=f"{bin_dir}:{env['PATH']}", PIP_NO_INDEX="1")
     cache = tmp_path / "elsewhere" / "kiln-cache" if with_cache else home / ".cache" / "kiln"
     if with_cache:
@@ -99,7 +101,8 @@ def test_kiln_run_from_another_folder_gets_past_the_gguf_build(tmp_path, tiny_mo
 
     kiln = Path(sys.executable).parent / "kiln"  # the console script a user runs
     log = tmp_path / "kiln.log"
-    until = str(work / "runs" / "*" / "candidates" / NAME / "stages" / "engine-candidate.json")
+    home = Path(env["HOME"]) / ".local" / "share" / "kiln"  # kiln's home with KILN_HOME unset (kiln.core.home)
+    until = str(home / "runs" / "*" / "candidates" / NAME / "stages" / "engine-candidate.json")
     with log.open("w") as out:
         proc = subprocess.Popen([str(kiln), "run", str(recipe)], cwd=work, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -115,3 +118,14 @@ def test_kiln_run_from_another_folder_gets_past_the_gguf_build(tmp_path, tiny_mo
     record = json.loads(Path(glob.glob(until)[0]).read_text())
     assert Path(record["path"]).is_relative_to(cache / "stages"), record  # the user's cache, not the folder's
     assert not (work / ".cache").exists()
+    assert sorted(p.name for p in work.iterdir()) == ["my-recipe.yaml"]  # no runs/, mlflow.db, mlruns/ here
+    assert (home / "mlflow.db").is_file() and any((home / "mlruns").rglob("recipe.yaml"))  # the parent run's artifact
+    # ... and a command started from yet another folder finds the run there
+    other = tmp_path / "another-folder"
+    other.mkdir()
+    run_dir = Path(glob.glob(until)[0]).parents[3]  # <home>/runs/<run>/candidates/<name>/stages/<record>
+    listed = subprocess.run([str(kiln), "runs", "--json"], cwd=other, env=env, capture_output=True, text=True)
+    assert [r["run"] for r in json.loads(listed.stdout)] == [run_dir.name], listed.stdout + listed.stderr
+    shown = subprocess.run([str(kiln), "show", run_dir.name, "--json"], cwd=other, env=env, capture_output=True, text=True)
+    assert json.loads(shown.stdout)["run_dir"] == str(run_dir), shown.stdout + shown.stderr
+    assert list(other.iterdir()) == []

@@ -31,7 +31,7 @@ def test_two_runs_at_once_agree_and_share_their_stages(delay_s, tmp_path, tiny_m
     work, cache = tmp_path / "work", fresh_cache(tmp_path / "cache")
     work.mkdir()
     recipe = write_recipe(tmp_path / "small.yaml", tiny_model_dir, name="twice", **SMALL)
-    env = {**os.environ, "KILN_CACHE": str(cache)}
+    env = {**os.environ, "KILN_CACHE": str(cache), "KILN_HOME": str(work)}  # runs/ and mlflow.db in work
     env.pop("MLFLOW_TRACKING_URI", None)
     procs = []
     for i in range(2):

@@ -108,8 +108,9 @@ def test_tracking_setup_end_to_end(kind, tmp_path, tiny_model_dir):
         assert mv.tags["kiln.verdict"] == verdict_a["verdict"] and mv.tags["kiln.registration"] == "complete"
         assert ("challenger" in mv.aliases) is (proc_a.returncode == 0)  # only a version whose run passed
         assert str(cache_a) not in mv.source, mv.source  # the store's copy, not the runner's cache
-        if kind == "sqlite":
-            assert mv.source.startswith(str(tmp_path / "a" / "mlruns")), mv.source
+        if kind == "sqlite":  # beside the store's .db file, not in ./mlruns of the folder machine A ran in
+            assert mv.source.startswith(str(tmp_path / "server" / "mlruns")), mv.source
+            assert not (tmp_path / "a" / "mlruns").exists()
         if kind == "http":
             assert mv.source.startswith("mlflow-artifacts:"), mv.source
         if kind == "postgres-s3":
