@@ -1,10 +1,13 @@
 """`kiln cache`: what kiln's cache ($KILN_CACHE, else ~/.cache/kiln) holds, and pruning what no
 run needs. The rules (what is needed, what last used means, how deleting stays atomic) are in
-kiln.pipeline.cache_index. Registered on the one `kiln` app (cli_app.py) when `cli.py` imports it."""
+kiln.pipeline.cache_index; here, where the needs come from: the registered versions in every
+tracking store the runs under --runs (kiln's home) used, each run's own (its state.json), not a
+store in the current folder. Registered on the one `kiln` app (cli_app.py) when `cli.py` imports it."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -12,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from kiln.pipeline.cli_app import JsonOpt, app, console, size_option, typer_app
+from kiln.pipeline.cli_app import JsonOpt, RunsOpt, app, console, size_option, typer_app
 from kiln.pipeline.cli_ops import TrackingOpt
 from kiln.core.errors import BadInput
 
@@ -31,14 +34,13 @@ def parse_age(text: str) -> float:
     return float(m[1]) * AGE_UNITS[m[2].lower()]
 
 
-def registered_runs(uri: str | None) -> tuple[list[Path], str]:
-    """The run folders of every registered model version in the tracking store (their
+def registered_runs(uri: str) -> tuple[list[Path], str]:
+    """The run folders of every registered model version in the tracking store `uri` (their
     `kiln.run_dir` tag), and a line saying where they came from."""
-    from kiln.pipeline.tracking import default_uri, open_client, redact_uri
+    from kiln.pipeline.tracking import open_client, redact_uri
 
-    uri = uri or default_uri()
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
-        return [], f"no tracking store at {redact_uri(uri)}: no registered version is known here (--tracking-uri)"
+        return [], f"no tracking store at {redact_uri(uri)}"
     client = open_client(uri)
     runs: list[Path] = []
     versions, token = 0, None
@@ -54,12 +56,105 @@ def registered_runs(uri: str | None) -> tuple[list[Path], str]:
     return runs, f"{versions} registered versions in {redact_uri(uri)}{where}"
 
 
-def _index(tracking_uri: str | None):
+def _states(runs: Path) -> dict[Path, dict]:
+    """Each run folder under `runs` and its state.json."""
+    out = {}
+    for state in sorted(Path(runs).glob("*/state.json")):
+        try:
+            out[state.parent.resolve()] = json.loads(state.read_text())
+        except (OSError, ValueError):  # a run being written, or not kiln's
+            continue
+    return out
+
+
+def _stores(states: dict[Path, dict], uri: str | None) -> tuple[dict[str, list[Path]], list[str]]:
+    """The tracking stores to read registered versions from, each with the run folders that used it:
+    --tracking-uri alone when given, else the default store and every store a run here used (its
+    state.json). A stored URI that held credentials was saved without them (`***@`): it is read
+    through $MLFLOW_TRACKING_URI when that is the same store, else not at all, which is said."""
+    from kiln.pipeline.tracking import default_uri, redact_uri
+
+    if uri:
+        return {uri: []}, []
+    stores: dict[str, list[Path]] = {default_uri(): []}
+    notes = []
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    for run, state in states.items():
+        used = state.get("tracking_uri")
+        if used and "***@" in used:
+            if not (env and redact_uri(env) == used):
+                notes.append(f"run {run.name}'s store {used} (its credentials were not kept: set "
+                             "$MLFLOW_TRACKING_URI to it to read its versions; its stages are kept meanwhile)")
+                stores.setdefault(used, []).append(run)
+                continue
+            used = env
+        if used:
+            stores.setdefault(used, []).append(run)
+    return stores, notes
+
+
+def _needs(runs: Path, uri: str | None) -> tuple[dict[Path, str], dict[Path, dict], str]:
+    """The run folders whose stages are needed (the runs of registered versions in the stores the
+    runs used, and every run of a store that cannot be read) with why; the run folders' states;
+    a line saying where the needs came from."""
+    from kiln.pipeline.tracking import redact_uri
+
+    states = _states(runs)
+    stores, notes = _stores(states, uri)
+    needed: dict[Path, str] = {}
+    for store, used_by in stores.items():
+        if "***@" in store:
+            needed.update({r: f"run {r.name}: its tracking store could not be read" for r in used_by})
+            continue
+        try:
+            found, note = registered_runs(store)
+        except BadInput as e:
+            if uri:  # the store the user named: say so, as any command does
+                raise
+            needed.update({r: f"run {r.name}: its tracking store could not be read" for r in used_by})
+            note = f"{redact_uri(store)} could not be read ({e}); its runs' stages are kept"
+        needed.update({Path(r).resolve(): f"registered version's run {Path(r).name}" for r in found})
+        notes.append(note)
+    return needed, states, "; ".join(notes)
+
+
+def _run_models(runs: list[Path]) -> dict[Path, str]:
+    """Each run folder and the model it ran on: the model folder's name, as the manifests name it
+    (`demo`: the demo checkpoint's folder)."""
+    import yaml
+
+    demo = None
+    out = {}
+    for run in runs:
+        try:
+            spec = str(yaml.safe_load((run / "recipe.yaml").read_text())["model"]["path"])
+        except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError):
+            continue
+        if spec == "demo":
+            demo = demo or _demo_name()
+            out[run] = demo
+        else:
+            out[run] = Path(spec).name
+    return out
+
+
+def _demo_name() -> str:
+    from kiln.pipeline.model_source import demo_model_folder
+
+    try:
+        folder = demo_model_folder(prepare=False)
+    except Exception:  # noqa: BLE001 - the demo's package missing or broken: the recipe's word for it
+        folder = None
+    return folder.name if folder else "demo"
+
+
+def _index(tracking_uri: str | None, runs: Path | None):
+    from kiln.core.home import runs_root
     from kiln.pipeline.cache_index import index
     from kiln.pipeline.model_source import cache_root
 
-    runs, note = registered_runs(tracking_uri)
-    return index(cache_root(), runs), note
+    needed, states, note = _needs(runs_root(runs), tracking_uri)
+    return index(cache_root(), needed, _run_models([*states, *needed])), note
 
 
 def _ago(t: float) -> str:
@@ -71,16 +166,17 @@ def _ago(t: float) -> str:
 
 
 @cache_app.command("list")
-def list_cmd(tracking_uri: TrackingOpt = None,
+def list_cmd(tracking_uri: TrackingOpt = None, runs: RunsOpt = None,
              entries: Annotated[bool, typer.Option("--entries", help="a line per stage and engine")] = False,
              as_json: JsonOpt = False) -> None:
-    """What the cache holds: stages and engines by model and kind, with their size and what is
-    needed (a registered version's run, or a run or stage running now); the rest by folder."""
+    """What the cache holds: stages and engines by the model their runs ran on and by kind, with their
+    size and what is needed (a registered version's run in a store the runs used, or a run or stage
+    running now); the rest by folder."""
     from rich.table import Table
 
     from kiln.optimize.memory import human
 
-    ix, note = _index(tracking_uri)
+    ix, note = _index(tracking_uri, runs)
     if as_json:  # every entry, whether or not --entries
         print(json.dumps(_as_dict(ix, note), indent=2))
         return
@@ -121,7 +217,7 @@ def prune_cmd(older_than: Annotated[str | None, typer.Option(help="prune what wa
               max_size: Annotated[str | None, typer.Option(help="then prune the least recently used until the "
                                                                  "whole cache is at most this (20G, 500M)")] = None,
               yes: Annotated[bool, typer.Option("--yes", help="delete; without it nothing is deleted")] = False,
-              tracking_uri: TrackingOpt = None) -> None:
+              tracking_uri: TrackingOpt = None, runs: RunsOpt = None) -> None:
     """Prune stages and engines no one needs, by age and/or total size. A dry run unless --yes:
     it prints what would go and what that frees. Never touches what a registered version's run
     or a running kiln run needs, nor the demo model, data or llama.cpp build; a prune killed
@@ -133,7 +229,7 @@ def prune_cmd(older_than: Annotated[str | None, typer.Option(help="prune what wa
         raise BadInput("kiln cache prune: say what to prune with --older-than AGE (7d) and/or --max-size SIZE (20G)")
     age = parse_age(older_than) if older_than is not None else None
     limit = size_option("--max-size", max_size)
-    ix, note = _index(tracking_uri)
+    ix, note = _index(tracking_uri, runs)
     doomed = plan_prune(ix, age, limit)
     freed = ix.freed({e.path for e in doomed})
     for e in doomed:
@@ -158,4 +254,4 @@ def prune_cmd(older_than: Annotated[str | None, typer.Option(help="prune what wa
 def cache_main(ctx: typer.Context) -> None:
     """`kiln cache` alone lists (`kiln cache list`)."""
     if ctx.invoked_subcommand is None:
-        list_cmd(tracking_uri=None, entries=False, as_json=False)
+        list_cmd(tracking_uri=None, runs=None, entries=False, as_json=False)

@@ -19,6 +19,12 @@ Pruning an entry prunes what depends on it with it, so a kept engine stage never
 engine. An entry was *last used* when it was finished or a run last used it (the .use file's
 time), or when anything that depends on it was: an entry is as old as its youngest dependant.
 
+An entry is filed under the model of every run folder whose records name it (what it needs, under
+the same). Stages are keyed by content, so one stage serves every copy of a checkpoint, and its
+manifest names only the model folder of the run that computed it first: filed by manifests alone,
+every demo stage built on an artifact that a run of the user's copy of the demo model had computed
+went under the user's model. An entry no run folder here names is filed by its manifest.
+
 Deleting is a rename into trash/ (atomic: a reader sees the whole entry or none) under the
 entry's locks, then removal; a prune killed half-way leaves only trash, which the next one empties.
 """
@@ -31,7 +37,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,10 +101,14 @@ class CacheIndex:
         return out
 
 
-def index(root: Path, registered_runs: list[Path] = ()) -> CacheIndex:
-    """Walk the cache at `root`; `registered_runs`: the run folders of registered versions."""
+def index(root: Path, registered_runs: Iterable[Path] | Mapping[Path, str] = (),
+          run_models: Mapping[Path, str] | None = None) -> CacheIndex:
+    """Walk the cache at `root`. `registered_runs`: the run folders whose stages are needed (the runs
+    of registered versions), or a mapping of each to why; `run_models`: run folders and the model each
+    ran on, which files the entries they name under it."""
     root = Path(root).resolve()  # runs record stage paths, and engines their source, resolved
     entries = {e.path: e for e in _entries(root)}
+    _file_by_runs(entries, run_models or {})
     other: dict[str, int] = {}
     inodes: dict[tuple[int, int], tuple[int, int, int]] = {}
     files: dict[Path, list[tuple[int, int]]] = {p: [] for p in entries}
@@ -186,12 +196,38 @@ def _json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _needed(root: Path, entries: dict[Path, Entry], registered_runs: list[Path]) -> None:
-    for run in registered_runs:
-        for record in [*Path(run).glob("stages/*.json"), *Path(run).glob("candidates/*/stages/*.json")]:
-            path = Path(str(_json(record).get("path", ""))).resolve()
+def _recorded(run: Path) -> Iterator[Path]:
+    """The cache folders a run folder's stage records name (every stage its verdict was judged on)."""
+    for record in [*Path(run).glob("stages/*.json"), *Path(run).glob("candidates/*/stages/*.json")]:
+        if path := _json(record).get("path"):
+            yield Path(str(path)).resolve()
+
+
+def _file_by_runs(entries: dict[Path, Entry], run_models: Mapping[Path, str]) -> None:
+    """Each entry a run names under that run's model, and what it needs under the same."""
+    models: dict[Path, set[str]] = {}
+    for run, model in run_models.items():
+        for path in _recorded(run):
+            if path in entries:
+                models.setdefault(path, set()).add(model)
+    todo = list(models)
+    while todo:
+        e = entries[todo.pop()]
+        for p in e.requires:
+            if p in entries and not models[e.path] <= models.get(p, set()):
+                models.setdefault(p, set()).update(models[e.path])
+                todo.append(p)
+    for path, names in models.items():
+        entries[path].model = ", ".join(sorted(names))
+
+
+def _needed(root: Path, entries: dict[Path, Entry], registered_runs: Iterable[Path] | Mapping[Path, str]) -> None:
+    why = registered_runs if isinstance(registered_runs, Mapping) else \
+        {Path(r): f"registered version's run {Path(r).name}" for r in registered_runs}
+    for run, reason in why.items():
+        for path in _recorded(run):
             if path in entries and not entries[path].needed:
-                entries[path].needed = f"registered version's run {Path(run).name}"
+                entries[path].needed = reason
     for e in entries.values():
         if e.locks and not e.needed:
             e.needed = _held(e)
