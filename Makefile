@@ -70,6 +70,7 @@ lint-tools: $(ACTIONLINT) $(SHELLCHECK)
 # Runs the whole pipeline on the demo recipe and prints the verdict. A gate verdict (pass, fail,
 # inconclusive) is a successful demo; bad input (2) or an internal error (4) is not.
 # Two of the demo's candidates are GGUF files served by llama.cpp, so the demo builds it too (once).
+# The run lands in kiln's home ($KILN_HOME, else ~/.local/share/kiln: runs/, mlflow.db, mlruns/), not here.
 demo: setup
 	$(BIN)/kiln run recipes/demo.yaml; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 1 ] || [ $$rc -eq 3 ]
 
@@ -80,9 +81,10 @@ demo: setup
 test: setup system-deps lint-tools
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=25
 
-# kiln's cache (the llama.cpp build, the demo's files, every stage) is not the checkout's: it stays.
+# kiln's cache (the llama.cpp build, the demo's files, every stage) and its home (runs, the tracking
+# store) are not the checkout's: they stay. runs, mlflow.db, mlruns: what an older kiln left here.
 clean:
-	rm -rf $(VENV) .cache runs mlflow.db
+	rm -rf $(VENV) .cache runs mlflow.db mlflow.db.kiln-lock mlruns
 
 # The real-demo-model and multi-process tests (minutes each); not part of CI's default run.
 test-slow: setup system-deps lint-tools
