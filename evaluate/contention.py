@@ -25,6 +25,11 @@ a VM whose hypervisor took much of the CPU, into Inconclusive, with these number
 - load_per_core: the 1-minute load average at the end over the number of cores.
 Where a file is missing (not Linux) that figure is None, and with no pressure signal `signal` is
 None: the gate names the guard as unable to watch, it does not pass in silence.
+
+A whole-run figure cannot tell steady load, which a pair's two arms share, from load that came or
+went between them. So the decode benchmark also takes these figures over each arm's half of every
+pair (`Watch.read` before and after each request, `Watch.over` between: two /proc reads, ~0.1 ms),
+and the gate drops the pairs whose halves differ (kiln.core.gate.performance).
 """
 
 from __future__ import annotations
@@ -101,7 +106,7 @@ class Watch:
 
     def __init__(self, proc: Path = PROC, every_s: float = SAMPLE_S):
         self.proc, self.start = proc, read(proc)
-        self.samples: list[int] = []
+        self.samples: list[tuple[float, int]] = []  # (monotonic time, procs_running)
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         if self.start.psi_some_us is None and self.start.runnable is not None:
@@ -110,11 +115,19 @@ class Watch:
 
     def _sample(self, every_s: float) -> None:
         while not self._done.wait(every_s):
-            if (n := read(self.proc).runnable) is not None:
-                self.samples.append(n)
+            if (r := read(self.proc)).runnable is not None:
+                self.samples.append((r.wall_s, r.runnable))
+
+    def read(self) -> Reading:
+        return read(self.proc)
+
+    def over(self, start: Reading, end: Reading) -> dict[str, Any]:
+        """The figures over [start, end] (two of this watch's readings): one arm's half of a pair."""
+        return between(start, end, [n for t, n in list(self.samples) if start.wall_s <= t <= end.wall_s])
 
     def figures(self) -> dict[str, Any]:
-        return between(self.start, read(self.proc), list(self.samples))
+        """The figures from the watch's start until now: the whole benchmark."""
+        return self.over(self.start, read(self.proc))
 
     def close(self) -> None:
         self._done.set()

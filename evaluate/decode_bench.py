@@ -12,6 +12,11 @@ next, and that noise is per request, not slow drift, so many short adjacent pair
 ratio interval than a few long repeats of the same total duration (measured: per-pair log-ratio sd
 0.17 on 16-token, 0.25 on 32-token requests). Each round runs every prompt once; each pair is one
 paired sample per metric, and the gate takes its interval across all of them.
+
+Given a contention `Watch`, each arm's half of a pair is also watched: its CPU pressure and steal
+are recorded as paired samples beside its speed (kiln.evaluate.contention.as_metrics names them),
+so the gate can tell steady load, which both halves share and pairing cancels, from load that
+changed between them, which it cannot.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from kiln.engine.base import Engine, GenerationRequest
+from kiln.evaluate.contention import Watch, as_metrics
 
 
 def _one_request(engine: Engine, prompt: list[int], new_tokens: int) -> tuple[float, float, int]:
@@ -45,15 +51,25 @@ def _single(engine: Engine, prompt: list[int], new_tokens: int) -> dict[str, flo
     return {"ttft_ms": 1000 * ttft, "decode_tok_s": n / dt, "tpot_ms": 1000 * dt / n}
 
 
+def _watched(engine: Engine, prompt: list[int], new_tokens: int, watch: Watch | None) -> dict[str, float]:
+    """One request's figures and, given `watch`, the machine's over it (read outside the timed part)."""
+    if watch is None:
+        return _single(engine, prompt, new_tokens)
+    start = watch.read()
+    figures = _single(engine, prompt, new_tokens)
+    return {**figures, **as_metrics(watch.over(start, watch.read()))}
+
+
 def interleaved(engines: dict[str, Engine], prompts: Sequence[list[int]], new_tokens: int,
                 batch_sizes: Sequence[int], rounds: int,
                 stop: Callable[[dict[str, dict[str, list[float]]]], bool] | None = None,
-                ) -> dict[str, dict[str, list[float]]]:
+                watch: Watch | None = None) -> dict[str, dict[str, list[float]]]:
     """Per arm, metric -> paired samples (sample i of every arm saw the same moment of the machine).
 
     Single-request metrics give one sample per (round, prompt); batch throughput, one per round.
     `stop`, asked after every round but the last with the samples so far: True ends the
-    measurement there (the caller's rule, e.g. a check already decided).
+    measurement there (the caller's rule, e.g. a check already decided). `watch`: the machine's
+    contention over each single request is recorded too, paired as the speeds are.
     """
     names = list(engines)
     for name in names:  # warm-up: first-call allocations and lazy init must not count
@@ -64,7 +80,7 @@ def interleaved(engines: dict[str, Engine], prompts: Sequence[list[int]], new_to
     for done in range(rounds):
         for prompt in prompts:
             for name in names if pair % 2 == 0 else reversed(names):
-                for k, v in _single(engines[name], prompt, new_tokens).items():
+                for k, v in _watched(engines[name], prompt, new_tokens, watch).items():
                     out[name].setdefault(k, []).append(v)
             pair += 1
         for b in (b for b in batch_sizes if b > 1):

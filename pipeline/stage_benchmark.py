@@ -35,7 +35,7 @@ def benchmark(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], co
     run_stage(ctx, "benchmark", "pair",
               {"engines": {r: p.name for r, p in engines.items()}, "config": b.model_dump(mode="json"),
                "hardware": hardware_fingerprint(), "prompts": hash_of(prompts), "pairing": "per-prompt",
-               "records": "contention by signal, steal", "prefill": "uncached", **_confirmation(ctx, confirmation, fresh, b.num_prompts),
+               "records": "contention by signal, steal; per pair half", "prefill": "uncached", **_confirmation(ctx, confirmation, fresh, b.num_prompts),
                **({"stops_when_failed": futility.model_dump(mode="json")} if futility else {})},
               lambda out: _decode_bench(ctx, {role: loaded[role] for role in engines}, prompts, futility, out))
 
@@ -43,7 +43,9 @@ def benchmark(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], co
 def _decode_bench(ctx: RunContext, arms: dict[str, Any], prompts: list[list[int]], futility: Any,
                   out: Path) -> dict[str, Any]:
     """The benchmark stage's work: the arms interleaved per prompt while the machine's contention is
-    watched, each round judged on the speed checks when `futility` is set."""
+    watched, over the whole benchmark (the report's figures) and over each arm's half of every pair
+    (the gate's: a pair whose halves differ is dropped), each round judged on the speed checks when
+    `futility` is set."""
     from kiln.evaluate import contention
     from kiln.evaluate.decode_bench import interleaved
 
@@ -52,7 +54,7 @@ def _decode_bench(ctx: RunContext, arms: dict[str, Any], prompts: list[list[int]
     stopped: dict[str, Any] = {}
     with watch:
         stop = _stop_when_failed(ctx, futility, watch, len(prompts), stopped) if futility else None
-        per_arm = interleaved(arms, prompts, b.max_new_tokens, b.batch_sizes, b.repeats, stop=stop)
+        per_arm = interleaved(arms, prompts, b.max_new_tokens, b.batch_sizes, b.repeats, stop=stop, watch=watch)
         machine = watch.figures()
     atomic_write_json(out / "repeats.json", per_arm)
     per_role = {role: {"repeats": samples, "metrics": {

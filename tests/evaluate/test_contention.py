@@ -69,3 +69,13 @@ def test_no_proc_names_no_signal(tmp_path):
         got = watch.figures()
     assert got["signal"] is None and got["cpu_pressure"] is None and got["cpu_steal"] is None
     assert as_metrics(got) == {}
+
+
+def test_over_takes_only_the_run_queue_samples_inside_its_window(tmp_path):
+    """One arm's half of a pair: the samples the watch took between its two readings, not the whole run's."""
+    cpus = usable_cpus()
+    with Watch(_proc(tmp_path / "proc", running=cpus + 1)) as watch:
+        watch.samples[:] = [(1.0, 2 * cpus + 1), (5.0, cpus + 1)]  # busy early, quiet in the window
+        start, end = Reading(4.0, None, None, None, cpus + 1), Reading(6.0, None, None, None, cpus + 1)
+        assert watch.over(start, end)["cpu_pressure"] == 0.0
+        assert watch.over(Reading(0.5, None, None, None, cpus + 1), end)["cpu_pressure"] == pytest.approx(1 / 4)

@@ -62,3 +62,35 @@ def test_a_stop_rule_ends_the_measurement_after_the_round_it_says_so(tiny_model_
     never = interleaved({"baseline": engine, "candidate": engine}, [[1, 2, 3]], new_tokens=3,
                         batch_sizes=[1], rounds=3, stop=lambda s: False)
     assert len(never["candidate"]["decode_tok_s"]) == 3
+
+
+def test_a_model_compared_with_itself_is_never_failed_beside_a_busy_process(tiny_model_dir):
+    """Both arms the same engine, one busy process spinning beside them: each half of every pair is
+    watched, and neither a two-sided nor a min_ratio check Fails the model against itself."""
+    import subprocess
+    import sys
+
+    from kiln.core.gate.base import Evidence, Verdict
+    from kiln.core.gate.policy import judge
+    from kiln.evaluate.contention import Watch, as_metrics
+    from kiln.pipeline.recipe import GateSection
+
+    engine = TorchEngine(tiny_model_dir, TorchEngineConfig(threads=1))
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        with Watch() as watch:
+            out = interleaved({"baseline": engine, "candidate": engine}, [[1, 2, 3], [4, 5, 6, 7], [8, 9]] * 4,
+                              new_tokens=6, batch_sizes=[1], rounds=1, watch=watch)
+            machine = as_metrics(watch.figures())
+    finally:
+        busy.kill()
+        busy.wait()
+    halves = [name for name in out["candidate"] if name.endswith("pressure")]
+    assert halves == list(machine)[:1], "each arm's half of each pair carries the machine's pressure"
+    assert all(len(arm[halves[0]]) == len(arm["decode_tok_s"]) == 12 for arm in out.values())
+    speed = {"kind": "performance", "metric": "decode_tok_s"}
+    policy = GateSection.model_validate({"checks": [{**speed, "min_ratio": 0.9}, {**speed, "max_ratio": 1.1}]})
+    outcome = judge(policy, Evidence("candidate", metrics=machine, repeats=out["candidate"]),
+                    Evidence("baseline", metrics=machine, repeats=out["baseline"]))
+    for r in outcome.results:
+        assert r.verdict in (Verdict.SUCCESSFUL, Verdict.INCONCLUSIVE), r.reason

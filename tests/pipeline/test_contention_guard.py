@@ -119,3 +119,74 @@ def test_the_job_summary_and_the_comment_carry_the_warning(tmp_path):
     assert warning in summary.read_text()
     comment = (run_dir / github.COMMENT_FILE).read_text()
     assert warning in comment.split("<details>", 1)[0]  # in the comment's head, not only in the folded report
+
+
+def _paired(base_pressure: list[float], cand_pressure: list[float], cand_speed: list[float] | None = None,
+            **bounds) -> tuple[GateSection, Evidence, Evidence]:
+    """A decode benchmark whose every pair recorded each arm's half: baseline ~10 tok/s, candidate ~15
+    (or `cand_speed`), the whole run's pressure the mean of the halves."""
+    n = len(base_pressure)
+    rng = np.random.default_rng(0)
+    b, c = Evidence("baseline"), Evidence("candidate")
+    b.repeats["decode_tok_s"] = list(10 * np.exp(rng.normal(0, 0.05, n)))
+    c.repeats["decode_tok_s"] = cand_speed or list(15 * np.exp(rng.normal(0, 0.05, n)))
+    b.repeats["bench_cpu_pressure"], c.repeats["bench_cpu_pressure"] = base_pressure, cand_pressure
+    whole = {"bench_cpu_pressure": float(np.mean(base_pressure + cand_pressure)), "bench_cpu_steal": 0.0}
+    for ev in (b, c):
+        ev.metrics.update(whole, decode_tok_s=float(np.median(ev.repeats["decode_tok_s"])))
+    policy = GateSection.model_validate({"checks": [{"kind": "performance", "metric": "decode_tok_s",
+                                                     "min_ratio": 1.2, **bounds}]})
+    return policy, c, b
+
+
+def test_steady_load_on_both_halves_is_judged():
+    """One busy process beside the benchmark all along (~50% in every half): both arms of each pair
+    shared it, so the whole run's 50% does not refuse the verdict."""
+    policy, cand, base = _paired([0.5, 0.52, 0.48] * 8, [0.49, 0.5, 0.51] * 8)
+    r = judge(policy, cand, base).results[0]
+    assert r.verdict is Verdict.SUCCESSFUL, r.reason
+    assert "CPU pressure 50.0% (PSI)" in r.reason and "0 of 24 pairs dropped" in r.reason
+
+
+def test_a_load_change_within_a_pair_drops_the_pair():
+    """Three pairs where a job started between the arms' halves, their ratio off (the candidate slowed
+    to a third): they are dropped and said so, and the verdict stands on the other 21."""
+    base_p, cand_p = [0.02] * 24, [0.02] * 24
+    speed = list(15 * np.ones(24))
+    for i in (3, 11, 19):
+        cand_p[i], speed[i] = 0.6, 1.0
+    policy, cand, base = _paired(base_p, cand_p, cand_speed=speed)
+    r = judge(policy, cand, base).results[0]
+    assert r.verdict is Verdict.SUCCESSFUL, r.reason
+    assert "3 of 24 pairs dropped (3 CPU pressure changed by more than 25% between the arms' halves)" in r.reason
+    assert r.method == "paired log-ratio t-interval over 21 of 24 interleaved pairs"
+    assert r.ci[0] > 1.4  # the three slowed pairs are not in the interval
+    off, c2, b2 = _paired(base_p, cand_p, cand_speed=speed, max_cpu_pressure=None)
+    assert judge(off, c2, b2).results[0].verdict is not Verdict.SUCCESSFUL  # unguarded, they pull it down
+
+
+def test_load_that_keeps_changing_within_pairs_is_refused():
+    policy, cand, base = _paired([0.02, 0.6] * 12, [0.02] * 24)  # half the pairs: the rest still decide
+    r = judge(policy, cand, base).results[0]
+    assert r.verdict is Verdict.SUCCESSFUL and "12 of 24 pairs dropped" in r.reason, r.reason
+    policy, cand, base = _paired([0.02, 0.6, 0.6] * 8, [0.02] * 24)  # a job coming and going, mostly there
+    r = judge(policy, cand, base).results[0]
+    assert r.verdict is Verdict.INCONCLUSIVE, r.reason
+    assert "the machine's load changed while measuring: 16 of 24 pairs dropped" in r.reason
+    assert "--fresh benchmark" in r.reason
+
+
+def test_saturated_halves_cannot_show_a_change_and_are_dropped():
+    """Two busy processes beside a 2-thread engine on 2 cores: a task waits all the time in both halves."""
+    policy, cand, base = _paired([1.0] * 20 + [0.9] * 4, [0.99] * 20 + [0.9] * 4)
+    r = judge(policy, cand, base).results[0]
+    assert r.verdict is Verdict.INCONCLUSIVE and "20 of 24 pairs dropped" in r.reason
+    assert "both halves saturated" in r.reason
+
+
+def test_an_absolute_check_drops_the_samples_measured_above_the_bound():
+    """An SLO on the candidate alone has no pair to share the load with: the level itself is bounded."""
+    _, cand, base = _paired([0.02] * 24, [0.02] * 20 + [0.6] * 4)
+    policy = GateSection.model_validate({"checks": [{"kind": "performance", "metric": "decode_tok_s", "min": 12}]})
+    r = judge(policy, cand, base).results[0]
+    assert r.verdict is Verdict.SUCCESSFUL and "4 of 24 samples dropped (4 CPU pressure above 25%)" in r.reason
