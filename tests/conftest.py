@@ -24,6 +24,13 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
+# Two test workers, each running torch (libgomp) with 2 threads, on 2 cores: OpenMP's default lets an
+# idle thread spin for its next parallel region, on a CPU the other worker's process is waiting for.
+# Sleeping instead took 16-23% of the CPU off test_search.py and test_concurrent_runs.py at -n 2 (A B A B
+# on the 2-vCPU AMD EPYC VM: 289/271 s against 223/228 s of user CPU, 196/186 s against 165/169 s of
+# wall). The tests' speed checks are relative and guarded; none measures OpenMP's wake-up latency.
+# setdefault: a user who set it keeps theirs.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The parts of the machine's cache a session links to: each is keyed by what built it, written
 # atomically under its own lock, and not what a test checks.
 MACHINE_PARTS = ("llama.cpp", "models", "data", "debs", "hf", "mlflow")
