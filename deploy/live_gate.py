@@ -39,6 +39,7 @@ from kiln.deploy.sequential import SequentialDecision, SequentialTest
 from kiln.core.errors import BadInput
 from kiln.core.gate.base import TOO_LITTLE, CheckConfig, CheckResult
 from kiln.core.gate.policy import GateOutcome, GateSection, combine
+from kiln.core.units import check_figures
 
 LIVE_SIGNALS: dict[str, Callable[[ArmData], list[float]]] = {
     "ttft_ms": lambda a: a.ttft_ms,
@@ -65,8 +66,10 @@ class LiveCheck:
         finite = math.isfinite(lo) and math.isfinite(hi)
         observed = None if math.isnan(d.estimate) else self.show(d.estimate)
         why = d.reason.split(":")[0]  # the test's words; its numbers are on the test's own scale
-        if finite and observed is not None:
-            why += (f": {observed:.4g}, {1 - self.test.alpha:.0%} confidence sequence [{lo:.4g}, {hi:.4g}], "
+        if finite and observed is not None:  # in the check's unit: 182.5 ms, 1.02x, 0.4%
+            shown, _, sequence = check_figures({"kind": self.config.kind, "metric": self.config.metric,
+                                                "threshold": self.threshold, "observed": observed, "ci": (lo, hi)})
+            why += (f": {shown}, {1 - self.test.alpha:.0%} confidence sequence {sequence}, "
                     f"threshold {self.threshold} (n={d.n_stable}/{d.n_canary} reference/canary)")
         why += self.note()
         short = min(d.n_stable, d.n_canary) < self.test.min_per_arm  # no verdict yet: too few observations

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 from kiln.core.errors import BadInput
+from kiln.core.units import DEFAULT_CURRENCY, currency_problem, money, number
 
 HOURS_PER_MONTH = 730.0  # 365 * 24 / 12
 
@@ -34,6 +35,7 @@ class CapacityPlan:
     price_per_hour: float | None
     replicas: int
     utilization: float  # target / (replicas * goodput): how busy each replica runs at the target
+    currency: str = DEFAULT_CURRENCY  # what price_per_hour is in, and every cost is shown in
 
     @property
     def cost_per_hour(self) -> float | None:
@@ -45,16 +47,16 @@ class CapacityPlan:
 
     def rows(self) -> list[tuple[str, str]]:
         rows = [
-            ("target rate", f"{self.target_rps:g} req/s"),
-            ("goodput per replica (at SLO)", f"{self.goodput_per_replica:g} req/s"),
+            ("target rate", f"{number(self.target_rps)} req/s"),
+            ("goodput per replica (at SLO)", f"{number(self.goodput_per_replica)} req/s"),
             ("headroom", f"{self.headroom:.0%}"),
             ("replicas", str(self.replicas)),
             ("utilization at target", f"{self.utilization:.0%} of SLO goodput"),
         ]
         if self.cost_per_month is not None:
             rows += [
-                ("price per replica-hour", f"${self.price_per_hour:,.2f}"),
-                ("cost per month", f"${self.cost_per_month:,.0f} ({HOURS_PER_MONTH:g} h)"),
+                ("price per replica-hour", money(self.price_per_hour, self.currency)),
+                ("cost per month", f"{money(self.cost_per_month, self.currency)} ({HOURS_PER_MONTH:g} h)"),
             ]
         return rows
 
@@ -75,7 +77,8 @@ class CapacityPlan:
 
 
 def plan_capacity(
-    target_rps: float, goodput_per_replica: float, headroom: float = 0.2, price_per_hour: float | None = None
+    target_rps: float, goodput_per_replica: float, headroom: float = 0.2, price_per_hour: float | None = None,
+    currency: str = DEFAULT_CURRENCY,
 ) -> CapacityPlan:
     problems = []
     if not target_rps > 0:
@@ -91,6 +94,8 @@ def plan_capacity(
         )
     if price_per_hour is not None and price_per_hour < 0:
         problems.append(f"price_per_hour must be >= 0 (got {price_per_hour})")
+    if why := currency_problem(currency):
+        problems.append(f"currency: {why}")
     if problems:
         raise BadInput("capacity plan: bad input", problems)
     usable = goodput_per_replica * (1 - headroom)
@@ -103,4 +108,5 @@ def plan_capacity(
         price_per_hour,
         replicas,
         target_rps / (replicas * goodput_per_replica),
+        currency,
     )

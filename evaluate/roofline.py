@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kiln.core.units import DEFAULT_CURRENCY, money
 from kiln.evaluate.capacity import cost_per_million
 from kiln.core.errors import BadInput
 
@@ -132,14 +133,14 @@ def manifest_ceiling(
     return ceiling_table(weights, kv_token * context_tokens, bandwidth_gb_s, **kw)
 
 
-def format_table(rows: Sequence[CeilingRow]) -> str:
-    """Rows in the seed essay's layout, plus measured TPOT and MBU where known."""
+def format_table(rows: Sequence[CeilingRow], currency: str = DEFAULT_CURRENCY) -> str:
+    """Rows in the seed essay's layout, plus measured TPOT and MBU where known; costs in `currency`."""
     out = []
     for r in rows:
         line = f"batch {r.batch:>3}: {r.tokens_per_s_per_user:4.0f} tok/s per user, "
         line += f"{r.tokens_per_s_total:5.0f} tok/s total"
         if r.cost_per_1m_tokens is not None:
-            line += f", ${r.cost_per_1m_tokens:.2f} per 1M tokens"
+            line += f", {money(r.cost_per_1m_tokens, currency)} per 1M tokens"
         if r.measured_tpot_ms:
             line += f" | measured TPOT {r.measured_tpot_ms:.2f} ms vs ceiling {r.step_ms:.2f} ms, MBU {r.mbu:.0%}"
         out.append(line)

@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 
 from kiln.core.errors import BadInput
 from kiln.core.files import atomic_write_text, read_json
+from kiln.core.units import check_figures
 from kiln.pipeline.github_actions import in_github_actions, output_line  # noqa: F401 - in_github_actions: `kiln run` asks here
 from kiln.pipeline.github_changes import add_cli as add_changes_cli
 
@@ -152,8 +153,8 @@ def _write_all(run_dir: Path, recipe: str, verdict: Mapping[str, Any], report_md
         with open(path, "a", encoding="utf-8") as f:
             f.write(redact(_truncate(report_md, SUMMARY_LIMIT), env).rstrip("\n") + "\n\n")
     if path := env.get("GITHUB_OUTPUT"):
-        failed = [f"{c.get('name')}: {c.get('verdict')} (observed {_fmt(c.get('observed'))}, "
-                  f"threshold {_fmt(c.get('threshold'))})" for c in verdict.get("checks") or []
+        failed = [f"{c.get('name')}: {c.get('verdict')} (observed {check_figures(c)[0]}, "
+                  f"threshold {c.get('threshold') or '—'})" for c in verdict.get("checks") or []
                   if c.get("verdict") != "Successful"]
         html = run_dir / "report.html"
         outputs = {"verdict": verdict.get("verdict", "Error"), "exit-code": str(verdict.get("exit_code", 4)),
@@ -169,8 +170,9 @@ def _annotate(recipe: str, checks: list[Mapping[str, Any]], env: Mapping[str, st
     level = {"Failed": "error", "Error": "error", "Inconclusive": "warning"}
     for c in checks:
         if c.get("verdict") in level:
-            msg = (f"{c.get('name')}: {c.get('verdict')} — observed {_fmt(c.get('observed'))}, baseline "
-                   f"{_fmt(c.get('baseline'))}, threshold {_fmt(c.get('threshold'))}, interval {_interval(c)}"
+            observed, baseline, interval = check_figures(c)
+            msg = (f"{c.get('name')}: {c.get('verdict')} — observed {observed}, baseline {baseline}, "
+                   f"threshold {c.get('threshold') or '—'}, interval {interval}"
                    + (f". {c['reason']}" if c.get("reason") else ""))
             print(_command(level[c["verdict"]], msg, {"file": recipe, "title": f"kiln {c.get('verdict')}"}, env))
 
@@ -303,25 +305,15 @@ def _links(env: Mapping[str, str], mlflow_url: str | None, mlflow: Mapping[str, 
 
 
 def _table(checks: list[Mapping[str, Any]]) -> str:
+    """Each check's figures in their units, as the report shows them (kiln.core.units.check_figures): a speed-up
+    as 7.32x, an agreement in percent, a size in MB; the interval in the threshold's terms (a quality check's is
+    the drop's, positive is worse)."""
     rows = ["| | check | candidate | baseline | threshold | interval |", "|---|---|---|---|---|---|"]
-    rows += [f"| {ICON.get(c.get('verdict'), '💥')} {c.get('verdict')} | {_cell(c.get('name'))} | {_fmt(c.get('observed'))} "
-             f"| {_fmt(c.get('baseline'))} | {_cell(_fmt(c.get('threshold')))} | {_interval(c)} |" for c in checks]
+    for c in checks:
+        observed, baseline, interval = check_figures(c)
+        rows.append(f"| {ICON.get(c.get('verdict'), '💥')} {c.get('verdict')} | {_cell(c.get('name'))} | {observed} "
+                    f"| {baseline} | {_cell(c.get('threshold') or '—')} | {_cell(interval)} |")
     return "\n".join(rows)
-
-
-def _interval(check: Mapping[str, Any]) -> str:
-    """A check's interval in its threshold's terms: a quality check's is the drop's (positive is worse)."""
-    return f"drop {_fmt(check['drop_ci'])}" if check.get("drop_ci") else _fmt(check.get("ci"))
-
-
-def _fmt(v: Any) -> str:
-    if v is None or v == "":
-        return "—"
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(_fmt(x) for x in v) + "]"
-    return str(v)
 
 
 def _cell(v: Any) -> str:

@@ -119,8 +119,8 @@ class QualityCheck(Check):
             ni, short = (ni, False) if identical else (too_few_documents(ni, cmp.n, least), True)
         elif c.metric != "perplexity" and ni.verdict is Verdict.INCONCLUSIVE:
             ni, short = _too_few_to_pass(c, m.higher_is_better, baseline, cmp.n, ni, self.confidence)
-        unit = " (relative)" if c.relative else ""
-        fields = dict(observed=cmp.candidate, baseline=cmp.baseline, threshold=f"drop ≤ {c.margin:g}{unit}",
+        margin = f"{100 * c.margin:g}% (relative)" if c.relative else f"{c.margin:g}"  # as its interval is shown
+        fields = dict(observed=cmp.candidate, baseline=cmp.baseline, threshold=f"drop ≤ {margin}",
                       ci=(cmp.ci_low, cmp.ci_high), drop=ni.drop, drop_ci=ni.interval, p_value=cmp.p_value,
                       method=cmp.method, items_needed=ni.items_needed)
         return self.too_little(ni.reason, **fields) if short else self.result(ni.verdict, reason=ni.reason, **fields)

@@ -10,6 +10,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, model_validator
 
 from kiln.core.gate.base import CHECKS, Check, CheckConfig, CheckResult, Evidence, Verdict
+from kiln.core.units import amount
 
 
 class SizeCheckConfig(CheckConfig):
@@ -36,7 +37,7 @@ class SizeCheck(Check):
             ok, threshold = ratio <= c.max_ratio, f"ratio ≤ {c.max_ratio:g}"
             reason = f"{size / 1e6:.1f} MB is {ratio:.3f}× the baseline's {base / 1e6:.1f} MB"
         else:
-            ok, threshold = size <= c.max_bytes, f"≤ {c.max_bytes} bytes"
+            ok, threshold = size <= c.max_bytes, f"≤ {amount('size_bytes', c.max_bytes)}"  # never 200000000 bytes
             reason = f"{size / 1e6:.1f} MB"
         return self.result(Verdict.SUCCESSFUL if ok else Verdict.FAILED, observed=size, baseline=base,
                            threshold=threshold, method="exact", reason=reason)
