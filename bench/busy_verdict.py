@@ -50,9 +50,11 @@ def demo_engines(run: Path) -> dict[str, Path]:
 
 
 def newest_demo_run() -> Path:
-    runs = sorted((ROOT / "runs").glob("demo-*"), key=lambda p: p.stat().st_mtime)
+    from kiln.core.home import runs_root
+
+    runs = sorted(runs_root().glob("demo-*"), key=lambda p: p.stat().st_mtime)
     if not runs:
-        raise SystemExit("no runs/demo-* folder: run `make demo` first or pass --run")
+        raise SystemExit(f"no demo-* folder under {runs_root()}: run `make demo` first or pass --run")
     return runs[-1]
 
 
