@@ -114,6 +114,11 @@ def advance(n: int = 1) -> None:
     _change(lambda t: setattr(t, "done", t.done + n))
 
 
+def shown() -> bool:
+    """Whether a task with a display is open: a loop's own progress bar (tqdm's) would draw over it."""
+    return _current is not None and bool(_current[1])
+
+
 def _change(how: Callable[[Task], Any]) -> None:
     with _lock:
         if _current is None:

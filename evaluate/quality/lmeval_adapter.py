@@ -118,8 +118,9 @@ class KilnLM(TemplateLM):
         # compiled model at a time (its scorer's or its pipeline's), not both
         self.engine.release_generation()
         progress.more(len(requests), "requests")
-        # disable=None: tqdm draws only on a terminal, not hundreds of redraws into a CI log.
-        with tqdm(total=len(requests), disable=disable_tqdm or None, desc="kiln loglikelihood") as bar:
+        # disable=None: tqdm draws only on a terminal, not hundreds of redraws into a CI log; never over kiln's own
+        quiet = disable_tqdm or progress.shown() or None
+        with tqdm(total=len(requests), disable=quiet, desc="kiln loglikelihood") as bar:
             for start in range(0, len(order), self.batch_size):
                 chunk = order[start:start + self.batch_size]
                 scores = self.engine.score([self._fit(requests[i][1], requests[i][2]) for i in chunk])
@@ -167,7 +168,8 @@ class KilnLM(TemplateLM):
             prompt = self.tok_encode(context, left_truncate_len=self.max_length - budget)
             seq = self.engine.add(GenerationRequest(prompt, budget, temperature=float(kwargs.get("temperature") or 0.0)))
             live[seq] = (n, until, [])
-        with tqdm(total=len(requests), disable=disable_tqdm or None, desc="kiln generate_until") as bar:
+        quiet = disable_tqdm or progress.shown() or None  # as in _loglikelihood_tokens
+        with tqdm(total=len(requests), disable=quiet, desc="kiln generate_until") as bar:
             while self.engine.has_work():
                 for event in self.engine.step():
                     if event.seq_id not in live:

@@ -85,3 +85,11 @@ def test_the_bar_shows_the_stage_label_as_written():
         progress.total(4, "documents")
         progress.advance(3)
     assert "quality[baseline]" in out.getvalue() and "3/4 documents" in out.getvalue()  # not rich markup
+
+
+def test_a_loop_knows_when_kiln_shows_its_progress():
+    assert not progress.shown()
+    with progress.task("bare"):
+        assert not progress.shown()  # open, but nothing displays it
+        with progress.task("lmeval[baseline]", displays=[progress.Lines(lambda _: None)]):
+            assert progress.shown()  # lm-eval's adapter then keeps its tqdm bar off the terminal
