@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+from kiln.core import progress
 from kiln.engine.base import Engine, GenerationRequest
 from kiln.evaluate.contention import Watch, as_metrics
 
@@ -77,17 +78,20 @@ def interleaved(engines: dict[str, Engine], prompts: Sequence[list[int]], new_to
         _one_request(engines[name], prompts[0], 4)
     out: dict[str, dict[str, list[float]]] = {n: {} for n in names}
     pair = 0
+    progress.total(rounds * (len(prompts) + sum(b > 1 for b in batch_sizes)), "pairs")
     for done in range(rounds):
         for prompt in prompts:
             for name in names if pair % 2 == 0 else reversed(names):
                 for k, v in _watched(engines[name], prompt, new_tokens, watch).items():
                     out[name].setdefault(k, []).append(v)
             pair += 1
+            progress.advance()
         for b in (b for b in batch_sizes if b > 1):
             for name in names if pair % 2 == 0 else reversed(names):
                 out[name].setdefault(f"batch{b}_tok_s", []).append(
                     _batch(engines[name], (list(prompts) * b)[:b], new_tokens))
             pair += 1
+            progress.advance()
         if stop is not None and done + 1 < rounds and stop(out):
             break
     return out
