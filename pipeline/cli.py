@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import sys
 import traceback
 from pathlib import Path
@@ -18,6 +19,7 @@ from rich.table import Table
 
 from kiln.core.credentials import guard_streams
 from kiln.core.errors import BadInput, ExitCode, KilnError
+from kiln.core.home import runs_root, sqlite_artifacts, where_hint
 from kiln.core.units import amount
 from kiln.pipeline.cli_app import FreshOpt, JsonOpt, RecipeArg, RunArg, RunsOpt, SetOpt, app, console, err, port_option
 from kiln.pipeline.policy_cmd import PolicyFromOpt, judged_recipe
@@ -99,14 +101,16 @@ def schema() -> None:
 
 @app.command()
 def run(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
-        runs: RunsOpt = Path("runs"),
+        runs: RunsOpt = None,
         fresh: FreshOpt = [],  # noqa: B006
-        policy_from: PolicyFromOpt = None) -> None:
-    """Run the pipeline: optimize → evaluate quality → benchmark → gate. Resumes a killed run."""
+        policy_from: PolicyFromOpt = None,
+        new_run: Annotated[bool, typer.Option("--new-run", help="start a new run folder even where the last run of "
+                                              "this recipe was interrupted (by default it is continued)")] = False) -> None:
+    """Run the pipeline: optimize → evaluate quality → benchmark → gate. Continues an interrupted run."""
     from kiln.pipeline.runner import run_pipeline
 
     r = judged_recipe(recipe, set_, policy_from)
-    outcome, run_dir = run_pipeline(r, recipe, runs, console, set(fresh))
+    outcome, run_dir = run_pipeline(r, recipe, runs_root(runs), console, set(fresh), new_run=new_run)
     print((run_dir / "report.md").read_text())  # plain: Markdown tables must not be re-wrapped
     print(f"run directory: {run_dir}")
     from kiln.pipeline import github
@@ -117,11 +121,11 @@ def run(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
 
 
 @app.command("runs")
-def runs_(runs: RunsOpt = Path("runs"), as_json: JsonOpt = False) -> None:
-    """List runs, newest first."""
+def runs_(runs: RunsOpt = None, as_json: JsonOpt = False) -> None:
+    """List runs, newest first (those under kiln's home unless --runs names another folder)."""
     from kiln.pipeline.runner import list_runs
 
-    listed = list_runs(runs)
+    listed = list_runs(runs_root(runs))
     if as_json:
         print(json.dumps(listed, indent=2))
         return
@@ -129,11 +133,14 @@ def runs_(runs: RunsOpt = Path("runs"), as_json: JsonOpt = False) -> None:
     for s in listed:
         t.add_row(s["run"], s.get("status", "?"), s.get("verdict", "—"), str(s.get("exit_code", "—")))
     console.print(t)
+    if not listed:  # on stderr: a pipe reading the table gets the table alone
+        err.print(f"no runs under {runs_root(runs)}; runs kept elsewhere: {where_hint()}", soft_wrap=True,
+                  markup=False)
 
 
 @app.command()
 def show(run_name: RunArg,
-         runs: RunsOpt = Path("runs"), as_json: JsonOpt = False) -> None:
+         runs: RunsOpt = None, as_json: JsonOpt = False) -> None:
     """Print a run's stages, metrics and verdict."""
     d = cli_ops.run_dir(run_name, runs)
     state = json.loads((d / "state.json").read_text())
@@ -160,7 +167,7 @@ def show(run_name: RunArg,
 
 @app.command()
 def ui(port: Annotated[int, port_option("the MLflow UI")] = 5000, host: cli_ops.HostOpt = "127.0.0.1",  # cli_ops: imported below, read when typer runs
-       tracking_uri: Annotated[str | None, typer.Option(help="default: $MLFLOW_TRACKING_URI or ./mlflow.db")] = None,
+       tracking_uri: Annotated[str | None, typer.Option(help="default: $MLFLOW_TRACKING_URI, else mlflow.db in kiln's home")] = None,
        api_key_env: cli_ops.KeyEnvOpt = "KILN_API_KEY", insecure_no_api_key: cli_ops.InsecureOpt = False) -> None:
     """Start the MLflow UI on the same store; print each kiln experiment's runs table.
 
@@ -177,6 +184,8 @@ def ui(port: Annotated[int, port_option("the MLflow UI")] = 5000, host: cli_ops.
         env[UI_KEY_ENV] = api_key
     cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--host", host,
            "--port", str(port), "--workers", "1", "--app-name", "kiln"]  # kiln.pipeline.mlflow_ui
+    if where := sqlite_artifacts(uri):  # an experiment made in the UI: beside the store too, not in ./mlartifacts
+        cmd += ["--artifacts-destination", str(where)]
     console.print(f"MLflow UI on http://{host}:{port} (store {redact_uri(uri)}" + ("; API key required" if api_key else "")
                   + "); Ctrl-C to stop", soft_wrap=True)
     kiln_made = " and ".join(f"tags.`{key}` = '{value}'" for key, value in EXPERIMENT_KIND.items())
@@ -205,9 +214,8 @@ def main() -> None:
         sys.exit(int(e.exit_code))
     except (typer.Exit, SystemExit) as e:
         sys.exit(getattr(e, "exit_code", getattr(e, "code", 0)))
-    except KeyboardInterrupt:
-        err.print("interrupted; run the same command again to resume")
-        sys.exit(int(ExitCode.INTERRUPTED))
+    except KeyboardInterrupt:  # Ctrl-C outside a command (typer answers one inside with exit 130, below)
+        _interrupted()
     except ClickException as e:  # typer's bundled click: unknown option, bad option value, no arguments
         if hasattr(e, "show"):
             e.show()
@@ -218,7 +226,20 @@ def main() -> None:
         traceback.print_exc()
         err.print(f"[red]internal error:[/red] {type(e).__name__}: {escape(str(e))}", soft_wrap=True)
         sys.exit(int(ExitCode.INTERNAL_ERROR))
+    if code == ExitCode.INTERRUPTED:  # typer turned Ctrl-C into a bare exit 130: it printed nothing
+        _interrupted()
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _interrupted() -> None:
+    """Ctrl-C: exit 130, saying how to go on; `kiln run` continues the interrupted run's folder
+    (kiln.pipeline.runner), so the hint is the command as typed."""
+    if sys.argv[1:2] == ["run"]:
+        again = shlex.join(["kiln", *sys.argv[1:]])
+        err.print(f"interrupted; to resume, run the same command again: {again}", markup=False, soft_wrap=True)
+    else:
+        err.print("interrupted", markup=False)
+    sys.exit(int(ExitCode.INTERRUPTED))
 
 
 # After this file's commands, so `kiln --help` lists them first. cli_ops and cache_cmd import the app from

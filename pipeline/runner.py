@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from rich.markup import escape
 
 from kiln.core.credentials import ScrubFilter
 from kiln.core.errors import BadInput
-from kiln.core.files import atomic_write_json, atomic_write_text, read_json
+from kiln.core.files import atomic_write_json, atomic_write_text, file_lock, hash_of, read_json
 from kiln.core.gate.base import Verdict
 from kiln.core.gate.policy import GateOutcome, judge
 from kiln.core.versions import environment, git_commit
@@ -30,12 +31,13 @@ from kiln.pipeline.model_source import cache_root, resolve_model
 from kiln.pipeline.outcomes import Ending, not_judged
 from kiln.pipeline.phases import up_to
 from kiln.pipeline.recipe import Recipe
+from kiln.pipeline.rss import settle
 from kiln.pipeline.stage_evaluate import evaluate
 from kiln.pipeline.stage_gate import gate
 from kiln.pipeline.stage_inputs import check_inputs
 from kiln.pipeline.stage_optimize import engine, optimize_both
 from kiln.pipeline.stages import RunContext
-from kiln.pipeline.tracking import Tracker, flatten, redact_uri, source_tags
+from kiln.pipeline.tracking import VERDICT, Tracker, flatten, process_tags, redact_uri, source_tags
 from kiln.pipeline.tracking import _alive as alive
 
 
@@ -75,31 +77,82 @@ def _writable(folder: Path, field: str) -> Path:
     return folder
 
 
-def start_run(recipe: Recipe, recipe_path: Path, runs_root: Path, console: Any, fresh: set[str]) -> RunContext:
+def start_run(recipe: Recipe, recipe_path: Path, runs_root: Path, console: Any, fresh: set[str],
+              resume: bool = False) -> RunContext:
+    """The run's folder and MLflow parent run. `resume` (`kiln run` without --new-run): the newest
+    run folder of this recipe, if it was interrupted (Ctrl-C, a kill), is continued, with its parent
+    run; its finished stages are reused from the cache as any run's are."""
     _writable(cache_root(), "KILN_CACHE")
     _writable(Path(runs_root), "--runs")
     tracker = Tracker(recipe.tracking.uri, recipe.tracking.experiment)  # an unreachable store fails before any work
     judged_under = check_policy(tracker.client, recipe)  # a model judged under another policy: before any work
     tracker.mark_stale({"kiln.recipe": recipe.name})  # parents and stages of a killed earlier attempt
-    run_dir = new_run_dir(runs_root, recipe)
-    (run_dir / "stages").mkdir()
-    tags = {"kiln.kind": "pipeline", "kiln.recipe": recipe.name, "kiln.recipe_hash": recipe.digest(),
-            "kiln.run_dir": str(run_dir.resolve()),
-            **source_tags(recipe_path, git_commit())}
-    parent = tracker.start(run_dir.name, tags)
+    # One process at a time picks its folder: two runs started at once never both continue the same one.
+    with file_lock(cache_root() / "locks" / f"runs-{hash_of(str(Path(runs_root).resolve()))[:16]}.lock"):
+        run_dir = interrupted_run(runs_root, recipe, tracker) if resume else None
+        parent = _continue(tracker, run_dir, console) if run_dir else None
+        if parent is None:  # a new run: its own folder and MLflow run
+            run_dir = new_run_dir(runs_root, recipe)
+            tags = {"kiln.kind": "pipeline", "kiln.recipe": recipe.name, "kiln.recipe_hash": recipe.digest(),
+                    "kiln.run_dir": str(run_dir.resolve()),
+                    **source_tags(recipe_path, git_commit())}
+            parent = tracker.start(run_dir.name, tags)
+        (run_dir / "stages").mkdir()
+        atomic_write_json(run_dir / "state.json", {
+            "status": "running", "pid": os.getpid(), "mlflow_parent": parent, "tracking_uri": redact_uri(tracker.uri),
+            "experiment_id": tracker.experiment_id, "recipe": str(recipe_path), "recipe_hash": recipe.digest(),
+            "resumable": resume, "started_at": time.time()})
     resolved = recipe.model_dump(mode="json")
     atomic_write_text(run_dir / "recipe.yaml", yaml.safe_dump(resolved, sort_keys=False))
-    atomic_write_json(run_dir / "state.json", {"status": "running", "pid": os.getpid(), "mlflow_parent": parent,
-                                               "tracking_uri": redact_uri(tracker.uri), "experiment_id": tracker.experiment_id,
-                                               "recipe": str(recipe_path), "started_at": time.time()})
     atomic_write_json(run_dir / "environment.json", environment())
     atomic_write_json(run_dir / POLICY_FILE, judged_under)
-    tracker.log(parent, params=flatten(resolved))
+    tracker.log(parent, params=flatten(resolved))  # a continued run logs the same values again: MLflow accepts that
     tracker.log_artifacts(parent, run_dir / "recipe.yaml")
     tracker.log_artifacts(parent, run_dir / "environment.json")
     _log_to_file(run_dir)
     return RunContext(recipe=recipe, recipe_path=recipe_path, run_dir=run_dir, cache=cache_root(),
                       tracker=tracker, parent_run=parent, console=console, fresh=fresh)
+
+
+def interrupted_run(runs_root: Path, recipe: Recipe, tracker: Tracker) -> Path | None:
+    """The newest run folder of this recipe (its digest) under `runs_root`, if a `kiln run` started it
+    and was interrupted (its state says killed, or running under a pid that is gone) on this tracking
+    store; else None: a finished or failed run is a record, never continued."""
+    mine = []
+    for state_file in Path(runs_root).glob("*/state.json"):
+        try:
+            state = read_json(state_file)
+        except (OSError, ValueError):  # a folder being written, or not kiln's
+            continue
+        if state.get("recipe_hash") == recipe.digest():
+            mine.append((state.get("started_at", 0.0), state_file.parent, state))
+    if not mine:
+        return None
+    _, run_dir, state = max(mine, key=lambda m: m[0])
+    stopped = state.get("status") == "killed" or (state.get("status") == "running" and not _alive(state.get("pid", 0)))
+    same_store = state.get("experiment_id") == tracker.experiment_id and state.get("tracking_uri") == redact_uri(tracker.uri)
+    return run_dir if state.get("resumable") and stopped and same_store else None
+
+
+def _continue(tracker: Tracker, run_dir: Path, console: Any) -> str | None:
+    """Take over an interrupted run's folder and MLflow parent run (RUNNING again, owned by this
+    process, so no other run's `mark_stale` ends it); its stage records and outputs are cleared: the
+    stages are found again by key in the cache. None if its parent run is gone from the store."""
+    parent = read_json(run_dir / "state.json").get("mlflow_parent")
+    try:
+        tracker.client.get_run(parent)
+    except Exception:  # noqa: BLE001 - MLflow's own error types for a run that is not there
+        return None
+    tracker.log(parent, tags=process_tags())  # before RUNNING: another run's mark_stale must see a live pid
+    if VERDICT in tracker.client.get_run(parent).data.tags:  # "Interrupted", from the attempt that was stopped
+        tracker.client.delete_tag(parent, VERDICT)
+    tracker.client.update_run(parent, status="RUNNING", name=run_dir.name)
+    for p in run_dir.iterdir():
+        if p.name not in ("kiln.log", "state.json"):
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    console.print(f"[bold]continuing[/bold] the interrupted run {escape(str(run_dir))} (its finished stages are reused; "
+                  "--new-run starts a new one)", soft_wrap=True)
+    return parent
 
 
 POLICY_FILE = "policy.json"  # the policy the run is judged under and its digest (report.publish attests it)
@@ -119,11 +172,12 @@ def check_policy(client: Any, recipe: Recipe) -> dict[str, Any]:
 
 
 def run_pipeline(recipe: Recipe, recipe_path: Path, runs_root: Path, console: Any,
-                 fresh: set[str] = frozenset()) -> tuple[GateOutcome, Path]:
-    ctx = start_run(recipe, recipe_path, runs_root, console, set(fresh))
+                 fresh: set[str] = frozenset(), new_run: bool = False) -> tuple[GateOutcome, Path]:
+    ctx = start_run(recipe, recipe_path, runs_root, console, set(fresh), resume=not new_run)
     try:
         model = resolve_model(recipe.model.path, ctx.cache)
         check_inputs(ctx, model)
+        settle()  # what the checks left (the modules and the run's objects) is never walked again
         if recipe.candidates is None:
             arts = optimize_both(ctx, model)
             engines = {role: engine(ctx, role, art) for role, art in arts.items()}
@@ -134,6 +188,9 @@ def run_pipeline(recipe: Recipe, recipe_path: Path, runs_root: Path, console: An
             outcome = _search(ctx, model)
     except BaseException as e:
         _finish(ctx, "FAILED" if not isinstance(e, KeyboardInterrupt) else "KILLED", None)
+        if isinstance(e, KeyboardInterrupt):  # the CLI says how to resume; this says what is kept
+            console.print(f"\nstopped: {escape(str(ctx.run_dir))} is kept; `kiln run` of this recipe continues it",
+                          soft_wrap=True)
         raise
     _finish(ctx, "FINISHED", outcome)
     return outcome, ctx.run_dir

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -81,8 +82,8 @@ def test_rerun_reuses_every_stage(tiny_run):
     assert json.loads((newest / "verdict.json").read_text()) == json.loads((tiny_run["run_dir"] / "verdict.json").read_text())
 
 
-def test_sigkill_mid_evaluate_resumes(tmp_path, tiny_model_dir, demo_data):
-    # A quality stage with many documents so there is time to kill it half-way; the text starts
+def test_sigkill_then_ctrl_c_mid_evaluate_resume_the_same_run(tmp_path, tiny_model_dir, demo_data):
+    # A quality stage with many documents so there is time to stop it half-way; the text starts
     # with this test's own path, so the stage is never already in the cache.
     text = tmp_path / "heldout.txt"
     text.write_text(f"{tmp_path}\n" + Path(demo_data.eval_text).read_text())
@@ -105,20 +106,53 @@ def test_sigkill_mid_evaluate_resumes(tmp_path, tiny_model_dir, demo_data):
     proc.wait()
     final = partial.with_name(partial.name.removesuffix(".partial"))
     assert not (final / "result.json").exists()
+    [run_dir] = (tmp_path / "runs").iterdir()
+
+    # Ctrl-C (SIGINT to the process group, as a terminal sends it) once the stage shows its progress: a
+    # line every 0.2 s here, as a CI log gets one every 10 s.
+    interrupted = _interrupt_once_progress_shows(recipe, tmp_path)
+    assert interrupted.returncode == 130, interrupted.stderr[-3000:]
+    assert f"run the same command again: kiln run {recipe}" in interrupted.stderr
+    assert "continuing the interrupted run" in interrupted.stdout and "is kept" in interrupted.stdout
+    assert list((tmp_path / "runs").iterdir()) == [run_dir]  # the killed run's folder, continued
+    assert json.loads((run_dir / "state.json").read_text())["status"] == "killed"
+    client = _client(tmp_path)
+    exp = client.get_experiment_by_name("kiln-test")
+    [parent] = client.search_runs([exp.experiment_id], "tags.`kiln.kind` = 'pipeline'")
+    assert parent.info.status == "KILLED"  # until a run continues it
 
     resumed = kiln("run", str(recipe), cwd=tmp_path)
     assert resumed.returncode in (0, 1, 3), resumed.stderr[-3000:]
     assert (final / "result.json").exists() and not partial.exists()
-    run_dirs = sorted((tmp_path / "runs").iterdir())
-    stages = {p.stem: json.loads(p.read_text()) for p in (run_dirs[-1] / "stages").glob("*.json")}
+    assert list((tmp_path / "runs").iterdir()) == [run_dir]
+    stages = {p.stem: json.loads(p.read_text()) for p in (run_dir / "stages").glob("*.json")}
     assert stages["optimize-candidate"]["reused"] and stages["engine-candidate"]["reused"]
     assert not stages["quality-baseline"]["reused"] or not stages["quality-candidate"]["reused"]
-    client = _client(tmp_path)
-    exp = client.get_experiment_by_name("kiln-test")
-    statuses = sorted(r.info.status for r in client.search_runs([exp.experiment_id], "tags.`kiln.kind` = 'pipeline'"))
-    assert statuses == ["FINISHED", "KILLED"]
+    assert (run_dir / "verdict.json").exists()
+    [parent] = client.search_runs([exp.experiment_id], "tags.`kiln.kind` = 'pipeline'")
+    assert parent.info.status == "FINISHED"
+    # the attempts' stages that were stopped stay under the parent as KILLED, beside the ones that finished
+    children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    assert {r.info.status for r in children} == {"FINISHED", "KILLED"}
+    assert "progress quality[" in (run_dir / "kiln.log").read_text()
     listed = kiln("runs", cwd=tmp_path, check=True).stdout
-    assert "interrupted" in listed and "done" in listed
+    assert "done" in listed and "interrupted" not in listed
+    again = kiln("run", str(recipe), "--new-run", cwd=tmp_path)  # a finished run is a record: never continued
+    assert again.returncode == resumed.returncode and len(list((tmp_path / "runs").iterdir())) == 2
+
+
+def _interrupt_once_progress_shows(recipe: Path, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "KILN_PROGRESS_EVERY_S": "0.2"}
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.pipeline", "run", str(recipe)], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if re.match(r"  quality\[\w+\]: \d+/64 documents, [\d.]+/s, ETA \d", line):
+            os.killpg(proc.pid, signal.SIGINT)
+            break
+    rest, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, "".join(out) + rest, err)
 
 
 def test_kiln_run_under_github_actions_writes_summary_outputs_and_comment(tiny_run, tmp_path):
@@ -142,3 +176,5 @@ def test_kiln_run_under_github_actions_writes_summary_outputs_and_comment(tiny_r
         assert out["verdict"] == verdict and verdict in summary.read_text()
         comment = (Path(out["run-dir"]) / "pr-comment.md").read_text()
         assert comment.startswith("<!-- kiln-report:") and verdict in comment
+        # Figures in their units, in the comment and on the console: no 5.416e+08, no raw byte count in a cell
+        assert "e+0" not in comment + proc.stdout and not re.search(r"\| [\d.]{7,} \|", comment), comment
