@@ -96,7 +96,7 @@ for _name, _up, _unit, _what in (
     ("request_throughput", True, "req/s", "completed requests per second"),
     ("goodput", True, "req/s", "requests per second that met the TTFT and TPOT SLOs"),
     ("slo_attainment", True, "fraction", "completed requests that met both SLOs"),
-    ("cost_per_1m_output_tokens", False, "$", "machine price / output tokens, per million"),
+    ("cost_per_1m_output_tokens", False, "currency", "machine price / output tokens, per million"),  # the recipe's
     ("knee_rate", True, "req/s", "highest request rate before TTFT climbs (the sweep's knee)"),
 ):
     declare(LOAD_PREFIX + _name, _up, _unit, f"{_what} (served over HTTP under the load shape)", "performance",
@@ -108,3 +108,24 @@ for _stage in ("optimize", "engine", "quality", "agreement", "served", "lmeval",
             "machine")
     declare(f"{_stage}_children_peak_pss_bytes", False, "bytes",
             f"peak summed PSS of the processes the {_stage} stage started", "machine")
+
+# The deciding figures a pipeline's parent MLflow run carries, so its runs table shows and sorts them
+# (kiln.pipeline.report.run_figures): the gate's figures of the candidate the run judged (a search's winner).
+SPEEDUP = "speedup"  # decode tok/s, candidate / baseline: the paired ratio of a decode speed check
+COST_PER_1M = "cost_per_1m"  # .candidate, .baseline: per 1M output tokens under the load shape, recipe's currency
+COST_PER_1M_B1 = "cost_per_1m_b1"  # .candidate, .baseline: per 1M output tokens at batch 1 (search.price_per_hour)
+
+
+def ratio_figure(metric_name: str) -> str:
+    """A ratio check's candidate / baseline: `speedup` for decode tok/s, else `ratio.<metric>`."""
+    return SPEEDUP if metric_name == "decode_tok_s" else f"ratio.{metric_name}"
+
+
+def delta_figure(metric_name: str) -> str:
+    """A paired quality metric's candidate - baseline (perplexity: relative, a fraction of the baseline)."""
+    return f"quality.{metric_name}.delta"
+
+
+def interval_figures(name: str) -> tuple[str, str]:
+    """The names of a figure's interval ends: `speedup_lo`, `speedup_hi`."""
+    return f"{name}_lo", f"{name}_hi"

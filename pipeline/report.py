@@ -24,16 +24,17 @@ from kiln.core.errors import BadInput
 from kiln.core.files import atomic_write_json, atomic_write_text, read_json
 from kiln.core.gate.base import CheckResult, Evidence, Verdict
 from kiln.core.gate.policy import GateOutcome
-from kiln.core.units import amount
+from kiln.core.metrics import COST_PER_1M, COST_PER_1M_B1, delta_figure, interval_figures, ratio_figure
+from kiln.core.metrics import METRICS
+from kiln.core.units import DEFAULT_CURRENCY, amount, check_figures, money, number, ratio
 from kiln.core.verdict import percent
 
 ICON = {Verdict.SUCCESSFUL: "✅", Verdict.FAILED: "❌", Verdict.INCONCLUSIVE: "⚠️", Verdict.ERROR: "💥"}
 
 
 def _fmt(v: float | None) -> str:
-    if v is None:
-        return "—"
-    return f"{v:.4g}" if abs(v) < 1e6 else f"{v:.3e}"
+    """A figure whose unit the column's header names."""
+    return "—" if v is None else number(v)
 
 
 def check_rows(results: list[CheckResult]) -> list[list[str]]:
@@ -41,9 +42,8 @@ def check_rows(results: list[CheckResult]) -> list[list[str]]:
     (positive is worse), the others' of the value or ratio the threshold names."""
     rows = []
     for r in results:
-        low_high = r.drop_ci or r.ci
-        ci = "—" if not low_high else f"{'drop ' if r.drop_ci else ''}[{_fmt(low_high[0])}, {_fmt(low_high[1])}]"
-        rows.append([f"{ICON[r.verdict]} {r.verdict.value}", r.name, _fmt(r.observed), _fmt(r.baseline),
+        observed, baseline, ci = check_figures(r.to_dict())  # each in its unit: 7.32x, 96.1%, 101.9 MB
+        rows.append([f"{ICON[r.verdict]} {r.verdict.value}", r.name, observed, baseline,
                      r.threshold, ci, r.reason])  # an undecided reason already says how many items would decide it
     return rows
 
@@ -54,12 +54,18 @@ COMPARISON_HEADER = ["metric", "baseline", "candidate", "difference", "interval"
 
 def comparison_rows(comparisons: list[Any]) -> list[list[str]]:
     """Every paired quality metric, gated or not: difference = candidate - baseline (relative: / baseline - 1)."""
-    def diff(c: Any, v: float) -> str:
-        return f"{v:+.2%}" if c.relative else f"{v:+.4g}"
+    def diff(c: Any, v: float) -> str:  # a fraction's difference in percentage points, beside its percentages
+        if c.relative:
+            return f"{v:+.2%}"
+        return f"{100 * v:+.3g} pp" if c.metric in METRICS and METRICS[c.metric].unit == "fraction" else f"{v:+.4g}"
 
-    return [[c.metric, _fmt(c.baseline), _fmt(c.candidate), diff(c, c.difference),
-             f"[{diff(c, c.ci_low)}, {diff(c, c.ci_high)}] at {percent(c.confidence)}", f"{c.p_value:.3g}",
+    return [[c.metric, amount(c.metric, c.baseline), amount(c.metric, c.candidate), diff(c, c.difference),
+             f"[{diff(c, c.ci_low)}, {diff(c, c.ci_high)}] at {percent(c.confidence)}", _p_value(c.p_value),
              f"{c.method}, n={c.n}"] for c in comparisons]
+
+
+def _p_value(p: float) -> str:
+    return "< 0.0001" if p < 1e-4 else f"{p:.3g}"  # never 1.2e-05
 
 
 MEMORY_COST = {"size_bytes": "artifact size on disk (what optimize wrote)",
@@ -79,19 +85,21 @@ class Sections:
     comparisons: list[Any] = field(default_factory=list)  # kiln.core.stats.Comparison, one per paired metric
     serving: dict[str, float] = field(default_factory=dict)  # role -> bytes the engine serves from (engine_bytes)
     warnings: list[str] = field(default_factory=list)  # shown under the verdict: a contention guard off or blind
+    currency: str = DEFAULT_CURRENCY  # the recipe's: every cost is shown in it
 
 
 def tables(outcome: GateOutcome, evidence: dict[str, Evidence], sections: Sections) -> list[Table]:
     """The report's tables in reading order after the verdict and the plots (empty ones left out)."""
     base, cand = evidence["baseline"].metrics, evidence["candidate"].metrics
     names = sorted(set(base) | set(cand))
-    metric_rows = [[n, amount(n, base.get(n)), amount(n, cand.get(n))] for n in names]  # each with its unit
-    memory = [[MEMORY_COST[n], amount(n, base.get(n)), amount(n, cand.get(n)),
-               _fmt(cand[n] / base[n]) if base.get(n) and n in cand else "—"] for n in MEMORY_COST if n in names]
+    cur = sections.currency
+    metric_rows = [[n, amount(n, base.get(n), cur), amount(n, cand.get(n), cur)] for n in names]  # each with its unit
+    memory = [[MEMORY_COST[n], amount(n, base.get(n), cur), amount(n, cand.get(n), cur),
+               ratio(cand[n] / base[n]) if base.get(n) and n in cand else "—"] for n in MEMORY_COST if n in names]
     if len(served := sections.serving) == 2:  # the artifact is not what OpenVINO, CTranslate2 or llama.cpp load
         memory.insert(1, ["size served from (engine folder, or the artifact it loads)",
                           amount("size_bytes", served["baseline"]), amount("size_bytes", served["candidate"]),
-                          _fmt(served["candidate"] / served["baseline"]) if served["baseline"] else "—"])
+                          ratio(served["candidate"] / served["baseline"]) if served["baseline"] else "—"])
     out: list[Table] = _search_tables(sections.search) if sections.search else []
     out += [("Checks", CHECK_HEADER, check_rows(outcome.results)),
                         ("Quality, paired item by item", COMPARISON_HEADER, comparison_rows(sections.comparisons))]
@@ -113,7 +121,7 @@ def _speedup(fig: dict[str, float] | None) -> str:
 
 def _search_tables(record: dict[str, Any]) -> list[Table]:
     """The winner and why, then every candidate: how it did and where it stopped."""
-    rows = []
+    rows, cur = [], record.get("currency", DEFAULT_CURRENCY)  # a search.json from before `currency`: dollars
     for c in record["candidates"]:
         ppl = c["perplexity"]
         rows.append([("🏆 " if c["name"] == record["winner"] else "") + c["name"], c["engine"], c["optimize"],
@@ -121,7 +129,7 @@ def _search_tables(record: dict[str, Any]) -> list[Table]:
                      "—" if not ppl else f"{ppl['change']:+.2%} [{ppl['low']:+.2%}, {ppl['high']:+.2%}]",
                      _fmt(c.get("decode_tok_s")) + (f" ({c['contention']})" if c.get("contention") else "")
                      + _measured_on(c.get("nodes")),
-                     _cost(c.get("cost_per_1m")), amount("size_bytes", c["serving_bytes"]),
+                     money(c.get("cost_per_1m"), cur), amount("size_bytes", c["serving_bytes"]),
                      c["eliminated"] or ("winner" if c["name"] == record["winner"] else "passed every check")
                      + _runoff(c.get("runoff"))])
     summary = [["winner", record["winner"] or "none: no candidate passed every check"], ["why", record["why"]],
@@ -129,9 +137,10 @@ def _search_tables(record: dict[str, Any]) -> list[Table]:
     if duel := record.get("versus_champion"):
         summary.insert(2, ["against the champion", f"{duel['verdict']}: {duel['reason']}"])
     if (base := record.get("baseline")) and base.get("decode_tok_s"):
-        summary.append(["baseline", f"{base['engine']}: {_fmt(base['decode_tok_s'])} tok/s at batch 1"
-                                    + (f", {_cost(base['cost_per_1m'])} per 1M output tokens at "
-                                       f"{record['price_per_hour']:g} per machine-hour" if base.get("cost_per_1m") else "")])
+        summary.append(["baseline", f"{base['engine']}: {amount('decode_tok_s', base['decode_tok_s'])} at batch 1"
+                                    + (f", {money(base['cost_per_1m'], cur)} per 1M output tokens at "
+                                       f"{money(record['price_per_hour'], cur)} per machine-hour"
+                                       if base.get("cost_per_1m") else "")])
     at = f" at {percent(record['confidence'])}"  # the intervals are at the confidence the verdicts were taken at
     header = [h.replace("[CI]", f"[CI{at}]") for h in SEARCH_HEADER]
     return [("Search", ["what", "result"], summary), ("Candidates", header, rows)]
@@ -148,10 +157,6 @@ def _measured_on(nodes: dict[str, str] | None) -> str:
     """Under a Ray executor, the node the decode figure came from (the confirmation's, else the screening's)."""
     node = (nodes or {}).get("confirmation") or (nodes or {}).get("benchmark")
     return f" on {node}" if node else ""
-
-
-def _cost(v: float | None) -> str:
-    return "—" if v is None else f"{v:.3g}"
 
 
 def search_record(arms: list[Any], winner: Any, policy: Any) -> dict[str, Any]:
@@ -194,7 +199,8 @@ def search_record(arms: list[Any], winner: Any, policy: Any) -> dict[str, Any]:
     duel = winner.versus_champion.to_dict() if winner is not None and winner.versus_champion else None
     return {"objective": objective, "winner": winner.name if won else None, "why": why, "statistics": statistics,
             "versus_champion": duel,
-            "confidence": policy.confidence, "price_per_hour": price, "baseline": baseline, "candidates": rows}
+            "confidence": policy.confidence, "price_per_hour": price, "currency": arms[0].ctx.recipe.currency,
+            "baseline": baseline, "candidates": rows}
 
 
 def _picked_over(arms: list[Any], winner: Any) -> str:
@@ -391,6 +397,7 @@ def publish(ctx: Any, outcome: GateOutcome, evidence: dict[str, Evidence], artif
         if plot := pareto(sections.search, ctx.run_dir / "plots" / "search_pareto.png"):
             sections.plots = {"quality change against speed-up, every candidate": plot, **sections.plots}
     sections.warnings = guard_warnings(ctx.recipe.gate.checks, evidence["candidate"].metrics)
+    sections.currency = ctx.recipe.currency
     atomic_write_json(ctx.run_dir / "comparisons.json", [c.to_dict() for c in sections.comparisons])
     md = markdown(ctx.recipe.name, outcome, evidence, links, sections)
     atomic_write_text(ctx.run_dir / "report.md", md)
@@ -402,12 +409,44 @@ def publish(ctx: Any, outcome: GateOutcome, evidence: dict[str, Evidence], artif
         ctx.tracker.log_artifacts(ctx.parent_run, ctx.run_dir / f)
     if sections.plots:
         ctx.tracker.log_artifacts(ctx.parent_run, ctx.run_dir / "plots", "plots")
+    ctx.tracker.show_figures(ctx.parent_run, run_figures(outcome.results, checks, sections, evidence))
     ctx.tracker.log(ctx.parent_run, tags={"kiln.registered_version": f"{version['name']}/{version['version']}"})
     # The version links back along the chain in the UI; set last: only a finished run's version reads as finished.
     lineage_tags = {"kiln.lineage." + step["step"].replace("[", ".").rstrip("]"): f"{step['key']} (run {step['mlflow_run']})"
                     for step in sections.lineage[:-1]}
     model_registry.complete(ctx, registered, outcome, {**lineage_tags, **serving_tag(ctx), **signed})
     return ctx.run_dir / "report.md"
+
+
+def run_figures(results: list[CheckResult], checks: dict[str, Any], sections: Sections,
+                evidence: dict[str, Evidence]) -> dict[str, float]:
+    """The deciding figures as metrics of the parent MLflow run, so that its runs table shows and sorts
+    them beside the verdict (names: kiln.core.metrics): each ratio check's candidate / baseline (decode
+    tok/s: `speedup`) with its interval, each paired quality metric's change with its interval as the
+    report gives it, and each arm's cost per 1M output tokens. A search's are its winner's, judged."""
+    figures: dict[str, float] = {}
+    for r in results:
+        config = checks.get(r.name)
+        if r.observed is None or not any(getattr(config, b, None) is not None for b in ("min_ratio", "max_ratio")):
+            continue  # an absolute bound, or a check that measured nothing: the gate's child run has it
+        name = ratio_figure(r.metric)
+        if r.kind == "size" and r.baseline:  # exact sizes: a ratio without an interval
+            figures[name] = r.observed / r.baseline
+        elif r.ci:  # without one the check measured too little (or on a busy machine) to give a ratio
+            figures.update(zip((name, *interval_figures(name)), (r.observed, *r.ci), strict=True))
+    for c in sections.comparisons:
+        name = delta_figure(c.metric)
+        figures.update(zip((name, *interval_figures(name)), (c.difference, c.ci_low, c.ci_high), strict=True))
+    for role in ("candidate", "baseline"):
+        if (cost := evidence[role].metrics.get("load_cost_per_1m_output_tokens")) is not None:
+            figures[f"{COST_PER_1M}.{role}"] = cost
+    record = sections.search
+    if record and (won := [c for c in record["candidates"] if c["name"] == record["winner"]]):
+        costs = {"candidate": won[0].get("cost_per_1m"), "baseline": record["baseline"].get("cost_per_1m")}
+        for role, cost in costs.items():
+            if cost is not None:  # search.price_per_hour set, and a decode rate measured
+                figures[f"{COST_PER_1M_B1}.{role}"] = cost
+    return figures
 
 
 def _register_and_sign(ctx: Any, outcome: GateOutcome, artifact: Any) -> tuple[Any, dict[str, Any], dict[str, str],

@@ -11,14 +11,18 @@ remembers any credential in the URI so that nothing kiln writes or prints shows 
 (`kiln.core.credentials`).
 
 What the MLflow UI shows without configuring is kiln's to fill: the parent run's name and a
-`kiln.passed` metric carry the verdict, its Dataset column the evaluation data, its Source column
-the recipe and the commit.
+`kiln.passed` metric carry the verdict (or say that the run was interrupted before one), its metrics
+the deciding figures (speed-up and interval, quality deltas, cost: kiln.pipeline.report.run_figures),
+its Dataset column the evaluation data, its Source column the recipe and the commit; the links kiln
+prints open the runs table on pipeline runs alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -28,8 +32,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kiln.core import credentials
+from kiln.core import credentials, home
 from kiln.core.errors import BadInput
+from kiln.core.metrics import COST_PER_1M, SPEEDUP, delta_figure, interval_figures, ratio_figure
 
 STAGE_KEY = "kiln.stage_key"
 REUSED = "kiln.reused"  # 'false' on the one run that computed a stage (and holds its files), 'true' on a reuse
@@ -41,12 +46,28 @@ PASSED = "kiln.passed"  # 1 when the run's verdict is a pass (exit 0), else 0: a
 # training, GenAI until the user flips it) instead, which a link selects with UI_VIEW.
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 UI_VIEW = "workflowType=machine_learning"
+KIND = "kiln.kind"  # 'pipeline' on a pipeline run's parent; its stage and candidate runs are its children
+# The runs table a link kiln prints opens is a view MLflow keeps in an experiment tag (its "shared
+# view", VIEW_TAG, chosen by the link's viewStateShareKey): pipeline runs only, counted as such ("5
+# matching runs", not 69 with every stage; a run's page lists its child runs), the verdict and the
+# deciding figures as its first columns (`view`). A link with any search field of its own would not
+# load the view, so the filter is in the view.
+PIPELINE_RUNS = f"tags.`{KIND}` = 'pipeline'"
+VIEW_KEY = "kiln"
+VIEW_TAG = f"mlflow.sharedViewState.{VIEW_KEY}"
+VIEW_FIGURES = (PASSED, SPEEDUP, *interval_figures(SPEEDUP), delta_figure("perplexity"), ratio_figure("size_bytes"),
+                f"{COST_PER_1M}.candidate", f"{COST_PER_1M}.baseline")  # a run's own figures join them (show_figures)
+VIEW_ATTRIBUTES = ("Dataset", "Source")  # after the figures: the evaluation data, the recipe
+# A pipeline run that ended without a verdict says so where a verdict would be (its name's first word,
+# VERDICT): MLflow draws KILLED and FAILED with the same red icon, and a gate failure's name says Failed.
+UNJUDGED = {"KILLED": ("⏹", "Interrupted"), "FAILED": ("⛔", "Not judged")}
 PROBE_TIMEOUT_S = 5.0
 DB_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}
 
 
 def default_uri() -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    """$MLFLOW_TRACKING_URI, else kiln's home store (kiln.core.home), whatever the current folder."""
+    return home.default_tracking_uri()
 
 
 def redact_uri(uri: str) -> str:
@@ -59,8 +80,24 @@ def redact_uri(uri: str) -> str:
 
 
 def experiment_url(base: str, experiment_id: str) -> str:
-    """The experiment's runs table in the MLflow UI (not its GenAI overview)."""
-    return f"{redact_uri(base).rstrip('/')}/#/experiments/{experiment_id}/runs?{UI_VIEW}"
+    """The experiment's runs table in the MLflow UI (not its GenAI overview), in kiln's view."""
+    return f"{redact_uri(base).rstrip('/')}/#/experiments/{experiment_id}/runs?{UI_VIEW}&viewStateShareKey={VIEW_KEY}"
+
+
+def view(figures: tuple[str, ...] | list[str]) -> str:
+    """The value of VIEW_TAG: the runs table's search fields and columns as MLflow's UI stores a
+    shared view (its selectedColumns and columnOrder name a column `metrics.`name``)."""
+    columns = [f"metrics.`{f}`" for f in figures] + [f"attributes.`{a}`" for a in VIEW_ATTRIBUTES]
+    return json.dumps({"searchFilter": PIPELINE_RUNS, "selectedColumns": columns, "columnOrder": columns})
+
+
+def view_figures(value: str | None) -> list[str]:
+    """The figures a VIEW_TAG value shows as columns (none for a value that is not kiln's)."""
+    try:
+        columns = json.loads(value or "{}").get("selectedColumns", [])
+    except (ValueError, AttributeError):
+        return []
+    return [c[len("metrics.`"):-1] for c in columns if isinstance(c, str) and c.startswith("metrics.`")]
 
 
 def source_tags(recipe_path: Path, commit: str | None) -> dict[str, str]:
@@ -123,7 +160,7 @@ def _reason(e: Exception) -> str:
 
 
 def open_client(uri: str | None = None) -> Any:
-    """An MlflowClient on `uri` (default: $MLFLOW_TRACKING_URI or ./mlflow.db) whose store has
+    """An MlflowClient on `uri` (default: `default_uri()`) whose store has
     been reached once: an HTTP server answered, or a sqlite file was created and migrated under a
     lock (two runs opening a fresh store at once would both run its migrations)."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -189,7 +226,7 @@ class Tracker:
         self.client = open_client(self.uri)
         try:
             exp = self.client.get_experiment_by_name(experiment)
-            self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment, tags=EXPERIMENT_KIND)
+            self.experiment_id = exp.experiment_id if exp else self._create(experiment)
         except MlflowException:  # created by a concurrent run between our get and create
             exp = self.client.get_experiment_by_name(experiment)
             if exp is None:
@@ -199,6 +236,16 @@ class Tracker:
             if exp is not None and exp.tags.get(key) != value:  # an experiment an older kiln made
                 with contextlib.suppress(MlflowException):  # another run setting it at the same moment
                     self.client.set_experiment_tag(self.experiment_id, key, value)
+        if exp is None or VIEW_TAG not in exp.tags:  # before any run: a link kiln prints opens the view
+            self.client.set_experiment_tag(self.experiment_id, VIEW_TAG, view(VIEW_FIGURES))
+
+    def _create(self, experiment: str) -> str:
+        """A new experiment; on a local sqlite store its artifacts go beside the .db file, where MLflow
+        would put them in ./mlruns of the folder kiln was started in. Other stores keep their own root."""
+        where = home.sqlite_artifacts(self.uri)
+        # a folder per experiment, named after it (its id is not known before it exists); run ids are unique
+        location = str(where / re.sub(r"[^\w.-]+", "_", experiment)) if where else None
+        return self.client.create_experiment(experiment, artifact_location=location, tags=EXPERIMENT_KIND)
 
     def start(self, name: str, tags: Mapping[str, str], parent: str | None = None) -> str:
         tags = {**process_tags(), **tags}  # every run says who owns it, for mark_stale
@@ -231,6 +278,17 @@ class Tracker:
         self.client.update_run(run_id, name=name)
         self.log(run_id, metrics={PASSED: float(passed)}, tags={VERDICT: verdict})
 
+    def show_figures(self, run_id: str, figures: Mapping[str, float]) -> None:
+        """The deciding figures as the parent run's metrics, and each as a column of the experiment's
+        view (after those it shows already; of an interval, only the speed-up's): a recipe's own
+        quality metric or ratio check shows beside the verdict too."""
+        self.log(run_id, metrics=figures)
+        shown = view_figures(self.client.get_experiment(self.experiment_id).tags.get(VIEW_TAG)) or list(VIEW_FIGURES)
+        ends = {e for f in figures if f != SPEEDUP for e in interval_figures(f)}
+        new = [f for f in figures if f not in shown and f not in ends]
+        if new:
+            self.client.set_experiment_tag(self.experiment_id, VIEW_TAG, view(shown + new))
+
     def log_data(self, run_id: str, context: str, source: Path, column: str, rows: list[str]) -> None:
         """`rows` read from the local file `source` as one of the run's inputs (MLflow's Dataset
         column), marked with what the run used them for."""
@@ -253,6 +311,19 @@ class Tracker:
 
     def end(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status)
+        if status in UNJUDGED:
+            self._show_unjudged(run_id, status)
+
+    def _show_unjudged(self, run_id: str, status: str) -> None:
+        """A pipeline run ended KILLED (Ctrl-C, or found dead by `mark_stale`) or FAILED (an error)
+        before its verdict: named and tagged so (UNJUDGED), never read as a gate failure."""
+        run = self.client.get_run(run_id)
+        if run.data.tags.get(KIND) != "pipeline":
+            return
+        icon, word = UNJUDGED[status]
+        folder = Path(run.data.tags.get("kiln.run_dir", run.info.run_name)).name
+        self.client.update_run(run_id, name=f"{icon} {word} · {folder}")
+        self.log(run_id, tags={VERDICT: word})
 
     def find_stage(self, key: str) -> str | None:
         """The id of the newest finished run that computed the stage with this key, if any: never a

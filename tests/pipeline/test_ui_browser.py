@@ -25,8 +25,13 @@ CHROMIUM = "/usr/bin/chromium"
 SHOTS = Path(__file__).parents[2] / "test-artifacts" / "browser"
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
          "--disable-component-update", "--disable-sync"]
-GATES = {"Successful": [{"kind": "size", "max_ratio": 1.0}],  # int8 weights are smaller: passes
-         "Failed": [{"kind": "size", "max_ratio": 0.01}]}  # nothing is 100x smaller: fails
+# Both with a speed check any candidate passes (1% of the baseline's decode rate, the contention guard off:
+# the machine may be busy), so that both rows show a speed-up with its interval
+SPEED = {"kind": "performance", "metric": "decode_tok_s", "min_ratio": 0.01, "max_cpu_pressure": None,
+         "max_cpu_steal": None}
+VIEWPORT = {"width": 1600, "height": 900}
+GATES = {"Successful": [{"kind": "size", "max_ratio": 1.0}, SPEED],  # int8 weights are smaller: passes
+         "Failed": [{"kind": "size", "max_ratio": 0.01}, SPEED]}  # nothing is 100x smaller: fails
 
 
 def _free_port() -> int:
@@ -94,7 +99,7 @@ def browser():
 
 @pytest.fixture
 def page(browser):
-    context = browser.new_context(viewport={"width": 1600, "height": 900})  # no localStorage: a first visit
+    context = browser.new_context(viewport=VIEWPORT)  # no localStorage: a first visit
     yield context.new_page()
     context.close()
 
@@ -195,15 +200,43 @@ def test_parent_run_shows_verdict_commit_and_report(mlflow_ui, page, store):
     _see(page, "report.html", "3-parent-artifacts")
 
 
-def test_runs_list_shows_the_pipeline_run_and_its_stage_children(mlflow_ui, page, store):
-    parent = _parents(store)["Successful"]
+def test_runs_table_shows_verdict_and_speedup_columns(mlflow_ui, page, store, tmp_path):
+    """The view kiln's link opens: one row per pipeline run, counted as such, each showing its verdict
+    and its speed-up from its own metrics, as columns to sort by."""
+    parents = _parents(store)
     page.goto(mlflow_ui["experiment"])
-    row = page.locator("[role=row]").filter(has=page.get_by_text(parent.info.run_name, exact=True)).first
-    row.wait_for(timeout=60_000)
-    row.locator("button").first.click()  # the parent row's expander
+    rows = {verdict: _row(page, parents[verdict]) for verdict in GATES}
+    headers = page.locator("[role=columnheader]").all_inner_texts()
+    for shot in (tmp_path / "runs-table-verdict-speedup.png", SHOTS / "1a-runs-table-verdict-speedup.png"):
+        page.screenshot(path=str(shot))
+    assert {"kiln.passed", "speedup", "speedup_lo", "speedup_hi"} <= set(headers), headers
+    speedup = page.locator("[role=columnheader]").filter(has=page.get_by_text("speedup", exact=True)).first.bounding_box()
+    assert speedup["x"] + speedup["width"] <= VIEWPORT["width"], speedup  # on screen, not scrolled off to the right
+    assert page.evaluate("localStorage.getItem('mlflow.assistant.panelOpen_v1')") == "false"  # its panel left room
+    for verdict, text in rows.items():
+        metrics = parents[verdict].data.metrics
+        assert f"{verdict} ·" in text, text
+        assert _shown(metrics["speedup"]) in text, (metrics["speedup"], text)  # the speed-up column, this run's
+    # child runs are no rows of their own, and the count is of pipeline runs
+    assert page.get_by_text(f"{len(GATES)} matching runs", exact=True).count() == 1
+    assert page.locator("[role=row]").filter(has=page.get_by_text("gate", exact=True)).count() == 0
+
+
+def _shown(value: float) -> str:
+    """A metric as the runs table writes it: JavaScript's String(value), which is Python's repr between
+    1e-6 and 1e21, but for a whole number (1, not 1.0)."""
+    return str(int(value)) if value == int(value) else repr(value)
+
+
+def test_pipeline_run_page_lists_its_stage_children(mlflow_ui, page, store):
+    """The stages are the pipeline run's children: its page lists them (the runs table, filtered to
+    pipeline runs, does not; cleared, it nests them under their parent)."""
+    parents = _parents(store)
+    parent = parents["Successful"]
+    page.goto(f"{mlflow_ui['url']}/#/experiments/{parents['experiment_id']}/runs/{parent.info.run_id}")
+    _see(page, "Child runs", "1b-parent-run-children")
     for child in ("optimize[candidate]", "quality[candidate]", "benchmark[pair]", "gate"):
         page.get_by_text(child, exact=True).first.wait_for(timeout=30_000)
-    page.screenshot(path=str(SHOTS / "1b-runs-list-children.png"), full_page=True)
 
 
 def test_stage_child_runs_link_to_parent(mlflow_ui, page, store):
