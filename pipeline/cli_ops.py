@@ -14,6 +14,8 @@ from kiln.engine.admission import SERVE_ADMISSION
 from kiln.pipeline.cli_app import (FreshOpt, JsonOpt, RecipeArg, RunArg, RunsOpt, SetOpt, app, console, port_option,
                                    size_option, typer_app)
 from kiln.core.errors import BadInput
+from kiln.core.home import runs_root, where_hint
+from kiln.core.units import DEFAULT_CURRENCY
 
 HostOpt = Annotated[str, typer.Option(help="bind address; loopback unless you mean otherwise (any other address "
                                            "needs an API key, or --insecure-no-api-key)")]
@@ -23,7 +25,8 @@ InsecureOpt = Annotated[bool, typer.Option("--insecure-no-api-key",
 KeyEnvOpt = Annotated[str, typer.Option(help="env var holding the API key clients must send (unset: no key)")]
 AdminKeyEnvOpt = Annotated[str, typer.Option(help="env var holding the key /admin/* needs (unset: the client key; "
                                                   "neither set: /admin is closed)")]
-TrackingOpt = Annotated[str | None, typer.Option(help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or ./mlflow.db)")]
+TrackingOpt = Annotated[str | None, typer.Option(help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else mlflow.db "
+                                                      "in kiln's home)")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="go ahead with this one action though the verdict does not "
                                                         "verify or did not pass (needs --reason)")]
 NameArg = Annotated[str, typer.Argument(help="the registered model's name (the recipe's tracking.registered_model, "
@@ -68,14 +71,16 @@ def check_exposure(host: str, key: str | None, key_env: str, insecure: bool) -> 
                        "'Authorization: Bearer <key>'), or pass --insecure-no-api-key to serve it open.")
 
 
-def run_dir(run: str, runs: Path) -> Path:
+def run_dir(run: str, runs: Path | None) -> Path:
+    """A run's folder: RUN itself, or RUN under --runs (default: kiln's home)."""
+    runs = runs_root(runs)
     d = Path(run) if Path(run).is_dir() else runs / run
     if not (d / "state.json").exists():
-        raise BadInput(f"RUN: no run '{run}' under {runs}/ (see `kiln runs`).")
+        raise BadInput(f"RUN: no run '{run}' under {runs}/ (see `kiln runs`; runs kept elsewhere: {where_hint()}).")
     return d
 
 
-def engine_dir(target: str, role: str, runs: Path) -> Path:
+def engine_dir(target: str, role: str, runs: Path | None) -> Path:
     """An engine folder, or a run's engine for `role`."""
     from kiln.engine.base import REBUILD
     from kiln.core.files import read_json
@@ -140,7 +145,7 @@ def serve(target: Annotated[str, typer.Argument(metavar="ENGINE_DIR|RUN", help="
           ttft_slo_ms: TtftSloOpt = None, rate_limit: RateLimitOpt = 0,
           rate_burst: RateBurstOpt = SERVE_ADMISSION.rate_limit_burst,
           drain_timeout: DrainTimeoutOpt = SERVE_ADMISSION.drain_timeout_s, request_log: RequestLogOpt = "stderr",
-          insecure_no_api_key: InsecureOpt = False, runs: RunsOpt = Path("runs"),
+          insecure_no_api_key: InsecureOpt = False, runs: RunsOpt = None,
           force: ForceOpt = False, reason: ReasonOpt = None) -> None:
     """Serve an engine behind an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /health, /metrics).
 
@@ -198,7 +203,7 @@ def _exit_now() -> None:
 
 @app.command()
 def tune(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
-         runs: RunsOpt = Path("runs"),
+         runs: RunsOpt = None,
          fresh: FreshOpt = []) -> None:  # noqa: B006
     """Tune the recipe's engine knobs (`tune`) on its candidate: every trial, the Pareto front, the winner.
 
@@ -213,7 +218,7 @@ def tune(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
     if r.tune is None:
         raise BadInput(f"{recipe}: tune is not set; add `tune: {{space: {{max_batch_size: [1, 4, 8]}}}}` "
                        "beside engine (see recipes/demo-tune.yaml).")
-    ctx = start_run(r, recipe, runs, console, set(fresh))  # `--fresh tune`: tune again though this search ran
+    ctx = start_run(r, recipe, runs_root(runs), console, set(fresh))  # `--fresh tune`: tune again though this search ran
     try:
         art = quantize(ctx, "candidate", r.optimize, resolve_model(r.model.path, ctx.cache))
         outcome = tune_engine(ctx, art)
@@ -280,7 +285,7 @@ def _run_recipe(d: Path):
 
 
 @deploy_app.command("canary")
-def deploy_canary(run: RunArg, runs: RunsOpt = Path("runs"),
+def deploy_canary(run: RunArg, runs: RunsOpt = None,
                   port: Annotated[int, port_option("the canary's router")] = 8080, api_key_env: KeyEnvOpt = "KILN_API_KEY",
                   keep_serving: Annotated[bool, typer.Option(help="keep the router and the winner up afterwards")] = False,
                   force: ForceOpt = False, reason: ReasonOpt = None) -> None:
@@ -401,15 +406,20 @@ def rollback(name: NameArg, to: Annotated[str | None, typer.Option(help="version
 @app.command()
 def compare(run_a: Annotated[str, typer.Argument(metavar="RUN_A", help="the run whose candidate is the bar")],
             run_b: Annotated[str, typer.Argument(metavar="RUN_B", help="the run whose candidate is judged, by its gate")],
-            runs: RunsOpt = Path("runs")) -> None:
-    """Judge RUN_B's candidate against RUN_A's candidate with RUN_B's gate policy: the gate's own table."""
+            runs: RunsOpt = None) -> None:
+    """Judge RUN_B's candidate against RUN_A's candidate with RUN_B's gate policy: the gate's own table.
+
+    A ratio speed check is Inconclusive: the two were never measured as pairs (it shows B over A through
+    a baseline both runs share); measure them in one run to judge it."""
+    from kiln.core.files import read_json
+    from kiln.evaluate.perf.compare import across_runs
     from kiln.pipeline.evidence import evidence_from_run
-    from kiln.core.gate.policy import judge
     from kiln.pipeline.report import CHECK_HEADER, check_rows
 
     a, b = run_dir(run_a, runs), run_dir(run_b, runs)
-    base, cand = evidence_from_run(a)["candidate"], evidence_from_run(b)["candidate"]
-    outcome = judge(_run_recipe(b).gate, cand, base)
+    baselines = {read_json(f)["key"] if (f := d / "stages" / "engine-baseline.json").is_file() else None for d in (a, b)}
+    same_baseline = len(baselines) == 1 and None not in baselines
+    outcome = across_runs(_run_recipe(b).gate, evidence_from_run(b), evidence_from_run(a), same_baseline)
     from rich.table import Table
 
     t = Table(*CHECK_HEADER, title=f"{b.name} vs {a.name}: {outcome.verdict.value}")
@@ -461,8 +471,10 @@ def plan_capacity_cmd(target_rps: Annotated[float, typer.Option(help="expected r
                       headroom: Annotated[float, typer.Option(help="share of each replica's goodput left spare "
                                                                    "(0.2: plan replicas at 80%)")] = 0.2,
                       price_per_hour: Annotated[float | None, typer.Option(help="price of one replica-hour, for the "
-                                                                           "cost per month")] = None) -> None:
+                                                                           "cost per month")] = None,
+                      currency: Annotated[str, typer.Option(help="what --price-per-hour is in: an ISO 4217 code "
+                                                                 "(USD shows as $) or a symbol")] = DEFAULT_CURRENCY) -> None:
     """Replicas (and cost per month) to serve a target rate within the SLO."""
     from kiln.evaluate.capacity import plan_capacity
 
-    console.print(plan_capacity(target_rps, goodput, headroom, price_per_hour).table())
+    console.print(plan_capacity(target_rps, goodput, headroom, price_per_hour, currency).table())

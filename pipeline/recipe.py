@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 import kiln.engine  # noqa: F401 - registers the engine backends
 import kiln.optimize  # noqa: F401 - registers the quantization methods
@@ -28,6 +28,7 @@ from kiln.core.files import hash_of
 from kiln.core.gate.base import CheckConfig
 from kiln.core.gate.policy import GateSection
 from kiln.core.metrics import METRICS
+from kiln.core.units import DEFAULT_CURRENCY, currency_problem
 
 
 class Section(BaseModel):
@@ -84,7 +85,10 @@ class EvaluateSection(Section):
 
 
 class TrackingSection(Section):
-    uri: str | None = Field(None, description="MLflow tracking URI; default $MLFLOW_TRACKING_URI or sqlite:///mlflow.db")
+    uri: str | None = Field(None, description="MLflow tracking URI; default $MLFLOW_TRACKING_URI, else "
+                                             "sqlite:///<kiln's home>/mlflow.db ($KILN_HOME, else ~/.local/share/kiln), "
+                                             "whatever the current folder; a sqlite store keeps its artifacts in "
+                                             "mlruns/ beside it")
     experiment: str = "kiln"
     registered_model: str | None = Field(None, description="registry name; default the recipe name")
 
@@ -151,8 +155,8 @@ class SearchSection(Section):
     budget_s: float | None = Field(None, gt=0, description="stop starting candidate stages after this many seconds; "
                                                            "a candidate not finished by then cannot win")
     price_per_hour: float | None = Field(
-        None, gt=0, description="what the machine costs per hour (any currency): the candidates table then shows each "
-                                "one's cost per 1M output tokens at batch 1, from its decode benchmark")
+        None, gt=0, description="what the machine costs per hour, in the recipe's `currency`: the candidates table "
+                                "then shows each one's cost per 1M output tokens at batch 1, from its decode benchmark")
     # Where the candidates run, not what is judged: left at their defaults they stay out of the resolved
     # recipe, so every recipe written before them keeps its digest.
     executor: Literal["local", "ray"] = Field(
@@ -181,11 +185,24 @@ class Recipe(Section):
         None, min_length=1, description="several candidate serving configurations, each judged against the baseline "
                                         "by the gate; the search keeps the best (`search.objective`) that passes")
     search: SearchSection = SearchSection()
+    # Shown, never computed with: left at the default it stays out of the resolved recipe (digests unchanged).
+    currency: str = Field(DEFAULT_CURRENCY, exclude_if=lambda v: v == DEFAULT_CURRENCY,
+                          description="the currency of search.price_per_hour and evaluate.load.price_per_hour, in "
+                                      "which the report, the pull-request comment and the load summary show every "
+                                      "cost: an ISO 4217 code (USD shows as $, EUR as €, GBP as £; others follow "
+                                      "the figure, 12.50 CHF) or a symbol")
     baseline: BaselineSection = BaselineSection()
     evaluate: EvaluateSection = EvaluateSection()
     gate: GateSection
     tracking: TrackingSection = TrackingSection()
     deploy: DeployConfig = DeployConfig()
+
+    @field_validator("currency")
+    @classmethod
+    def _currency(cls, v: str) -> str:
+        if why := currency_problem(v):
+            raise ValueError(why)
+        return v
 
     @model_validator(mode="before")
     @classmethod

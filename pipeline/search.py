@@ -28,8 +28,9 @@ from kiln.core.gate.base import CheckResult, Evidence, Verdict
 from kiln.core.gate.performance import t_interval
 from kiln.core.gate.policy import GateOutcome, GateSection, judge
 from kiln.core.metrics import METRICS
+from kiln.core.units import ratio
 from kiln.optimize.base import QUANTIZERS, ModelArtifact
-from kiln.pipeline import stage_benchmark, stage_evaluate, stage_inputs, stage_optimize
+from kiln.pipeline import search_plan, stage_benchmark, stage_evaluate, stage_inputs, stage_optimize
 from kiln.pipeline.evidence import evidence_from_run
 from kiln.pipeline.executor import CONFIRM, Executor, LocalExecutor
 from kiln.pipeline.phases import PHASES, for_family, objective_phase, up_to
@@ -141,6 +142,7 @@ def run_search(ctx: RunContext, model: Any) -> tuple[Arm | None, list[Arm], Gate
     executor = _executor(ctx, lambda arm, phase: _run_phase(arm, phase, model, shared))
     try:
         recipe, arms, policy = _arms(ctx)
+        search_plan.show(ctx, [(a.name, a.ctx.recipe) for a in arms])  # what will run, what is reused, how long
         for phase in PHASES:
             jobs = []
             for arm in (a for a in arms if a.eliminated is None):
@@ -482,6 +484,8 @@ def _close_arm(ctx: RunContext, arm: Arm, winner: Arm | None) -> None:
             **{f"kiln.node.{stage}": node for stage, node in arm.nodes.items() if node}}
     figures = (("screening_speedup", arm.screened), ("confirmed_speedup", arm.confirmed), ("runoff_speedup", arm.runoff))
     metrics = {f"{k}.{part}": v for k, fig in figures if fig for part, v in fig.items() if isinstance(v, (int, float))}
+    # The metrics keep full precision for sorting and charts; the tag beside each is what a person reads.
+    tags |= {f"kiln.{k}": f"{ratio(fig['ratio'])} [{fig['low']:.3g}, {fig['high']:.3g}]" for k, fig in figures if fig}
     ctx.tracker.log(arm.mlflow_run, metrics=metrics, tags=tags)
     ctx.tracker.end(arm.mlflow_run)
 

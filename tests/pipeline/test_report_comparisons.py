@@ -6,6 +6,7 @@ import re
 import numpy as np
 from scipy import stats as sps
 
+import kiln.evaluate.quality.lmeval  # noqa: F401 - declares word_swap_acc, a fraction, as a run's recipe does
 from kiln.core.errors import ExitCode
 from kiln.core.gate.base import Evidence, Verdict
 from kiln.core.gate.policy import GateOutcome
@@ -47,7 +48,7 @@ def test_report_shows_the_paired_table_after_the_checks():
     section = md.split("## Quality, paired item by item", 1)[1].split("\n## ", 1)[0]
     rows = [r for r in section.splitlines() if r.startswith("| ") and "metric" not in r]
     assert [r.split(" | ")[0] for r in rows] == ["| perplexity", "| word_swap_acc"]
-    assert re.search(r"\| word_swap_acc \| 1 \| 0\.9 \| -0\.1 \| \[-0\.\d+, -0\.\d+\] at 95% \| 0\.000488 \| "
+    assert re.search(r"\| word_swap_acc \| 100\.0% \| 90\.0% \| -10 pp \| \[-\d+\.?\d* pp, -\d\.?\d* pp\] at 95% \| 0\.000488 \| "
                      r"mcnemar-exact\S* n=120 \|", md), section
     assert "| perplexity |" in section and "%" in rows[0]
 

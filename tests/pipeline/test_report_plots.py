@@ -15,7 +15,7 @@ from kiln.pipeline.report_plots import quality_deltas
 # As the quality check writes them: ci of candidate - baseline, drop and drop_ci positive when worse.
 ACC = CheckResult("acc", "quality", "greedy_match", Verdict.FAILED, 0.8, 0.9, "drop ≤ 0.05", ci=(-0.15, -0.05),
                   drop=0.1, drop_ci=(0.05, 0.15))
-PPL = CheckResult("ppl", "quality", "perplexity", Verdict.INCONCLUSIVE, 11.0, 10.0, "drop ≤ 0.12 (relative)",
+PPL = CheckResult("ppl", "quality", "perplexity", Verdict.INCONCLUSIVE, 11.0, 10.0, "drop ≤ 12% (relative)",
                   ci=(0.05, 0.15), drop=0.1, drop_ci=(0.05, 0.15))
 SIZE = CheckResult("size", "size", "size_bytes", Verdict.SUCCESSFUL, 1.0, 4.0, "ratio ≤ 0.5")
 CHECKS = {"acc": QualityCheckConfig(metric="greedy_match", margin=0.05, name="acc"),
@@ -28,8 +28,9 @@ def test_checks_table_shows_quality_intervals_as_the_drop_its_threshold_bounds()
     rows = {r[1]: r for r in check_rows([ACC, PPL, speed, SIZE])}
     # accuracy fell: its difference interval [-0.15, -0.05] is a drop of [0.05, 0.15], read against 'drop ≤ 0.05'
     assert rows["acc"][4:6] == ["drop ≤ 0.05", "drop [0.05, 0.15]"]
-    assert rows["ppl"][5] == "drop [0.05, 0.15]"
-    assert rows["speed"][5] == "[1.02, 1.18]" and rows["size"][5] == "—"
+    assert rows["ppl"][5] == "drop [5.00%, 15.00%]"  # a relative margin's drop: in percent of the baseline
+    assert rows["speed"][2:4] == ["1.1x", "1x"] and rows["speed"][5] == "[1.02x, 1.18x]"  # a speed-up is a ratio
+    assert rows["acc"][2:4] == ["80.0%", "90.0%"] and rows["size"][5] == "—"  # a fraction metric in percent
 
 
 def test_quality_deltas_draws_one_row_per_quality_check_with_its_margin(tmp_path):
@@ -62,7 +63,7 @@ def test_report_sections_in_order_with_embedded_plots_and_lineage(tmp_path):
     md = markdown("demo", outcome, evidence, {}, sections)
     titles = re.findall(r"^## (.+)$", md, flags=re.M)
     assert titles == ["Checks", "Plots", "Memory and cost", "Metrics", "Lineage"]
-    assert "`plots/quality_deltas.png`" in md and "| artifact size on disk (what optimize wrote) | 400.0 MB | 100.0 MB | 0.25 |" in md
+    assert "`plots/quality_deltas.png`" in md and "| artifact size on disk (what optimize wrote) | 400.0 MB | 100.0 MB | 0.25x |" in md
     page = html_page("kiln: demo", outcome, evidence, sections)
     (data,) = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
     assert base64.b64decode(data) == plot.read_bytes()

@@ -42,7 +42,8 @@ CHECKS = [
 def _search_recipe(path: Path, model_dir: Path) -> Path:
     raw = yaml.safe_load(yaml.safe_dump(TINY_RECIPE))
     del raw["optimize"], raw["engine"]
-    raw.update(name="tiny-search", model={"path": str(model_dir)}, candidates=CANDIDATES, search={"price_per_hour": 2.0})
+    raw.update(name="tiny-search", model={"path": str(model_dir)}, candidates=CANDIDATES, search={"price_per_hour": 2.0},
+               currency="EUR")
     raw["evaluate"]["quality"]["lmeval"] = None
     raw["evaluate"]["quality"]["served"] = {"num_prompts": 4, "max_new_tokens": 6, "concurrency": 2}
     raw["evaluate"]["quality"]["perplexity"]["max_documents"] = 24  # fewer cannot pass (bench/ppl_calibration.py)
@@ -121,7 +122,7 @@ def test_the_winner_is_measured_again_and_laid_out_as_the_run(search_run):
     assert record["baseline"]["engine"] == "torch float32" and record["baseline"]["cost_per_1m"] > 0
     report = (run_dir / "report.md").read_text()
     assert "## Search" in report and "## Candidates" in report and f"🏆 {winner['name']}" in report
-    assert "cost / 1M tokens (b1)" in report and "per 1M output tokens at 2 per machine-hour" in report
+    assert "cost / 1M tokens (b1)" in report and "per 1M output tokens at €2.00 per machine-hour" in report
     # Every interval at the confidence the verdicts were taken at (95% shared by three), not at 95%.
     assert "speed-up [CI at 98.33%]" in report and "perplexity change [CI at 98.33%]" in report
     assert winner["confirmed"]["confidence"] == pytest.approx(family_confidence(0.95, 3))
@@ -140,6 +141,9 @@ def test_each_candidate_is_an_mlflow_child_run(search_run):
     assert len(parents) == 1
     statuses = {r.data.tags["kiln.candidate"]: r.data.tags["kiln.search"] for r in runs}
     assert statuses == {"fp32-copy": "winner", "torch-int8": "eliminated", "ct2-int8": "eliminated"}
+    winner = next(r for r in runs if r.data.tags["kiln.search"] == "winner")  # a person reads the tag, 3 figures
+    assert re.fullmatch(r"[\d.]{1,5}x \[[\d.]{1,5}, [\d.]{1,5}\]", winner.data.tags["kiln.screening_speedup"])
+    assert "screening_speedup.ratio" in winner.data.metrics  # ... and sorts by the metric, at full precision
     stages = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{runs[0].info.run_id}'")
     assert stages, "a candidate's stages are children of its run"
     # and name it: a rerun of a killed search on Ray finds where each candidate was built by it
@@ -152,6 +156,12 @@ def test_a_second_run_reuses_every_stage_but_the_confirmation(search_run):
     assert second.returncode == search_run["proc"].returncode, second.stdout[-3000:] + second.stderr[-3000:]
     computed = [line for line in second.stdout.splitlines() if "▶" in line]
     assert len(computed) == 1 and "fp32-copy: benchmark[pair]" in computed[0], computed
+    # ... as its plan said before the first stage, with the times the first run took
+    plan = second.stdout[second.stdout.index("plan: "):second.stdout.index("▶")]
+    assert "\n  baseline: to run: nothing; reused from the cache: optimize[baseline], engine[baseline]" in plan, plan
+    assert "\n  fp32-copy: to run: nothing; reused from the cache: optimize[candidate]" in plan, plan
+    assert re.search(r"then the winner's confirmation benchmark \(~\d[\dhms]*\)", plan), plan
+    assert re.search(r"\d+ reused; about \d", plan), plan
 
 
 def test_phases_put_cheap_checks_first():
