@@ -111,8 +111,10 @@ def timed(name: str, cmd: list[str], cwd: Path, env: dict[str, str], log: Path, 
 
 
 def verdict_line(log: Path) -> str | None:
-    lines = [ln for ln in log.read_text(errors="replace").splitlines() if "verdict" in ln.lower()]
-    return lines[-1].strip() if lines else None
+    """The run's verdict, from the report's lineage row `| verdict | Successful | … |`."""
+    rows = [ln.split("|")[2].strip() for ln in log.read_text(errors="replace").splitlines()
+            if ln.startswith("| verdict |") and ln.split("|")[2].strip() != "check"]  # not the checks table's header
+    return rows[-1] if rows else None
 
 
 def main() -> None:
