@@ -7,6 +7,7 @@ costs a rerun elsewhere, not the verdict; an address nothing answers on fails in
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -151,7 +152,10 @@ def test_a_killed_driver_is_resumed_by_running_again_reusing_finished_stages(tmp
         first = _cluster_run(tmp_path, tiny_model_dir, store, cluster.address, "ray-resume")
         judged = 0
         for line in first.stdout:  # every build judged, then the first candidate's perplexity: kill the driver
-            judged += line.startswith(tuple(f"  {c['name']}: " for c in ONE_THREAD))
+            # a judgment ("  name: passes every check up to …"), not the plan's "  name: to run: …" nor a
+            # stage's progress line ("  name: engine[candidate]: 3/8 …")
+            judged += line.startswith(tuple(f"  {c['name']}: " for c in ONE_THREAD)) \
+                and ": to run: " not in line and not re.match(r"  \S+: \w+\[\w+\]: ", line)
             if judged == len(ONE_THREAD) + 1:
                 first.kill()
                 break
