@@ -143,8 +143,12 @@ def test_sigkill_then_ctrl_c_mid_evaluate_resume_the_same_run(tmp_path, tiny_mod
 
 def _interrupt_once_progress_shows(recipe: Path, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "KILN_PROGRESS_EVERY_S": "0.2"}
+    # SIGINT as a terminal's shell leaves it: a disposition of "ignored" is inherited across exec, and
+    # Python then installs no KeyboardInterrupt handler (a test worker may ignore SIGINT; on CI the run
+    # went on to exit 0 after the signal was sent).
     proc = subprocess.Popen([sys.executable, "-m", "kiln.pipeline", "run", str(recipe)], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     out, sent = [], False
     for line in proc.stdout:
         out.append(line)
