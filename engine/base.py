@@ -34,6 +34,12 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     backend: str
 
+    def plain_twin(self) -> EngineConfig | None:
+        """The same configuration without the levers that claim lossless output (speculative decoding),
+        or None when it has none. The exactness check compares a config's greedy text with its twin's,
+        and the speed sweep measures where the lever stops paying against it."""
+        return None
+
 
 @dataclass(frozen=True)
 class GenerationRequest:

@@ -24,9 +24,9 @@ from types import ModuleType
 from typing import Any
 
 from kiln.core.errors import BadInput
+from kiln.engine.llama_cpp_config import KV_GGML_TYPE
 from kiln.engine.mapped_pages import drop_behind
 
-GGML_TYPE = {"f32": 0, "f16": 1}  # ggml_type of the KV cache
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # llama_flash_attn_type
 _QUIET = None  # the log callback handed to llama.cpp
 
@@ -63,17 +63,18 @@ def load_model(gguf_path: Path) -> Any:
                                     verbose=True)
 
 
-def new_context(model: Any, n_ctx: int, n_batch: int, n_seqs: int, threads: int, cache_type: str,
+def new_context(model: Any, n_ctx: int, n_batch: int, n_seqs: int, threads: int, cache_types: tuple[str, str],
                 flash_attn: str) -> Any:
-    """A context on `model` whose `n_seqs` sequences share one KV cache of `n_ctx` positions, decoding up
-    to `n_batch` tokens a call. llama.cpp reserves an output row per sequence and aborts the process
-    (GGML_ASSERT n_outputs_max) when there are more sequences than rows: callers keep n_seqs <= n_batch."""
+    """A context on `model` whose `n_seqs` sequences share one KV cache of `n_ctx` positions (K and V of
+    `cache_types`: LlamaCppConfig.kv_types), decoding up to `n_batch` tokens a call. llama.cpp reserves an
+    output row per sequence and aborts the process (GGML_ASSERT n_outputs_max) when there are more
+    sequences than rows: callers keep n_seqs <= n_batch."""
     internals = binding()
     params = internals.llama_cpp.llama_context_default_params()
     params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, n_batch
     params.n_seq_max, params.kv_unified = n_seqs, True
     params.n_threads = params.n_threads_batch = threads
-    params.type_k = params.type_v = GGML_TYPE[cache_type]
+    params.type_k, params.type_v = (KV_GGML_TYPE[t] for t in cache_types)
     params.flash_attn_type = FLASH_ATTN[flash_attn]
     params.no_perf = True
     return internals.LlamaContext(model=model, params=params, verbose=True)

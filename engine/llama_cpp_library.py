@@ -78,7 +78,7 @@ class LlamaLibraryEngine(LlamaCppEngine):
         if self._context is None:
             c = self.config
             self._context = new_context(self.model, c.parallel * c.ctx_per_slot, self.capacity, c.parallel,
-                                        c.thread_count(), c.cache_type, c.flash_attn)
+                                        c.thread_count(), c.kv_types(), c.flash_attn)
         return self._context
 
     # ----- generation -----------------------------------------------------------------------

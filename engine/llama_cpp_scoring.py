@@ -36,14 +36,14 @@ SCORING_ROWS = 64
 class LlamaLogits:
     """A llama.cpp context that returns logits for every token of packed sequences."""
 
-    def __init__(self, model: Path | Any, n_ctx: int, n_batch: int, threads: int, cache_type: str = "f16",
-                 flash_attn: str = "auto", max_seqs: int = 64):
+    def __init__(self, model: Path | Any, n_ctx: int, n_batch: int, threads: int,
+                 cache_types: tuple[str, str] = ("f16", "f16"), flash_attn: str = "auto", max_seqs: int = 64):
         """`model`: a GGUF file to load, or a loaded `LlamaModel` to share (the caller keeps it)."""
         self.owns_model = isinstance(model, (str, Path))
         self.model = load_model(model) if self.owns_model else model
         n_batch = min(n_batch, n_ctx, SCORING_ROWS)
         max_seqs = min(max_seqs, n_batch)  # new_context: no more sequences than output rows
-        self.context = new_context(self.model, n_ctx, n_batch, max_seqs, threads, cache_type, flash_attn)
+        self.context = new_context(self.model, n_ctx, n_batch, max_seqs, threads, cache_types, flash_attn)
         self.batch = new_batch(n_batch)
         self.lib, self.n_ctx, self.n_batch, self.max_seqs = binding().llama_cpp, n_ctx, n_batch, max_seqs
         self.vocab = self.model.n_vocab()
@@ -118,7 +118,7 @@ class LlamaCppEngine(Engine):
         if self.scorer is None:
             c = self.config
             self.scorer = LlamaLogits(self._scoring_model(), c.ctx_per_slot, c.batch_size, c.thread_count(),
-                                      c.cache_type, c.flash_attn)
+                                      c.kv_types(), c.flash_attn)
         return self.scorer(seqs)
 
     def score(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[Score]:
