@@ -66,6 +66,10 @@ class TokenEvent:
     time: float  # time.perf_counter() when the token was produced
     logprob: float | None = None
     finish_reason: str | None = None  # "length" | "stop" on the last token, else None
+    # On a sequence's last event, from engines that know them (llama-server's timings): prompt_tokens,
+    # cached_tokens (prompt tokens served from the prompt cache), and where the engine speculates
+    # draft_tokens and draft_accepted (drafted tokens the model confirmed). None: not known.
+    stats: dict[str, int] | None = None
 
 
 @dataclass(frozen=True)
