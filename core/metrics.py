@@ -20,7 +20,7 @@ class Metric:
     higher_is_better: bool
     unit: str
     description: str
-    kind: str  # "quality" (per-sample, paired) | "performance" (repeats) | "size" | "error_rate" | "machine"
+    kind: str  # "quality" (per-sample, paired) | "performance" (repeats) | "size" | "error_rate" | "machine" | "engine"
     # The recipe section whose stage records it, as a dotted path ("evaluate.load"); measured when
     # that section is set (not null, not false). None: no stage records it for the gate to judge.
     measured_by: str | None = None
@@ -75,6 +75,12 @@ declare(BENCH_RUN_QUEUE, False, "fraction", "runnable tasks beyond the CPUs the 
         "averaged over run-queue samples (where PSI is missing; reads as PSI does): other jobs competing", "machine")
 declare(BENCH_STEAL, False, "fraction", "share of CPU time the hypervisor gave other guests during the decode "
         "benchmark (steal, /proc/stat)", "machine")
+# What a speculating engine reports of its drafts in the decode benchmark (TokenEvent.stats; per request,
+# kiln.evaluate.decode_bench.speculation): shown beside the speed it explains, not gated on its own.
+declare("draft_tokens", False, "tokens", "tokens the engine drafted per benchmark request (speculative decoding)",
+        "engine")
+declare("draft_accepted", True, "tokens", "drafted tokens the model accepted per benchmark request", "engine")
+declare("acceptance_rate", True, "fraction", "drafted tokens accepted / drafted over the benchmark's requests", "engine")
 # Footprint.
 # Every arm is built (optimize: a search sets it per candidate), so the build always measures its size.
 declare("size_bytes", False, "bytes", "checkpoint size on disk", "size", "optimize")

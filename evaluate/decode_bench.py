@@ -17,6 +17,11 @@ Given a contention `Watch`, each arm's half of a pair is also watched: its CPU p
 are recorded as paired samples beside its speed (kiln.evaluate.contention.as_metrics names them),
 so the gate can tell steady load, which both halves share and pairing cancels, from load that
 changed between them, which it cannot.
+
+An engine that speculates (llama.cpp's server runtime with `engine.speculative`) reports per request the
+tokens it drafted and those the model accepted (TokenEvent.stats): recorded beside the speeds, so the
+benchmark's prompts, whose repetition decides what a draft is worth, show the acceptance rate behind
+a speed-up or a slow-down (`speculation`).
 """
 
 from __future__ import annotations
@@ -28,15 +33,20 @@ from kiln.core import progress
 from kiln.engine.base import Engine, GenerationRequest
 from kiln.evaluate.contention import Watch, as_metrics
 
+# TokenEvent.stats' drafting figures, recorded per request as the speeds are (core/metrics.py declares them).
+DRAFT_TOKENS, DRAFT_ACCEPTED, ACCEPTANCE_RATE = "draft_tokens", "draft_accepted", "acceptance_rate"
+SPECULATION = (DRAFT_TOKENS, DRAFT_ACCEPTED)
 
-def _one_request(engine: Engine, prompt: list[int], new_tokens: int) -> tuple[float, float, int]:
-    """(TTFT seconds, decode seconds after the first token, decode tokens)."""
+
+def _one_request(engine: Engine, prompt: list[int], new_tokens: int) -> tuple[float, float, int, dict | None]:
+    """(TTFT seconds, decode seconds after the first token, decode tokens, the engine's figures of
+    the request: TokenEvent.stats of its last event)."""
     start = time.perf_counter()
     engine.add(GenerationRequest(prompt, new_tokens, ignore_eos=True, cache_prompt=False))
-    times = []
+    events = []
     while engine.has_work():
-        times.extend(ev.time for ev in engine.step())
-    return times[0] - start, times[-1] - times[0], len(times) - 1
+        events.extend(engine.step())
+    return events[0].time - start, events[-1].time - events[0].time, len(events) - 1, events[-1].stats
 
 
 def _batch(engine: Engine, prompts: Sequence[list[int]], new_tokens: int) -> float:
@@ -48,8 +58,21 @@ def _batch(engine: Engine, prompts: Sequence[list[int]], new_tokens: int) -> flo
 
 
 def _single(engine: Engine, prompt: list[int], new_tokens: int) -> dict[str, float]:
-    ttft, dt, n = _one_request(engine, prompt, new_tokens)
-    return {"ttft_ms": 1000 * ttft, "decode_tok_s": n / dt, "tpot_ms": 1000 * dt / n}
+    ttft, dt, n, stats = _one_request(engine, prompt, new_tokens)
+    drafts = {k: stats[k] for k in SPECULATION if k in stats} if stats else {}  # an engine that speculates
+    return {"ttft_ms": 1000 * ttft, "decode_tok_s": n / dt, "tpot_ms": 1000 * dt / n, **drafts}
+
+
+def speculation(samples: dict[str, list[float]]) -> dict[str, float]:
+    """An arm's speculative decoding over the benchmark, where its engine reported drafts: tokens drafted
+    and accepted per request (means) and the acceptance rate, accepted / drafted over all requests
+    (absent when nothing was drafted). Empty for an engine that does not speculate."""
+    if DRAFT_TOKENS not in samples:
+        return {}
+    drafted, accepted = sum(samples[DRAFT_TOKENS]), sum(samples[DRAFT_ACCEPTED])
+    n = len(samples[DRAFT_TOKENS])
+    return {DRAFT_TOKENS: drafted / n, DRAFT_ACCEPTED: accepted / n,
+            **({ACCEPTANCE_RATE: accepted / drafted} if drafted else {})}
 
 
 def _watched(engine: Engine, prompt: list[int], new_tokens: int, watch: Watch | None) -> dict[str, float]:

@@ -47,7 +47,7 @@ def _decode_bench(ctx: RunContext, arms: dict[str, Any], prompts: list[list[int]
     (the gate's: a pair whose halves differ is dropped), each round judged on the speed checks when
     `futility` is set."""
     from kiln.evaluate import contention
-    from kiln.evaluate.decode_bench import interleaved
+    from kiln.evaluate.decode_bench import interleaved, speculation
 
     b = ctx.recipe.evaluate.benchmark
     watch = contention.Watch()  # how busy the machine is meanwhile
@@ -59,6 +59,7 @@ def _decode_bench(ctx: RunContext, arms: dict[str, Any], prompts: list[list[int]
     atomic_write_json(out / "repeats.json", per_arm)
     per_role = {role: {"repeats": samples, "metrics": {
         **{k: statistics.median(v) for k, v in samples.items()},
+        **speculation(samples),  # drafting as totals over the requests, not a median of ratios
         **contention.as_metrics(machine)}}
         for role, samples in per_arm.items()}
     metrics = {f"{role}.{k}": v for role, part in per_role.items() for k, v in part["metrics"].items()}

@@ -94,3 +94,33 @@ def test_a_model_compared_with_itself_is_never_failed_beside_a_busy_process(tiny
                     Evidence("baseline", metrics=machine, repeats=out["baseline"]))
     for r in outcome.results:
         assert r.verdict in (Verdict.SUCCESSFUL, Verdict.INCONCLUSIVE), r.reason
+
+
+class Drafting(Recording):
+    """A real engine whose last event of each request carries drafting figures, as llama-server's
+    timings give them: 6 tokens drafted per request, of which the prompt's length mod 4 accepted."""
+
+    def step(self):
+        from dataclasses import replace
+
+        events = self.engine.step()
+        return [replace(e, stats={"prompt_tokens": 3, "cached_tokens": 0, "draft_tokens": 6,
+                                  "draft_accepted": self.log[-1][1] % 4}) if e.finish_reason else e for e in events]
+
+
+def test_a_speculating_arm_records_its_drafts_per_request_and_its_acceptance_rate(tiny_model_dir):
+    """The drafting figures the engine reports on a request's last event are samples beside its speed;
+    the arm's acceptance rate is accepted / drafted over every request, not a median of per-request rates."""
+    from kiln.evaluate.decode_bench import speculation
+
+    engine = TorchEngine(tiny_model_dir, TorchEngineConfig(threads=1))
+    log: list[tuple[str, int]] = []
+    arms = {"baseline": Recording(engine, "A", log), "candidate": Drafting(engine, "B", log)}
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11, 12]]  # 3, 0 and 1 accepted
+
+    out = interleaved(arms, prompts, new_tokens=4, batch_sizes=[1], rounds=2)
+
+    assert set(out["baseline"]) == {"ttft_ms", "decode_tok_s", "tpot_ms"} and speculation(out["baseline"]) == {}
+    assert out["candidate"]["draft_tokens"] == [6] * 6 and out["candidate"]["draft_accepted"] == [3, 0, 1] * 2
+    assert speculation(out["candidate"]) == {"draft_tokens": 6, "draft_accepted": 4 / 3, "acceptance_rate": 4 / 18}
+    assert speculation({"draft_tokens": [0, 0], "draft_accepted": [0, 0]}) == {"draft_tokens": 0, "draft_accepted": 0}
