@@ -22,6 +22,11 @@ COLD_START = "kiln:cold_start_seconds"  # label phase: boot, load, warmup, total
 PROMPT_TOKENS = "kiln:prompt_tokens"
 GENERATION_TOKENS = "kiln:generation_tokens"
 REQUESTS = "kiln:requests"  # label OUTCOME, one of OUTCOMES
+# The engine's prompt (prefix) cache, in tokens, as vLLM's prefix_cache_queries / prefix_cache_hits: the
+# prompt tokens of requests whose engine reported a cache figure, and those of them served from the cache.
+# Only engines that report one count (llama.cpp's server runtime: llama-server's `cache_n`).
+PREFIX_CACHE_QUERIES = "kiln:prefix_cache_queries"
+PREFIX_CACHE_HITS = "kiln:prefix_cache_hits"
 ADMISSION = "kiln:admission"  # prefix of the admission controller's own series
 
 OUTCOME = "outcome"

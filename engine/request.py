@@ -147,6 +147,7 @@ class Sampling:
     stream: bool
     include_usage: bool
     token_ids_as_text: bool  # vLLM's return_tokens_as_token_ids: tokens as "token_id:N"
+    cache_prompt: bool = True  # llama.cpp's name: the engine may serve the prompt's prefix from its prompt cache
 
 
 def _get(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
@@ -223,7 +224,8 @@ def parse_sampling(body: dict[str, Any], vocab: int, chat: bool = False) -> Samp
                  _number(body, "top_p", 1.0, 0, 1, lo_open=True), _int(body, "seed", None, 0, MAX_SEED),
                  _stop(body), tuple(stop_ids), _get(body, "ignore_eos", bool, False),
                  None if chat else _int(body, "logprobs", None, 0, 20), _get(body, "echo", bool, False), stream,
-                 _include_usage(body, stream), _get(body, "return_tokens_as_token_ids", bool, False))
+                 _include_usage(body, stream), _get(body, "return_tokens_as_token_ids", bool, False),
+                 _get(body, "cache_prompt", bool, True))
     if s.max_tokens == 0 and not s.echo:
         raise RequestError("max_tokens: 0 only makes sense with echo=true (prompt scoring).", "max_tokens")
     if s.stream and (s.echo or (s.logprobs or 0) > 0):

@@ -12,9 +12,12 @@ shared batch; unknown routes, wrong methods and oversized bodies answer JSON too
 Production guards come from engine/admission.py (shared with `kiln route`): a bounded queue
 (slots = the engine's batch, a wait bounded in time; full: a fast 429 whose Retry-After is the
 estimated wait), per-API-key rate limits, drain on SIGTERM (no new work, in-flight streams finish,
-exit 0) and one JSON log line per request (queue time, TTFT, TPOT, tokens in/out). No kiln engine
-reports prefix-cache hits, so the log has no cache field. Cold start (process start to ready,
-split into boot, engine load and warm-up) is logged, shown in /health and exported to /metrics.
+exit 0) and one JSON log line per request (queue time, TTFT, TPOT, tokens in/out). Cold start
+(process start to ready, split into boot, engine load and warm-up) is logged, shown in /health and
+exported to /metrics. An engine that reports its prompt cache (TokenEvent.stats: llama.cpp's server
+runtime) fills each answer's `usage.prompt_tokens_details.cached_tokens` as OpenAI's API does, the
+log line's `cached_tokens` and the counters `kiln:prefix_cache_queries` / `kiln:prefix_cache_hits`;
+a request's `cache_prompt: false` (llama.cpp's name) asks the engine not to use the cache.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import Any
 
 import psutil
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
 from kiln.engine import metric_names as names
 from kiln.engine.admission import (ARRIVAL, SERVE_ADMISSION, STATS, Admission, AdmissionConfig, DrainCut,
@@ -56,6 +59,10 @@ class _State:
         self.admission, self.on_ready = admission, on_ready
         self.metrics = Metrics()
         admission.export(self.metrics.registry, names.ADMISSION, count_requests=True)
+        self.cache_queries = Counter(names.PREFIX_CACHE_QUERIES, "Prompt tokens of requests whose engine reported "
+                                     "its prompt cache", registry=self.metrics.registry)
+        self.cache_hits = Counter(names.PREFIX_CACHE_HITS, "Of those, prompt tokens served from the engine's prompt "
+                                  "cache", registry=self.metrics.registry)
         self.engine: Engine | None = None
         self.scheduler: Scheduler | None = None
         self.status = "loading"
@@ -221,7 +228,7 @@ async def _events(st: _State, ids: list[int], s: Sampling) -> AsyncIterator[Toke
 def _generation(ids: list[int], s: Sampling) -> GenerationRequest:
     # Only a streamed choice takes its logprobs from the events; a non-streamed one scores them (_add_logprobs).
     return GenerationRequest(ids, s.max_tokens, s.ignore_eos, s.stop_token_ids, s.temperature, s.seed, s.top_p,
-                             logprobs=s.stream and s.logprobs is not None)
+                             logprobs=s.stream and s.logprobs is not None, cache_prompt=s.cache_prompt)
 
 
 def _raised(error: Exception) -> Exception:
@@ -250,6 +257,16 @@ class _Clock:
         self.first: list[float | None] = [None] * choices
         self.last = [0.0] * choices
         self.count = [0] * choices
+        self.cached: list[int | None] = [None] * choices  # prompt tokens the engine served from its prompt cache
+
+    def note(self, index: int, ev: TokenEvent) -> None:
+        """A choice's last event: the engine's prompt-cache figure for it, when it reports one."""
+        if ev.stats and "cached_tokens" in ev.stats:
+            self.cached[index] = ev.stats["cached_tokens"]
+
+    def cached_tokens(self) -> int | None:
+        """Over all choices; None unless the engine reported every one (a stop string cut it short, or none)."""
+        return None if None in self.cached else sum(self.cached)  # type: ignore[arg-type]
 
     def tick(self, index: int) -> None:
         now = time.perf_counter()
@@ -261,8 +278,9 @@ class _Clock:
         firsts = [f for f in self.first if f is not None]
         tpots = [(last - first) / (n - 1) for first, last, n in zip(self.first, self.last, self.count, strict=True)
                  if first is not None and n > 1]
+        cached = {} if (c := self.cached_tokens()) is None else {"cached_tokens": c}
         return {"ttft_ms": (min(firsts) - self.arrival) * 1000 if firsts else None,
-                "tpot_ms": 1000 * sum(tpots) / len(tpots) if tpots else None, "tokens_out": sum(self.count)}
+                "tpot_ms": 1000 * sum(tpots) / len(tpots) if tpots else None, "tokens_out": sum(self.count), **cached}
 
 
 async def _complete(st: _State, index: int, ids: list[int], s: Sampling, clock: _Clock) -> tuple[dict, list[int]]:
@@ -271,6 +289,8 @@ async def _complete(st: _State, index: int, ids: list[int], s: Sampling, clock: 
     if s.max_tokens > 0:
         async for delta, reason, ev in _pieces(st, ids, s):
             clock.tick(index)
+            if reason:
+                clock.note(index, ev)
             text, finish = text + delta, reason or finish
             generated.append(ev.token_id)
     echo = st.engine.tokenizer.decode(ids) if s.echo else ""
@@ -288,9 +308,20 @@ async def _add_logprobs(st: _State, choices: list[dict], prompts: list[list[int]
         choice["logprobs"] = logprobs_block(st.engine.tokenizer, full, pos, first, top, s.token_ids_as_text)
 
 
-def _usage(prompts: list[list[int]], generated: int) -> dict[str, int]:
+def _usage(prompts: list[list[int]], generated: int, cached: int | None = None) -> dict[str, Any]:
     n = sum(map(len, prompts))
-    return {"prompt_tokens": n, "completion_tokens": generated, "total_tokens": n + generated}
+    usage: dict[str, Any] = {"prompt_tokens": n, "completion_tokens": generated, "total_tokens": n + generated}
+    if cached is not None:  # OpenAI's place for it; absent when the engine reports no prompt cache
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
+
+
+def _count_cache(st: _State, prompts: list[list[int]], clock: _Clock) -> None:
+    """The /metrics prompt-cache counters, for a request whose engine reported its cache."""
+    cached = clock.cached_tokens()
+    if cached is not None:
+        st.cache_queries.inc(sum(map(len, prompts)))
+        st.cache_hits.inc(cached)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -321,6 +352,7 @@ async def _respond(request: web.Request, chat: bool) -> web.StreamResponse:
         return await _answer(st, prompts, per_prompt, head, chat, clock)
     finally:
         stats.update(clock.stats())
+        _count_cache(st, prompts, clock)
 
 
 def _cut_message(st: _State) -> str:
@@ -354,7 +386,8 @@ async def _answer(st: _State, prompts: list[list[int]], per_prompt: list[Samplin
         choices = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
                     "finish_reason": c["finish_reason"], "logprobs": None} for c in choices]
     return web.json_response({**head, "object": "chat.completion" if chat else "text_completion",
-                              "choices": choices, "usage": _usage(prompts, sum(map(len, generated)))})
+                              "choices": choices,
+                              "usage": _usage(prompts, sum(map(len, generated)), clock.cached_tokens())})
 
 
 class _Tagged:
@@ -384,7 +417,7 @@ async def _stream(request, st: _State, prompts, per_prompt: list[Sampling], head
     try:
         generated = await _relay(st, merged, tickets, texts, per_prompt[0], chat, clock, send)
         if per_prompt[0].include_usage:
-            await send([], usage=_usage(prompts, generated))
+            await send([], usage=_usage(prompts, generated, clock.cached_tokens()))
     except ConnectionResetError:  # the client left; nothing to report to
         raise
     except Exception as e:  # the 200 header is already sent: report in-band, like vLLM
@@ -436,6 +469,7 @@ async def _relay(st: _State, merged: asyncio.Queue, tickets: list, texts: list[T
         if finish:
             open_streams.discard(index)
             st.scheduler.cancel(tickets[index])
+            clock.note(index, ev)
         clock.tick(index)
         generated += 1
         if chat:
