@@ -32,7 +32,7 @@ from typing import Any
 
 from kiln.core.errors import BadInput
 from kiln.engine.base import GenerationRequest, TokenEvent, check_request
-from kiln.engine.llama_cpp_config import LlamaCppConfig
+from kiln.engine.llama_cpp_config import LlamaCppConfig, SpeculativeConfig
 from kiln.engine.llama_cpp_scoring import LlamaCppEngine
 from kiln.engine.llama_cpp_stream import Completion
 from kiln.engine.remote import free_port, stop_process, wait_healthy
@@ -43,11 +43,33 @@ _SILENCE_S = 600.0  # a stream that sends nothing this long fails (the remote ba
 
 def server_command(exe: Path, gguf_path: Path, port: int, config: LlamaCppConfig) -> list[str]:
     threads = config.thread_count()
+    k, v = config.kv_types()
     return [str(exe), "-m", str(gguf_path), "--host", _HOST, "--port", str(port),
             "--parallel", str(config.parallel), "--ctx-size", str(config.parallel * config.ctx_per_slot),
             "--batch-size", str(config.batch_size), "--threads", str(threads), "--threads-batch", str(threads),
-            "--cache-type-k", config.cache_type, "--cache-type-v", config.cache_type, "--flash-attn", config.flash_attn,
+            "--cache-type-k", k, "--cache-type-v", v, "--flash-attn", config.flash_attn,
+            *(["--cache-reuse", str(config.cache_reuse)] if config.cache_reuse else []),
+            *_speculative_flags(config.speculative, threads),
             "--cont-batching", "--no-webui", "--log-disable"]
+
+
+def _speculative_flags(spec: SpeculativeConfig | None, threads: int) -> list[str]:
+    """llama-server's flags for `spec`; a size left None is left to llama.cpp's default for the type."""
+    if spec is None:
+        return []
+    if spec.type == "draft":  # the draft model decodes on the same threads, between the model's steps
+        sizes = {"--spec-draft-model": spec.draft_model, "--spec-draft-n-max": spec.draft_max,
+                 "--spec-draft-n-min": spec.draft_min, "--spec-draft-threads": threads,
+                 "--spec-draft-threads-batch": threads}
+        kind = "draft-simple"
+    elif spec.type == "ngram-mod":
+        sizes = {"--spec-ngram-mod-n-match": spec.ngram_n, "--spec-ngram-mod-n-max": spec.ngram_m,
+                 "--spec-ngram-mod-n-min": spec.draft_min}
+        kind = spec.type
+    else:
+        sizes = {f"--spec-{spec.type}-size-n": spec.ngram_n, f"--spec-{spec.type}-size-m": spec.ngram_m}
+        kind = spec.type
+    return ["--spec-type", kind, *(x for flag, value in sizes.items() if value is not None for x in (flag, str(value)))]
 
 
 @dataclass
