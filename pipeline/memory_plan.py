@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from kiln.engine.full_logits import token_budget
+from kiln.engine.llama_cpp_config import KV_BYTES
 from kiln.engine.llama_cpp_scoring import SCORING_ROWS
 from kiln.evaluate import parity
 from kiln.evaluate.quality.perplexity import BATCH
@@ -120,9 +121,11 @@ def _buffers(engine: Any, config: dict[str, Any], scored: int, longest: int, tok
         return Buffers((_openvino_pipeline(engine, shapes, tokens),), (logits,), alternates=True)
     if engine.backend != "llama_cpp":
         return Buffers((), (logits,))
-    per = shapes.kv_bytes_per_token(DTYPE_BYTES["float16" if engine.cache_type == "f16" else "float32"])
+    k, v = engine.kv_types()  # K and V may differ (cache_type_k/_v), each at its own bytes per value
+    per = (shapes.kv_bytes_per_token(KV_BYTES[k]) + shapes.kv_bytes_per_token(KV_BYTES[v])) / 2
     slots = engine.parallel * engine.ctx_per_slot
-    kv = Component(f"KV cache ({engine.cache_type}, {engine.parallel} slots × {engine.ctx_per_slot} tokens)",
+    types = k if k == v else f"K {k}, V {v}"
+    kv = Component(f"KV cache ({types}, {engine.parallel} slots × {engine.ctx_per_slot} tokens)",
                    per * slots, f"{slots} tokens × {human(per)}, made on the first decode")
     rows = min(engine.batch_size, engine.ctx_per_slot, SCORING_ROWS)
     scorer = Component("scoring context (llama.cpp)", per * engine.ctx_per_slot + 2 * rows * shapes.vocab * 4,
