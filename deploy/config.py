@@ -28,6 +28,12 @@ class RouterOptions(Section):
     session_header: str = "X-Session-Id"
     prefix_chars: int = Field(256, ge=1, description="characters of the prompt that key prefix affinity")
     vnodes: int = Field(4096, ge=16, description="virtual nodes per arm on the hash ring")
+    balance: Literal["prefix", "round-robin"] = Field(
+        "prefix", description="how an arm's replicas (its URL a comma-separated list) share its requests: prefix: "
+                              "by a hash of the prompt prefix, so each replica's prompt cache sees prefixes it holds; "
+                              "round-robin: in turn (for engines without a prompt cache)")
+    balance_bound: float = Field(1.25, ge=1, description="prefix balance: a replica past this times the mean requests "
+                                                         "in flight passes a request on to the next on the ring")
     mirror_fraction: float = Field(0.0, ge=0, le=1, description="share of greedy requests also sent to the other arm")
     connect_timeout_s: float = Field(5, gt=0)
     read_timeout_s: float = Field(300, gt=0, description="longest silence from a backend mid-request")
@@ -43,6 +49,15 @@ class RouterConfig(RouterOptions):
     stable_url: str
     canary_url: str | None = None
     weight: float = Field(0.0, ge=0, le=100, description="percent of traffic sent to the canary")
+
+    @model_validator(mode="after")
+    def _urls(self) -> RouterConfig:
+        for name in ("stable_url", "canary_url"):
+            value = getattr(self, name)
+            if value is not None and not all(u.strip().startswith(("http://", "https://")) for u in value.split(",")):
+                raise ValueError(f"{name}: give http(s) URLs, several (replicas of one engine) comma-separated; "
+                                 f"got {value!r}")
+        return self
 
 
 class CanaryStep(Section):

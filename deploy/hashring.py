@@ -13,12 +13,17 @@ when its arc is taken by a newly active canary point or its stable point is swit
 |delta w| of the keys move, the minimum any split can achieve. The canary's share of the ring is
 the sum of its arcs, w/100 on average with a standard deviation of about sqrt(w(1-w)/vnodes)
 (0.35 points at 5% with 4096 vnodes). Weight 0 and 100 are exact.
+
+Within an arm, `ReplicaRing` does the same across the arm's replicas (several `kiln serve` of one
+engine): a prompt prefix keeps its replica, and so that replica's prompt cache, as replicas come
+and go.
 """
 
 from __future__ import annotations
 
 import bisect
 import hashlib
+import math
 
 ARMS = ("stable", "canary")
 
@@ -69,3 +74,40 @@ class WeightedRing:
                 span += pos - prev
             prev = pos
         return span / total
+
+
+class ReplicaRing:
+    """Consistent hashing of keys onto the replicas of one arm, so requests sharing a prompt prefix
+    reach the replica whose prompt cache holds it.
+
+    Each replica owns `vnodes` points at the hash of "<its URL>#i"; a key's replicas, in order, are
+    the owners met clockwise from the key's hash, each once (`order`). Replicas are named by URL, so
+    adding or removing one moves only the keys on its arcs (about 1/n of them), not the others.
+    `pick` takes the first in that order whose requests in flight are within the bound of
+    consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018): `bound` times
+    the mean over replicas with this request counted. A hot prefix then spills to its next replica
+    instead of queueing on one while the others idle.
+    """
+
+    def __init__(self, replicas: list[str], vnodes: int = 256):
+        points = sorted((key_hash(f"{url}#{i}"), k) for k, url in enumerate(replicas) for i in range(vnodes))
+        self.size = len(replicas)
+        self._positions = [p for p, _ in points]
+        self._owners = [k for _, k in points]
+
+    def order(self, key: bytes | str) -> list[int]:
+        """Replica indices in the order the ring offers them to `key`: its own first."""
+        start, seen = bisect.bisect_left(self._positions, key_hash(key)), []
+        for j in range(len(self._owners)):
+            owner = self._owners[(start + j) % len(self._owners)]
+            if owner not in seen:
+                seen.append(owner)
+                if len(seen) == self.size:
+                    break
+        return seen
+
+    def pick(self, key: bytes | str, in_flight: list[int], bound: float) -> int:
+        """The replica for `key`: the first in `order` whose load is within `bound` x the mean."""
+        limit = math.ceil(bound * (sum(in_flight) + 1) / self.size)
+        ranked = self.order(key)
+        return next((k for k in ranked if in_flight[k] + 1 <= limit), ranked[0])

@@ -3,6 +3,10 @@
 - Splits traffic by a canary weight (percent) that can change at runtime (POST /admin/weight),
   sticky per session (X-Session-Id header or the `user` field) or by prompt prefix on a
   consistent-hash ring (hashring.py), so prefix caches stay warm when the weight moves.
+- An arm may be several replicas of one engine (its URL a comma-separated list). `balance: prefix`
+  places each request on a replica by a hash of its prompt prefix (hashring.ReplicaRing, with a
+  bound on load), so a replica's prompt cache sees the prefixes it already holds; `round-robin`
+  takes them in turn. GET /admin/state shows each replica's requests.
 - Streams pass through event by event. A canary that fails before its first token is retried on
   stable; one that dies mid-stream is continued on stable (sse.py): the client sees one stream.
 - Records every attempt per arm: Prometheus series (/metrics) and a window of per-request
@@ -22,19 +26,63 @@ upstream key, never a client's credentials (proxy.py). Binds 127.0.0.1 unless to
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
+import json
 import random
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import Gauge, generate_latest
 
 from kiln.deploy.config import RouterConfig
-from kiln.deploy.hashring import WeightedRing
+from kiln.deploy.hashring import ReplicaRing, WeightedRing
 from kiln.deploy.observations import ArmMetrics, Window
 from kiln.deploy.proxy import UPSTREAM_ERRORS, Backend, Proxy, error_response, upstream_key
 from kiln.deploy.sse import prompt_prefix
 from kiln.engine import metric_names as names
 from kiln.engine.admission import Admission, api_keys, key_matches
+
+
+def replica_urls(url: str) -> list[str]:
+    """An arm's URL: one server, or its replicas comma-separated."""
+    return [u.strip().rstrip("/") for u in url.split(",") if u.strip()]
+
+
+class Replicas(Backend):
+    """An arm's upstream: one server, or replicas of one engine sharing its requests (`cfg.balance`).
+    `url` is the list as given, normalized: what identifies the arm's backend when it is swapped."""
+
+    def __init__(self, url: str, cfg: RouterConfig):
+        self.urls = replica_urls(url)
+        super().__init__(",".join(self.urls), cfg)
+        self.balance, self.prefix_chars, self.bound = cfg.balance, cfg.prefix_chars, cfg.balance_bound
+        self.load = [0] * len(self.urls)  # requests in flight per replica
+        self.sent = [0] * len(self.urls)
+        self.ring = ReplicaRing(self.urls)
+        self._turn = itertools.count()
+
+    def pick(self, payload: dict[str, Any]) -> int:
+        if len(self.urls) == 1:
+            return 0
+        if self.balance == "round-robin":
+            return next(self._turn) % len(self.urls)
+        return self.ring.pick(prompt_prefix(payload, self.prefix_chars), self.load, self.bound)
+
+    @contextlib.asynccontextmanager
+    async def post(self, path: str, payload: dict[str, Any], headers: dict[str, str]) -> AsyncIterator[Any]:
+        k = self.pick(payload)
+        self.load[k] += 1
+        self.sent[k] += 1
+        try:
+            async with self.session.post(self.urls[k] + path, data=json.dumps(payload).encode(), headers=headers) as up:
+                yield up
+        finally:
+            self.load[k] -= 1
+
+    def state(self) -> dict[str, dict[str, int]]:
+        return {url: {"in_flight": n, "sent": sent} for url, n, sent in zip(self.urls, self.load, self.sent, strict=True)}
 
 
 class Router(Proxy):
@@ -48,7 +96,7 @@ class Router(Proxy):
         self.keys = api_keys(api_key, "api_key")
         self.admin_keys = api_keys(admin_key, "admin_key") or self.keys
         self.ring = WeightedRing(config.vnodes, config.weight if config.canary_url else 0.0)
-        self.backends: dict[str, Backend] = {}
+        self.backends: dict[str, Replicas] = {}  # type: ignore[assignment]  # Proxy's, each arm's replicas
         self.observations = Window(config.window)
         self.comparisons = Window(config.window)
         self.metrics = ArmMetrics()
@@ -121,14 +169,14 @@ class Router(Proxy):
         """Point the arms at new servers; requests already running finish on the old ones."""
         for arm, url in (("stable", stable_url), ("canary", canary_url)):
             old = self.backends.get(arm)
-            if old and old.url == (url or "").rstrip("/"):
+            if old and old.url == ",".join(replica_urls(url or "")):
                 continue
             if old:
                 self._retiring.append(old)
                 self._spawn(self._retire(old))
                 del self.backends[arm]
             if url:
-                self.backends[arm] = Backend(url, self.cfg)
+                self.backends[arm] = Replicas(url, self.cfg)
         if "canary" not in self.backends:
             self.set_weight(0)
 
@@ -169,6 +217,7 @@ class Router(Proxy):
             "stable_url": self.backends["stable"].url if "stable" in self.backends else None,
             "canary_url": self.backends["canary"].url if "canary" in self.backends else None,
             "in_flight": {b.url: b.in_flight for b in [*self.backends.values(), *self._retiring]},
+            "replicas": {arm: b.state() for arm, b in self.backends.items()},
             "retiring": [b.url for b in self._retiring],
             "admission": {"running": a.running, "waiting": a.waiting, "draining": a.draining, "rejected": a.rejected}})
 
@@ -201,7 +250,7 @@ class Router(Proxy):
     async def models(self, request: web.Request) -> web.Response:
         backend = self.backends["stable"]
         try:
-            async with backend.session.get(backend.url + "/v1/models", headers=self._headers()) as up:
+            async with backend.session.get(backend.urls[0] + "/v1/models", headers=self._headers()) as up:
                 return web.Response(body=await up.read(), status=up.status, content_type="application/json")
         except UPSTREAM_ERRORS as e:
             return error_response(502, f"stable backend unreachable: {type(e).__name__}")

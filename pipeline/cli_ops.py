@@ -250,8 +250,8 @@ def fake_engine(ttft_ms: Annotated[float, typer.Option(help="time to first token
 
 
 @app.command()
-def route(stable: Annotated[str, typer.Option(help="stable backend URL")],
-          canary: Annotated[str | None, typer.Option(help="canary backend URL")] = None,
+def route(stable: Annotated[str, typer.Option(help="stable backend URL (replicas of one engine: comma-separated)")],
+          canary: Annotated[str | None, typer.Option(help="canary backend URL (replicas: comma-separated)")] = None,
           weight: Annotated[float, typer.Option(help="percent of traffic to the canary")] = 0.0,
           mirror_fraction: Annotated[float, typer.Option(
               help="share of greedy prompts also answered by the canary and by stable again, and scored")] = 0.0,
@@ -260,7 +260,10 @@ def route(stable: Annotated[str, typer.Option(help="stable backend URL")],
           upstream_api_key_env: Annotated[str, typer.Option(help="env var holding the key the router sends to both "
                                                                  "backends (unset: none)")] = "KILN_UPSTREAM_API_KEY",
           admin_key_env: AdminKeyEnvOpt = "KILN_ADMIN_KEY",
-          insecure_no_api_key: InsecureOpt = False) -> None:
+          insecure_no_api_key: InsecureOpt = False,
+          balance: Annotated[str, typer.Option(help="how an arm's replicas share requests: prefix (by a hash of the "
+                                                    "prompt prefix: warm prompt caches) or round-robin")] = "prefix",
+          ) -> None:
     """One OpenAI-compatible entry point splitting traffic between a stable and a canary backend.
 
     Backends get the upstream key, never a client's credentials."""
@@ -269,8 +272,14 @@ def route(stable: Annotated[str, typer.Option(help="stable backend URL")],
 
     key, upstream, admin = _key(api_key_env), _key(upstream_api_key_env), _key(admin_key_env)
     check_exposure(host, key, api_key_env, insecure_no_api_key)
-    cfg = RouterConfig(host=host, port=port, stable_url=stable, canary_url=canary, weight=weight,
-                       mirror_fraction=mirror_fraction)
+    from pydantic import ValidationError
+
+    try:
+        cfg = RouterConfig(host=host, port=port, stable_url=stable, canary_url=canary, weight=weight,
+                           mirror_fraction=mirror_fraction, balance=balance)
+    except ValidationError as e:
+        raise BadInput(f"kiln route: {'; '.join(str(err['msg']) for err in e.errors())} (--stable, --canary, "
+                       "--balance prefix|round-robin)") from None
     try:
         serve_router(cfg, api_key=key, upstream_api_key=upstream, admin_key=admin)
     except OSError as e:  # the port in use
