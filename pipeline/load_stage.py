@@ -5,6 +5,9 @@ The served artifact is the evaluated artifact: requests go through the OpenAI en
 run A, B, A, B, ... (`repeats`), each repeat the whole configured shape. A sweep finds each arm's
 own saturation, so its headline numbers compare each arm at its own knee.
 
+With `prefix` set, each arm also runs the prefix-sharing workload with its prompt cache and without
+(evaluate/perf/prefix.py): TTFT both ways and the cache hit rate, the report's prefix-cache table.
+
 Beside the measurement sits the roofline: the predicted decode ceiling per batch size from the
 checkpoint (weight bytes, KV bytes per token) and this machine's measured memory bandwidth, with
 the measured TPOT and MBU where a closed-loop stage fixed the batch. The client and the server
@@ -39,7 +42,7 @@ def measure(engines: Mapping[str, Any], dirs: Mapping[str, Path], cfg: Performan
     from kiln.evaluate.perf.plots import ceiling_vs_measured, result_figures
     from kiln.evaluate.roofline import measure_bandwidth
 
-    runs = _run_arms(engines, cfg)
+    runs, prefix = _run_arms(engines, cfg)
     bandwidth = measure_bandwidth()
     per_role, ceilings = {}, {}
     for role, repeats in runs.items():
@@ -47,6 +50,10 @@ def measure(engines: Mapping[str, Any], dirs: Mapping[str, Path], cfg: Performan
             run.write_jsonl(out / "records" / f"{role}-r{k}.jsonl")
         ceilings[role] = roofline(dirs[role], repeats[0], bandwidth)
         per_role[role] = _role_result(repeats, ceilings[role])
+        if role in prefix:
+            per_role[role]["prefix"] = prefix[role]
+            per_role[role]["metrics"].update(prefix[role]["metrics"])
+            per_role[role]["repeats"].update(prefix[role]["repeats"])
     result_figures({role: (r[0].summaries, r[0].knee) for role, r in runs.items()}, out_dir=out / "plots")
     if any(ceilings.values()):  # engines without a local checkpoint (remote) have no roofline
         ceiling_vs_measured({role: rows for role, rows in ceilings.items() if rows}, out / "plots" / PLOTS[2])
@@ -57,9 +64,11 @@ def measure(engines: Mapping[str, Any], dirs: Mapping[str, Path], cfg: Performan
             "plots": [f"plots/{p}" for p in PLOTS if (out / "plots" / p).is_file()]}
 
 
-def _run_arms(engines: Mapping[str, Any], cfg: PerformanceConfig) -> dict[str, list[LoadResult]]:
-    """Serve every arm at once on loopback and run the shape on each, interleaved across repeats."""
+def _run_arms(engines: Mapping[str, Any], cfg: PerformanceConfig) -> tuple[dict[str, list[LoadResult]], dict]:
+    """Serve every arm at once on loopback and run the shape on each, interleaved across repeats; then
+    the prefix workload, when the recipe asks for it (its result per role, else empty)."""
     from kiln.engine.server_thread import ServerThread
+    from kiln.evaluate.perf.prefix import run_prefix
     from kiln.evaluate.perf.runner import run_load
 
     key = secrets.token_urlsafe(24)
@@ -75,7 +84,8 @@ def _run_arms(engines: Mapping[str, Any], cfg: PerformanceConfig) -> dict[str, l
                     raise BadInput(f"evaluate.load ({role}): {e}", [
                         "each stage must outlast several requests: raise duration_s, "
                         "or lower output_tokens or shape.max_concurrency"]) from e
-    return runs
+        prefix = run_prefix(urls, cfg, key) if cfg.prefix else {}
+    return runs, prefix
 
 
 def _role_result(repeats: list[LoadResult], ceiling: list[CeilingRow] | None) -> dict[str, Any]:

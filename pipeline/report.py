@@ -249,7 +249,27 @@ def _load_tables(load: dict[str, Any]) -> list[Table]:
     return [("Knee (highest rate before TTFT climbs)", ["arm", "knee (req/s)", "headline stage", "why", "who set the pace"],
              knees),
             (f"Decode ceiling vs measured (roofline{bandwidth})",
-             ["arm", "batch", "ceiling tok/s per user", "ceiling step (ms)", "measured TPOT p50 (ms)", "MBU"], ceiling)]
+             ["arm", "batch", "ceiling tok/s per user", "ceiling step (ms)", "measured TPOT p50 (ms)", "MBU"], ceiling),
+            *_prefix_table(arms)]
+
+
+def _prefix_table(arms: dict[str, Any]) -> list[Table]:
+    """The prefix-sharing workload (evaluate.load.prefix): TTFT without and with the prompt cache, the
+    drop, and the share of prompt tokens the server served from its cache (medians over repeats)."""
+    from kiln.evaluate.perf.prefix import CACHED_TTFT, HIT_RATE, TTFT_DROP, UNCACHED_TTFT
+
+    rows = []
+    for role, part in arms.items():
+        if not (p := part.get("prefix")):
+            continue
+        m = p["metrics"]
+        rows.append([role, f"{p['system_tokens']} + {p['user_tokens']}", str(p["prefixes"]), str(p["concurrency"]),
+                     _fmt(m.get(UNCACHED_TTFT)), _fmt(m.get(CACHED_TTFT)),
+                     f"{m[TTFT_DROP]:.0%}" if TTFT_DROP in m else "—",
+                     f"{m[HIT_RATE]:.0%}" if HIT_RATE in m else "not reported by the engine"])
+    header = ["arm", "prompt (system + user tokens)", "system prompts", "users", "TTFT p50 without cache (ms)",
+              "TTFT p50 with cache (ms)", "TTFT drop", "cache hit rate"]
+    return [("Prefix cache (shared system prompt, distinct user turns)", header, rows)] if rows else []
 
 
 def _paced(stages: list[dict[str, Any]]) -> str:

@@ -44,6 +44,7 @@ class RequestRecord:
     done: float | None = None
     input_tokens: int | None = None
     output_tokens: int = 0
+    cached_tokens: int | None = None  # prompt tokens served from the server's prompt cache, when it says
     error: str | None = None
 
     @property
@@ -87,6 +88,7 @@ class RequestRecord:
             "e2e": self.e2e,
             "input_tokens": self.input_tokens,
             "output_tokens": self.output_tokens,
+            "cached_tokens": self.cached_tokens,
             "error": self.error,
         }
 
@@ -115,6 +117,7 @@ class _SSE:
                 usage = json.loads(ev[ev.index(b"{") :])["usage"]
                 self.usage_tokens = usage.get("completion_tokens")
                 rec.input_tokens = usage.get("prompt_tokens", rec.input_tokens)
+                rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
             elif b"data: [DONE]" in ev:
                 self.finished = True
             elif b'"error"' in ev and _is_error(ev):

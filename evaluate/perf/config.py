@@ -17,6 +17,7 @@ from pydantic import Field, model_validator
 from kiln.evaluate.perf import concurrent, constant, poisson, sweep, synchronous  # noqa: F401
 from kiln.evaluate.perf.base import SHAPES
 from kiln.evaluate.perf.concurrent import ConcurrentConfig
+from kiln.evaluate.perf.prefix import PrefixConfig
 from kiln.evaluate.perf.rules import SLO, SaturationRule, Strict
 
 __all__ = ["SLO", "LengthDistribution", "PerformanceConfig", "SaturationRule", "Trim", "WorkloadConfig"]
@@ -50,6 +51,10 @@ class WorkloadConfig(Strict):
         0.0, ge=0, lt=1, description="share of each prompt that is a prefix common to every request"
     )
     unique: bool = Field(True, description="mark every prompt unique, so a prefix cache cannot flatter the result")
+    prefixes: int = Field(1, ge=1, description="distinct shared prefixes; each request draws one (seeded)")
+    cache_prompt: bool | None = Field(
+        None, description="send llama.cpp's cache_prompt (false: the server must not reuse its prompt cache); None: unsent"
+    )
 
     @model_validator(mode="after")
     def _range(self) -> WorkloadConfig:
@@ -84,6 +89,9 @@ class PerformanceConfig(Strict):
     saturation: SaturationRule = Field(default_factory=SaturationRule)
     request_timeout_s: float = Field(300.0, gt=0)
     drain_timeout_s: float = Field(120.0, gt=0, description="wait this long for in-flight requests after a stage")
+    prefix: PrefixConfig | None = Field(
+        None, description="also run the prefix-sharing workload with and without the prompt cache (load stage)"
+    )
 
     @model_validator(mode="after")
     def _trims_fit(self) -> PerformanceConfig:

@@ -20,6 +20,9 @@ The measurement window is [warm-up end, cool-down start]. Within it:
   A client-limited stage measured the client, not the server: the knee finder skips it and a
   search must not rank on it (`client_limited`).
 
+The cache hit rate is the share of prompt tokens the server served from its prompt cache, over the
+completed requests whose usage said (`usage.prompt_tokens_details.cached_tokens`); None when none did.
+
 Goodput is the rate of requests that met the SLO on both TTFT and TPOT (DistServe's honest
 throughput). Percentiles use numpy's default (linear interpolation).
 """
@@ -81,6 +84,7 @@ class Summary:
     error_summary: str | None = None
     limited_by: str | None = None  # open loop: "client" (sends fell behind), "server" (in flight grew), None
     send_lag_ms: dict[str, float] = field(default_factory=dict)  # actual - scheduled send: p50, p99, max
+    cache_hit_rate: float | None = None  # prompt tokens served from the server's prompt cache / prompt tokens
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -171,7 +175,15 @@ def summarize(
         error_summary=_most_common_error(failed),
         limited_by=limited_by(target_rate is not None, lag, stopped_early, tolerance_ms),
         send_lag_ms=lag,
+        cache_hit_rate=cache_hit_rate(ok),
     )
+
+
+def cache_hit_rate(records: Sequence[RequestRecord]) -> float | None:
+    """Prompt tokens served from the prompt cache / prompt tokens, over the requests whose server said."""
+    told = [r for r in records if r.cached_tokens is not None and r.input_tokens]
+    total = sum(r.input_tokens or 0 for r in told)
+    return sum(r.cached_tokens or 0 for r in told) / total if total else None
 
 
 def _flow(records: Sequence[RequestRecord], window: tuple[float, float]) -> dict[str, float]:

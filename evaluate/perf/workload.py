@@ -7,7 +7,10 @@ Honesty knobs, all seeded so two arms of a comparison get the same requests:
   prefix cache cannot turn repeated prompts into flattering TTFTs. The `salt` passed per stage
   or repeat keeps prompts unique across those too;
 - `shared_prefix_fraction` deliberately shares the start of every prompt (a system prompt),
-  to measure what a prefix cache buys.
+  to measure what a prefix cache buys; `prefixes` > 1 makes several such system prompts, each
+  request drawing one (seeded, not in turn: a round-robin router must not line up with them);
+- `cache_prompt` (llama.cpp's request field) asks the server to use its prompt cache or not, so
+  the same requests can be measured both ways (evaluate/perf/prefix.py).
 
 Synthetic prompts are token ids of exact lengths on the completions endpoint, and words from a
 small vocabulary on the chat endpoint (chat takes no token ids).
@@ -80,17 +83,20 @@ class Workload:
         self.seed = config.seed
         self.prompts: list[str] | None = None
         self.vocab = range(*self.cfg.token_id_range)
-        shared_rng = random.Random(f"{self.seed}:shared")
         if self.cfg.dataset:
             self.prompts = load_prompts(self.cfg)
             random.Random(self.seed).shuffle(self.prompts)
             own = sum(len(p.split()) for p in self.prompts) / len(self.prompts)
             f = self.cfg.shared_prefix_fraction
-            self.shared_text = " ".join(shared_rng.choice(_WORDS) for _ in range(round(own * f / (1 - f))))
+            n_shared = round(own * f / (1 - f))
         else:
             n_shared = round(self.cfg.input_tokens.mean * self.cfg.shared_prefix_fraction)
-            self.shared_ids = self._tokens(shared_rng, n_shared)
-            self.shared_text = " ".join(shared_rng.choice(_WORDS) for _ in range(n_shared))
+        self.shared: list[tuple[list[int], str]] = []  # per prefix: its token ids (synthetic) and its words
+        for k in range(self.cfg.prefixes):  # the first keeps the seed's one prefix of a single-prefix workload
+            rng = random.Random(f"{self.seed}:shared" + (f":{k}" if k else ""))
+            ids = [] if self.cfg.dataset else self._tokens(rng, n_shared)
+            self.shared.append((ids, " ".join(rng.choice(_WORDS) for _ in range(n_shared))))
+        self.shared_ids, self.shared_text = self.shared[0]
 
     def _tokens(self, rng: random.Random, n: int) -> list[int]:
         return rng.choices(self.vocab, k=n) if n > 0 else []
@@ -108,16 +114,18 @@ class Workload:
 
     def prompt(self, i: int, salt: str = "") -> str | list[int]:
         rng = random.Random(f"{self.seed}:{salt}:{i}")
+        # Drawn only with several prefixes, so a one-prefix workload's prompts stay what its seed gave before.
+        shared_ids, shared_text = self.shared[rng.randrange(len(self.shared)) if len(self.shared) > 1 else 0]
         if self.prompts is not None:
             marker = f"[{salt}#{i}] " if self.cfg.unique else ""
-            head = f"{self.shared_text} " if self.shared_text else ""
+            head = f"{shared_text} " if shared_text else ""
             return head + marker + self.prompts[i % len(self.prompts)]
         length = self.cfg.input_tokens.sample(rng)
         if self.chat:
             marker = [f"[{salt}#{i}]"] if self.cfg.unique else []
-            words = self.shared_text.split()[:length] + marker
+            words = shared_text.split()[:length] + marker
             return " ".join(words + [rng.choice(_WORDS) for _ in range(length - len(words))])
-        ids = self.shared_ids[:length] + (self._marker_ids(i, salt) if self.cfg.unique else [])
+        ids = shared_ids[:length] + (self._marker_ids(i, salt) if self.cfg.unique else [])
         return ids + self._tokens(rng, length - len(ids))
 
     def request(self, i: int, salt: str = "") -> tuple[dict[str, Any], int | None]:
@@ -131,4 +139,6 @@ class Workload:
             ignore_eos=True,
             temperature=0.0,
         )
+        if self.cfg.cache_prompt is not None:
+            body["cache_prompt"] = self.cfg.cache_prompt
         return body, len(prompt) if isinstance(prompt, list) else None

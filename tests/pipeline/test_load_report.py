@@ -12,7 +12,8 @@ from tests.pipeline.conftest import kiln, write_recipe
 
 LOAD = {"shape": {"kind": "sweep", "steps": 2, "max_concurrency": 4}, "duration_s": 1.5,
         "warmup": {"seconds": 0.3}, "cooldown": {"seconds": 0.2}, "output_tokens": 8,
-        "workload": {"input_tokens": {"mean": 16}}, "price_per_hour": 1.5, "repeats": 1}
+        "workload": {"input_tokens": {"mean": 16}}, "price_per_hour": 1.5, "repeats": 1,
+        "prefix": {"requests": 4, "user_tokens": 8, "output_tokens": 2}}
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +65,11 @@ def test_load_stage_records_metrics_knee_and_plots(load_run):
         assert {r["batch"] for r in measured} == {1, 4}  # synchronous and the 4-user probe
         assert all(r["mbu"] == pytest.approx(r["step_ms"] / r["measured_tpot_ms"]) for r in measured)
         assert f"{role}.load_tpot_p50_ms" in result["metrics"]
+        # The prefix workload ran with the cache and without; these engines report no prompt cache.
+        prefix = part["prefix"]
+        assert prefix["system_tokens"] == 16 and prefix["cached"]["errors"] == prefix["uncached"]["errors"] == [0]
+        assert m["load_prefix_ttft_p50_ms"] > 0 and m["load_prefix_uncached_ttft_p50_ms"] > 0
+        assert "load_prefix_cache_hit_rate" not in m and prefix["cached"]["cache_hit_rate"] == [None]
     assert result["bandwidth_gb_s"] > 0
     for name in result["plots"]:
         assert (path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (path / name).stat().st_size > 10_000
@@ -100,6 +106,8 @@ def test_report_embeds_plots_quality_deltas_and_lineage(load_run):
     assert all(base64.b64decode(data)[:4] == b"\x89PNG" for _, data in images)
     assert "<h2>Lineage</h2>" in page and "<h2>Memory and cost</h2>" in page and "MBU" in page
     assert "<h2>Knee (highest rate before TTFT climbs)</h2>" in page
+    assert "<h2>Prefix cache (shared system prompt, distinct user turns)</h2>" in page
+    assert "not reported by the engine" in page  # no hit rate made up for engines without a prompt cache
     md = (run_dir / "report.md").read_text()
     assert "plots/quality_deltas.png" in md and (run_dir / "plots" / "quality_deltas.png").is_file()
     lineage = json.loads((run_dir / "lineage.json").read_text())

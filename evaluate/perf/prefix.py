@@ -1,0 +1,121 @@
+"""The prefix-sharing workload: a shared system prompt, then distinct user turns, measured with the
+server's prompt cache and without it, so the report shows what the cache buys (TTFT) beside how
+much of each prompt it served (the hit rate).
+
+Each run is closed loop: `concurrency` users, `requests` requests, synthetic prompts of exact
+lengths (token ids on the completions endpoint, words on chat): a system prompt of `system_tokens`
+(default: the recipe's prompt length, `workload.input_tokens.mean`), then a marker unique to the
+request and the user's own tokens. With `prefixes` > 1 each request draws one of that many system
+prompts. The same workload goes out with `cache_prompt: true` and with `false` (llama.cpp's
+request field; kiln serve hands it to its engine), which one first alternating repeat by repeat.
+The two runs of a repeat differ in their user turns only, so only the system prompt can be reused.
+
+The hit rate is the server's own figure, `usage.prompt_tokens_details.cached_tokens` over prompt
+tokens (kiln serve fills it from llama-server's `cache_n`). An engine that reports none has no hit
+rate, and its two TTFTs should not differ: nothing was cached.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from pydantic import Field
+
+from kiln.core.metrics import LOAD_PREFIX, declare
+from kiln.evaluate.perf.rules import Strict
+
+if TYPE_CHECKING:
+    from kiln.evaluate.perf.config import PerformanceConfig
+    from kiln.evaluate.perf.runner import LoadResult
+
+# The load stage's per-arm figures of this workload (medians over repeats).
+CACHED_TTFT, UNCACHED_TTFT = LOAD_PREFIX + "prefix_ttft_p50_ms", LOAD_PREFIX + "prefix_uncached_ttft_p50_ms"
+HIT_RATE, TTFT_DROP = LOAD_PREFIX + "prefix_cache_hit_rate", LOAD_PREFIX + "prefix_ttft_drop"
+_WHERE = "evaluate.load.prefix"
+declare(CACHED_TTFT, False, "ms", "time to first token, median, of the prefix-sharing workload with the prompt "
+        "cache on", "performance", _WHERE)
+declare(UNCACHED_TTFT, False, "ms", "time to first token, median, of the prefix-sharing workload with the "
+        "prompt cache off (cache_prompt: false)", "performance", _WHERE)
+declare(HIT_RATE, True, "fraction", "prompt tokens the server served from its prompt cache / prompt tokens, "
+        "prefix-sharing workload with the cache on", "performance", _WHERE)
+declare(TTFT_DROP, True, "fraction", "1 - cached / uncached median TTFT of the prefix-sharing workload",
+        "performance", _WHERE)
+declare(LOAD_PREFIX + "cache_hit_rate", True, "fraction", "prompt tokens the server served from its prompt "
+        "cache / prompt tokens (served over HTTP under the load shape)", "performance", "evaluate.load")
+
+
+class PrefixConfig(Strict):
+    """The recipe's `evaluate.load.prefix`: the prefix-sharing workload the load stage adds per arm."""
+
+    system_tokens: int | None = Field(
+        None, ge=1, description="length of the shared system prompt; None: the recipe's prompt length "
+        "(workload.input_tokens.mean)")
+    user_tokens: int = Field(16, ge=4, description="the distinct user turn after it (its first 3 tokens mark it)")
+    prefixes: int = Field(1, ge=1, description="distinct system prompts, each request drawing one")
+    concurrency: int = Field(1, ge=1, description="closed-loop users")
+    requests: int = Field(16, ge=3, description="requests per run (one run with the cache, one without, per repeat)")
+    output_tokens: int = Field(8, ge=1, description="tokens generated per request (TTFT is the figure)")
+    timeout_s: float = Field(120.0, gt=0, description="longest a run may send for")
+
+
+def prefix_load(cfg: PerformanceConfig, cache: bool) -> PerformanceConfig:
+    """The load config of one run of the recipe's prefix workload, with the prompt cache or without."""
+    from kiln.evaluate.perf.concurrent import ConcurrentConfig
+    from kiln.evaluate.perf.config import LengthDistribution, Trim
+
+    p = cfg.prefix
+    assert p is not None
+    system = p.system_tokens or cfg.workload.input_tokens.mean
+    total = system + p.user_tokens
+    workload = cfg.workload.model_copy(update={
+        "dataset": None, "input_tokens": LengthDistribution(mean=total), "shared_prefix_fraction": system / total,
+        "prefixes": p.prefixes, "unique": True, "cache_prompt": cache})
+    return cfg.model_copy(update={
+        "shape": ConcurrentConfig(concurrency=p.concurrency), "workload": workload, "output_tokens": p.output_tokens,
+        "max_requests": p.requests, "duration_s": p.timeout_s, "warmup": Trim(), "cooldown": Trim(), "prefix": None})
+
+
+def run_prefix(urls: Mapping[str, str], cfg: PerformanceConfig, api_key: str | None = None) -> dict[str, dict]:
+    """Every arm (role -> its server's URL, served under the role's name) with and without the cache,
+    `cfg.repeats` times, interleaved; returns each arm's `prefix_result`."""
+    from kiln.evaluate.perf.runner import run_load
+
+    runs: dict[str, dict[bool, list[LoadResult]]] = {role: {True: [], False: []} for role in urls}
+    for k in range(cfg.repeats):
+        for role, url in urls.items():
+            for cache in (True, False) if k % 2 == 0 else (False, True):
+                salt = f"p{k}{'c' if cache else 'n'}"  # new user turns each run: only the system prompt is shared
+                runs[role][cache].append(run_load(url, prefix_load(cfg, cache), api_key, role, salt))
+    return {role: prefix_result(cfg, r[True], r[False]) for role, r in runs.items()}
+
+
+def _figures(runs: list[LoadResult]) -> dict[str, list[Any]]:
+    return {"ttft_p50_ms": [r.summary.ttft_ms["p50"] for r in runs],
+            "ttft_p95_ms": [r.summary.ttft_ms["p95"] for r in runs],
+            "cache_hit_rate": [r.summary.cache_hit_rate for r in runs],
+            "errors": [r.summary.errors for r in runs]}
+
+
+def _median(values: list[Any]) -> float | None:
+    return statistics.median(values) if values and None not in values else None
+
+
+def prefix_result(cfg: PerformanceConfig, cached: list[LoadResult], uncached: list[LoadResult]) -> dict[str, Any]:
+    """One arm: the workload's shape, per-repeat figures with and without the cache, and the medians
+    as the load stage's metrics (the hit rate only where the server reported one)."""
+    p = cfg.prefix
+    assert p is not None
+    on, off = _figures(cached), _figures(uncached)
+    repeats = {CACHED_TTFT: on["ttft_p50_ms"], UNCACHED_TTFT: off["ttft_p50_ms"], HIT_RATE: on["cache_hit_rate"],
+               TTFT_DROP: [1 - x / y for x, y in zip(on["ttft_p50_ms"], off["ttft_p50_ms"], strict=True)]}
+    repeats = {k: v for k, v in repeats.items() if None not in v and all(map(math.isfinite, v))}
+    a, b = _median(on["ttft_p50_ms"]), _median(off["ttft_p50_ms"])
+    metrics = {CACHED_TTFT: a, UNCACHED_TTFT: b, HIT_RATE: _median(on["cache_hit_rate"]),
+               TTFT_DROP: 1 - a / b if a is not None and b else None}
+    return {"system_tokens": p.system_tokens or cfg.workload.input_tokens.mean, "user_tokens": p.user_tokens,
+            "prefixes": p.prefixes, "concurrency": p.concurrency, "requests": p.requests,
+            "cached": on, "uncached": off, "repeats": repeats,
+            "metrics": {k: v for k, v in metrics.items() if k in repeats}}
