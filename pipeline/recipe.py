@@ -22,6 +22,7 @@ from kiln.evaluate.quality.lmeval import LmEvalConfig
 from kiln.evaluate.quality.served import ServedConfig
 from kiln.evaluate.tune import TuneConfig, check_space
 from kiln.optimize.base import QUANTIZERS
+from kiln.pipeline.candidate_grid import expand_grids
 from kiln.core import yaml_input
 from kiln.core.errors import BadInput
 from kiln.core.files import hash_of
@@ -117,9 +118,19 @@ class CandidateSection(Section):
     optimize: OptimizeConfig | None = Field(  # type: ignore[valid-type]
         None, description="the candidate's quantization (none: the engine compresses it itself)")
     engine: EngineSectionConfig | None = Field(None, description="default: torch")  # type: ignore[valid-type]
+    # Read from the raw recipe and expanded before validation (candidate_grid.py): never set on a loaded one.
+    grid: dict[str, list[Any]] | None = Field(
+        None, exclude_if=lambda v: v is None,
+        description="options to try in every combination, as dotted paths to lists of values (e.g. "
+                    "{engine.speculative: [null, {type: ngram-simple}], engine.cache_type_k: [f16, q8_0]}): the "
+                    "recipe loads one candidate per combination, named <name>.<option>-<value>... (spec-ngram-simple, "
+                    "k-q8_0), each judged as any candidate (docs/engines.md, Levers)")
 
     @model_validator(mode="after")
     def _configured_or_champion(self) -> CandidateSection:
+        if self.grid is not None:
+            raise ValueError("grid: expanded when the recipe loads (candidate_grid.expand_grids); a candidate "
+                             "validated on its own lists one configuration")
         if self.champion:
             if self.optimize is not None or self.engine is not None:
                 raise ValueError("a champion candidate is served as the registry recorded it: leave out its "
@@ -208,7 +219,7 @@ class Recipe(Section):
     @classmethod
     def _one_form(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            data = _tune_beside_engine(data)
+            data = expand_grids(_tune_beside_engine(data))
         if isinstance(data, dict) and data.get("candidates") is not None:
             # A resolved recipe (run_dir/recipe.yaml) holds optimize: null and the default engine: it reloads.
             default_engine = BACKENDS.config("torch")().model_dump(mode="json")
