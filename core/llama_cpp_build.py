@@ -9,14 +9,17 @@ source: the llama-cpp-python sdist on PyPI vendors llama.cpp. One source for the
 `llama_cpp/` is copied beside the shared libraries it loads (`LLAMA_CPP_LIB_PATH`), which the
 llama_cpp engine uses in-process to score prompts (engine/llama_cpp_binding.py, engine/llama_cpp_scoring.py). The build is keyed by
 that version and by the CPU's flags (`GGML_NATIVE=ON` compiles for this CPU: a cache copied to
-another CPU could crash with an illegal instruction), done in a temporary folder and renamed into
-place, under a file lock so two `make` runs build it once. One compile with shared libraries: the
+another CPU could crash with an illegal instruction), assembled in a build tree and renamed into
+place, under a file lock so two `make` runs build it once. In two parts where the demo asks: `--core`
+(what the demo runs on) first, and the rest later from the tree that build keeps (`ensure`: kiln
+compiles llama-server itself the first time a recipe needs it). One compile with shared libraries: the
 programs and `libllama.so`/`libggml*.so` sit together in `bin/` and find each other through an
 `$ORIGIN` rpath, so the folder can be renamed after linking.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -31,7 +34,13 @@ from pathlib import Path
 VERSION = "0.3.36"  # llama-cpp-python on PyPI; its vendor/llama.cpp is the llama.cpp kiln runs
 SDIST = f"llama_cpp_python-{VERSION}.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-TARGETS = ("llama-server", "llama-quantize", "llama-tokenize", "llama-perplexity", "llama-bench")
+# What the demo needs (`make demo`): the gguf method's llama-quantize and llama-tokenize, and libllama.so for the
+# library runtime and scoring. The rest (the server runtime's llama-server, the benches' llama-perplexity and
+# llama-bench) is 40% of the compile on 2 cores (llama-server alone brings the multimodal library, the HTTP
+# server and its JSON): built by `make llama-cpp`, `make test`, or kiln itself the first time a recipe
+# asks for the server runtime, in the build tree the core's build left (only what is missing compiles).
+CORE_TARGETS = ("llama-quantize", "llama-tokenize")
+TARGETS = (*CORE_TARGETS, "llama-server", "llama-perplexity", "llama-bench")
 LIBRARY = "libllama.so"  # what the binding loads; the libggml*.so it links sit beside it
 # No AMX, whatever the CPU flags say: GGML_NATIVE compiles ggml's AMX matmul wherever cpuid reports AMX,
 # and on this project's 2-core VMs that do (amx_tile, amx_int8, the kernel granting XTILEDATA),
@@ -112,6 +121,24 @@ def binary(name: str) -> Path | None:
     return path if path.is_file() else None
 
 
+def ensure(name: str) -> Path | None:
+    """A built llama.cpp program, compiled now where the install lacks it but has the core (what `make
+    demo` builds): the first recipe on the server runtime compiles the rest once, from the kept tree.
+    None where nothing is built, or where KILN_LLAMA_CPP_DIR names a folder kiln does not build into."""
+    path = binary(name)
+    if path is not None or os.environ.get("KILN_LLAMA_CPP_DIR") or not complete(install_dir(), CORE_TARGETS):
+        return path
+    log = cache_root() / f"build-{install_dir().name}.log"
+    print(f"llama.cpp: {name} is not built on this machine yet (`make demo` builds only what the demo runs on): "
+          f"compiling the rest of llama.cpp once, about 5 minutes on 2 cores; its output: {log}",
+          file=sys.stderr, flush=True)
+    try:
+        build(log=log)
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"compiling llama.cpp's {name} failed ({e}): see {log}") from e
+    return binary(name)
+
+
 def converter() -> Path | None:
     base = Path(os.environ.get("KILN_LLAMA_CPP_DIR") or install_dir())
     path = base / "convert_hf_to_gguf.py"
@@ -125,9 +152,16 @@ def library_dir() -> Path | None:
     return base if ok else None
 
 
-def complete(path: Path) -> bool:
-    return (all((path / "bin" / n).is_file() for n in (*TARGETS, LIBRARY))
+def complete(path: Path, targets: tuple[str, ...] = TARGETS) -> bool:
+    """Whether `path` holds `targets` (every program by default), the library, the converter and the binding."""
+    return (all((path / "bin" / n).is_file() for n in (*targets, LIBRARY))
             and all((path / n).exists() for n in (*CONVERTER, BINDING)))
+
+
+def tree_dir() -> Path:
+    """The build tree (source and objects) kept beside an install that lacks some programs, so that
+    building them later compiles only what they add; removed once the install is complete."""
+    return cache_root() / f".tree-{install_dir().name}"
 
 
 def _sdist(downloads: Path) -> Path:
@@ -165,56 +199,109 @@ def _extract(tar: tarfile.TarFile, members: list[tarfile.TarInfo], dest: Path) -
     tar.extractall(dest, members=members)
 
 
-def build(jobs: int | None = None) -> Path:
-    """Build (once) and return the install folder."""
+def build(jobs: int | None = None, targets: tuple[str, ...] = TARGETS, log: Path | None = None) -> Path:
+    """Build (once) `targets` with the library, the binding and the converter; return the install folder.
+
+    An install that has some programs gets the missing ones from the kept build tree (`tree_dir`).
+    `log`: the compiler's output goes there instead of this process's output."""
     final = install_dir()
-    if complete(final):
+    if complete(final, targets):
         return final
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if complete(final):  # another process built it while we waited
+        if complete(final, targets):  # another process built it while we waited
             return final
-        if final.exists():  # made by an older kiln that installed less: build it again
+        if final.exists() and not complete(final, CORE_TARGETS):  # made by an older kiln that installed less
             shutil.rmtree(final)
-        sdist = _sdist(root / "downloads")
-        with tempfile.TemporaryDirectory(dir=root, prefix=".build-") as tmp:
-            work = Path(tmp)
-            with tarfile.open(sdist) as tar:
-                members = [m for m in tar.getmembers()
-                           if "/vendor/llama.cpp/" in m.name or m.name.split("/")[1:2] == ["llama_cpp"]]
-                _extract(tar, members, work)
-            src = next(work.glob("*/vendor/llama.cpp"))
-            _patch(src / PATCH_FILE)
-            out = work / "install"
-            (out / "bin").mkdir(parents=True)
-            started = time.monotonic()
-            jobs = jobs or os.cpu_count() or 2
-            subprocess.run(["cmake", "-S", str(src), "-B", str(work / "build"), "-G", "Ninja", *CMAKE_FLAGS],
-                           check=True, stdout=subprocess.DEVNULL)
-            subprocess.run(["cmake", "--build", str(work / "build"), "-j", str(jobs), "--target", *TARGETS],
-                           check=True)
-            for name in TARGETS:
-                shutil.copy2(work / "build" / "bin" / name, out / "bin" / name)
-            for lib in (work / "build" / "bin").glob("lib*.so*"):  # with their soname links
-                shutil.copy2(lib, out / "bin" / lib.name, follow_symlinks=False)
-            shutil.copytree(next(work.glob("*/llama_cpp")), out / BINDING / "llama_cpp",
-                            ignore=shutil.ignore_patterns("server", "__pycache__"))
-            for name in CONVERTER:
-                if (src / name).is_dir():
-                    shutil.copytree(src / name, out / name, ignore=shutil.ignore_patterns("tests", "examples"))
-                else:
-                    shutil.copy2(src / name, out / name)
-            seconds = time.monotonic() - started
-            (out / "BUILD").write_text(f"llama-cpp-python {VERSION} sdist, vendored llama.cpp\n"
-                                       f"cmake {' '.join(CMAKE_FLAGS)}\ntargets {' '.join(TARGETS)} (+ {LIBRARY})\n"
-                                       f"jobs {jobs}\nseconds {seconds:.0f}\n")
+        started = time.monotonic()
+        jobs = jobs or os.cpu_count() or 2
+        src, out = _tree(root)
+        build_dir = tree_dir() / "build"
+        with open(log, "ab") if log else contextlib.nullcontext() as sink:
+            subprocess.run(["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *targets],
+                           check=True, stdout=sink, stderr=sink)
+        seconds = time.monotonic() - started
+        if final.exists():
+            _add_programs(build_dir, final, targets, seconds, jobs)
+        else:
+            _assemble(src, build_dir, out, targets)
+            _manifest(out, targets, seconds, jobs)
             os.rename(out, final)  # atomic: a half-built folder never carries the final name
+        if complete(final):  # nothing left to add: the tree's 100+ MB go
+            shutil.rmtree(tree_dir(), ignore_errors=True)
     return final
 
 
+def _tree(root: Path) -> tuple[Path, Path]:
+    """The kept build tree, unpacked, patched and configured (once: `.configured` marks it done; a tree
+    an interrupted unpack left is made again), and the install folder to assemble in it."""
+    tree = tree_dir()
+    if not (tree / ".configured").is_file():
+        shutil.rmtree(tree, ignore_errors=True)
+        sdist = _sdist(root / "downloads")
+        tree.mkdir(parents=True)
+        with tarfile.open(sdist) as tar:
+            _extract(tar, [m for m in tar.getmembers() if _needed(m.name)], tree)
+        src = next(tree.glob("*/vendor/llama.cpp"))
+        _patch(src / PATCH_FILE)
+        subprocess.run(["cmake", "-S", str(src), "-B", str(tree / "build"), "-G", "Ninja", *CMAKE_FLAGS],
+                       check=True, stdout=subprocess.DEVNULL)
+        (tree / ".configured").write_text("")
+    out = tree / "install"
+    shutil.rmtree(out, ignore_errors=True)
+    return next(tree.glob("*/vendor/llama.cpp")), out
+
+
+def _needed(member: str) -> bool:
+    """An sdist member the build reads: vendor/llama.cpp (less its top-level models/ and docs/, 113 MB of
+    test vocabularies and pages the tree would keep for nothing) and the binding's llama_cpp/."""
+    parts = member.split("/")
+    if parts[1:2] == ["llama_cpp"]:
+        return True
+    return parts[1:3] == ["vendor", "llama.cpp"] and parts[3:4] not in (["models"], ["docs"])
+
+
+def _assemble(src: Path, build_dir: Path, out: Path, targets: tuple[str, ...]) -> None:
+    (out / "bin").mkdir(parents=True)
+    for name in targets:
+        shutil.copy2(build_dir / "bin" / name, out / "bin" / name)
+    for lib in (build_dir / "bin").glob("lib*.so*"):  # with their soname links
+        shutil.copy2(lib, out / "bin" / lib.name, follow_symlinks=False)
+    shutil.copytree(next(tree_dir().glob("*/llama_cpp")), out / BINDING / "llama_cpp",
+                    ignore=shutil.ignore_patterns("server", "__pycache__"))
+    for name in CONVERTER:
+        if (src / name).is_dir():
+            shutil.copytree(src / name, out / name, ignore=shutil.ignore_patterns("tests", "examples"))
+        else:
+            shutil.copy2(src / name, out / name)
+
+
+def _add_programs(build_dir: Path, final: Path, targets: tuple[str, ...], seconds: float, jobs: int) -> None:
+    """Copy into an existing install the programs and libraries it lacks, each under a temporary name
+    and renamed into place: a reader sees a whole file or none. The libraries come first, the programs
+    that load them after."""
+    built = [lib for lib in (build_dir / "bin").glob("lib*.so*") if not (final / "bin" / lib.name).exists()]
+    built += [build_dir / "bin" / n for n in targets if not (final / "bin" / n).exists()]
+    for path in built:
+        tmp = final / "bin" / f".{path.name}.tmp"
+        shutil.copy2(path, tmp, follow_symlinks=False)
+        os.replace(tmp, final / "bin" / path.name)
+    with open(final / "BUILD", "a") as f:
+        f.write(f"added {' '.join(targets)}: seconds {seconds:.0f}, jobs {jobs}\n")
+
+
+def _manifest(out: Path, targets: tuple[str, ...], seconds: float, jobs: int) -> None:
+    (out / "BUILD").write_text(f"llama-cpp-python {VERSION} sdist, vendored llama.cpp\n"
+                               f"cmake {' '.join(CMAKE_FLAGS)}\ntargets {' '.join(targets)} (+ {LIBRARY})\n"
+                               f"jobs {jobs}\nseconds {seconds:.0f}\n")
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--core"]:  # `make demo`: only what the demo runs on (CORE_TARGETS)
+        print(f"llama.cpp {VERSION} (the demo's part): {build(targets=CORE_TARGETS)}")
+        return
     if sys.argv[1:] == ["--check"]:  # CI (ci/action.yml): is this machine's build there? Builds nothing.
         done = complete(install_dir())
         print(f"llama.cpp {VERSION}: {install_dir()} {'complete' if done else 'missing or incomplete'}")

@@ -100,9 +100,9 @@ class LlamaServerEngine(LlamaCppEngine):
 
     @classmethod
     def start(cls, gguf_path: Path, tokenizer_dir: Path, config: LlamaCppConfig) -> LlamaServerEngine:
-        from kiln.core.llama_cpp_build import binary
+        from kiln.core.llama_cpp_build import ensure
 
-        exe = binary("llama-server")
+        exe = ensure("llama-server")  # compiled now, once, where `make demo` built only the demo's part
         if exe is None:
             raise BadInput("llama-server is not built on this machine: run `make llama-cpp` "
                            "(or `python -m kiln.core.llama_cpp_build`) to build llama.cpp once.")
