@@ -3,13 +3,14 @@ kiln cache, a new virtualenv and no pip cache (the install and the llama.cpp com
 then a user's own three-candidate recipe on a copy of the demo model, as the docs write one.
 
 Phases, each timed from outside:
-- setup: `make setup` (the pip install beside the llama.cpp compile); the install's and the
+- setup: `make setup-demo` (the pip install beside the demo's part of the llama.cpp compile); the install's and the
   compile's own ends are read from the files they leave (the venv's stamp, the build's manifest);
 - demo: `make demo` once setup is done (the run of recipes/demo.yaml, its verdict and exit code);
 - own recipe: `kiln run` of GGUF q8_0 and q4_K_M on llama.cpp and CTranslate2 int8 against fp32
   torch (perplexity, token agreement, lm-eval's word_swap, a benchmark) on "my-finetune", a copy of
   the demo checkpoint in a folder of its own, with the kiln cache the demo left (the llama.cpp
-  build and the demo data are the machine's; no stage of the demo is shared: other weights' path).
+  build and the demo data are the machine's; no stage of the demo is shared: other weights' path). Its
+  candidates run on the server runtime, so kiln compiles the rest of llama.cpp (llama-server) first, once.
 
 The machine's load is sampled every 5 s throughout (1-minute load average, and CPU pressure where
 the kernel has PSI) and recorded beside each phase: a phase timed beside other work says so.
@@ -133,7 +134,7 @@ def main() -> None:
         env["PIP_NO_CACHE_DIR"] = "1"
     load = LoadSampler()
     load.start()
-    phases = [timed("setup", ["make", "setup"], clone, env, work / "setup.log", load)]
+    phases = [timed("setup", ["make", "setup-demo"], clone, env, work / "setup.log", load)]
     phases[0].update(install_s=_ended(clone / ".venv" / ".kiln-installed", phases[0]),
                      compile_s=_ended(next(iter((cache / "llama.cpp").glob("*/BUILD")), None), phases[0]))
     phases.append(timed("demo", ["make", "demo"], clone, env, work / "demo.log", load))
