@@ -9,6 +9,10 @@ newcomers join a running batch). The reference is the baseline engine, one reque
 nothing batched, so nothing a batching bug can touch. A one-token prompt and the shortest prompts
 the tokenizer makes join the recipe's prompts (kiln.evaluate.parity.with_shortest): one user's
 one-token prompt made CTranslate2 stream every other prompt of its batch as "generated" (issue 39).
+With `shared_prefix`, the recipe's prompts all start with the same tokens (a system prompt), so the
+candidate's server answers most of them from its prompt cache (llama-server's, and its
+`engine.cache_reuse`): a cache that reuses wrongly writes different text than the reference, which
+never caches (issue 53: prompt-cache reuse is judged here).
 
 Per prompt: how many leading greedy tokens match the reference (`served_prefix`, as a fraction
 of `max_new_tokens`) and whether all of them do (`served_match`). The gate bounds either with an
@@ -43,6 +47,16 @@ class ServedConfig(BaseModel):
     num_prompts: int = Field(8, ge=2, description="prompts, from evaluate.benchmark.prompts (mixed lengths)")
     max_new_tokens: int = Field(16, ge=1, description="greedy tokens compared per prompt")
     concurrency: int = Field(4, ge=2, description="requests in flight at once at the candidate's server")
+    shared_prefix: int = Field(
+        0, ge=0, exclude_if=lambda v: v == 0, description="tokens of one system prompt put before every recipe "
+        "prompt (taken from the prompts' own text), so the server answers from its prompt cache; 0: none")
+
+
+def with_shared_prefix(prompts: Sequence[list[int]], n: int) -> list[list[int]]:
+    """The prompts, each after the same `n` tokens: the prompts' own tokens, end to end, cut at `n`."""
+    pool = [t for p in prompts for t in p]
+    head = (pool * (n // max(len(pool), 1) + 1))[:n]
+    return [head + list(p) for p in prompts]
 
 
 def one_at_a_time(engine: Engine, prompts: Sequence[list[int]], n: int) -> list[list[int]]:
@@ -110,6 +124,8 @@ def served_scores(want: Sequence, got: Sequence, n: int | None = None) -> tuple[
 def served_text(reference: Engine, load: Callable[[], Engine], tokenizer: Path | str,
                 prompts: Sequence[list[int]], config: ServedConfig) -> QualityResult:
     n = config.max_new_tokens
+    if config.shared_prefix:  # before the shortest prompts join: those stay one token long
+        prompts = with_shared_prefix(prompts, config.shared_prefix)
     prompts = with_shortest(prompts, reference.tokenizer)
     order = mixed_order(prompts)
     progress.total(2 * len(prompts), "answers")  # each prompt answered by the reference, then served
