@@ -12,6 +12,11 @@ under `drop_behind` (mapped_pages.py): the mapped pages are not held beside the 
 int8 scorer: peak 2.72 -> 1.57 GiB, measured); the pipeline's is a one-token warm-up as it is made.
 So does a scoring inference of a batch of a new shape, which reads the weights again.
 
+Levers the pipeline has beside the weights' format (docs/engines.md, "OpenVINO levers"): prefix caching
+(`prefix_caching`: the scheduler keeps finished prompts' KV blocks and serves a later prompt's shared prefix
+from them) and speculative decoding (`speculative`: prompt lookup, or a draft model of the same tokenizer),
+which claims greedy output unchanged, so `plain_twin()` is the same engine without it for the exactness check.
+
 Everything installs from PyPI into kiln's own environment (pins in docs/engines.md).
 """
 
@@ -20,12 +25,13 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kiln.engine import full_logits
 from kiln.engine.base import (BACKENDS, REBUILD, Engine, EngineBackend, EngineConfig, GenerationRequest, Score,
@@ -55,6 +61,52 @@ decline_telemetry()  # before anything in kiln imports openvino (its import make
 IR = "openvino_model.xml"
 WEIGHTS = "openvino_model.bin"  # the IR's weights, which the CPU plugin maps
 WARM_UP_PROMPT = 64  # tokens: a prefill of several, which the CPU plugin runs on its own kernel (see warm_up)
+OV_TOKENIZER = "openvino_tokenizer.xml"  # the tokenizer as an OpenVINO model, which a draft pipeline needs
+DRAFT_FIELD = "engine.speculative.draft_model"
+NGRAM_N, DRAFT = 3, 5  # sizes left None: openvino-genai's prompt-lookup sample's (its GenerationConfig has none)
+
+
+class OpenVINOSpeculative(BaseModel):
+    """openvino-genai's speculative decoding in its continuous-batching pipeline: candidate tokens that the
+    model checks in one forward pass, keeping the prefix it agrees with (greedy output meant unchanged; the
+    exactness check against `plain_twin()` judges it). The llama.cpp `SpeculativeConfig`'s names and meanings
+    where OpenVINO's lever is the same: its one n-gram method is prompt lookup, sized by `ngram_n` (lookup) and
+    `ngram_m` (draft length); a draft model by `draft_max`. Both lengths reach OpenVINO as num_assistant_tokens;
+    OpenVINO has no minimum draft length (no `draft_min`) and no default size (None here: `NGRAM_N`, `DRAFT`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["prompt-lookup", "draft"] = Field(
+        description="prompt-lookup: candidates copied from the prompt and the text so far where its last n-gram "
+                    "recurs (the `prompt_lookup` pipeline property); draft: a smaller model of the same tokenizer "
+                    "proposes them (`og.draft_model`)")
+    ngram_n: int | None = Field(None, ge=1, le=1024, description="prompt-lookup: the longest n-gram looked up "
+                                "(max_ngram_size); None: 3")
+    ngram_m: int | None = Field(None, ge=1, le=1024, description="prompt-lookup: tokens proposed per match "
+                                "(num_assistant_tokens); None: 5")
+    draft_model: str | None = Field(None, description="type draft: the draft model's folder, an OpenVINO engine (or "
+                                    "IR with its tokenizer files) of a model with this one's tokenizer")
+    draft_max: int | None = Field(None, ge=1, le=1024, description="type draft: tokens drafted per step "
+                                  "(num_assistant_tokens); None: 5")
+
+    @model_validator(mode="after")
+    def _fields_of_type(self) -> OpenVINOSpeculative:
+        if self.type == "prompt-lookup":
+            if self.draft_model is not None or self.draft_max is not None:
+                raise ValueError("draft_model and draft_max belong to type draft; prompt-lookup drafts from the "
+                                 "sequence's own n-grams (sized by ngram_n and ngram_m)")
+            return self
+        if self.ngram_n is not None or self.ngram_m is not None:
+            raise ValueError("ngram_n and ngram_m size prompt-lookup; type draft is sized by draft_max")
+        if not self.draft_model or not (Path(self.draft_model).expanduser() / IR).is_file():
+            raise ValueError(f"type draft needs draft_model, the folder of a built OpenVINO engine ({IR} and the "
+                             f"model's tokenizer files: a run's engines/<key>/ folder); got {self.draft_model!r}")
+        return self
+
+    def lengths(self) -> tuple[int, int]:
+        """(num_assistant_tokens, max_ngram_size) as OpenVINO reads them (0: no n-gram)."""
+        if self.type == "draft":
+            return self.draft_max or DRAFT, 0
+        return self.ngram_m or DRAFT, self.ngram_n or NGRAM_N
 
 
 class OpenVINOConfig(EngineConfig):
@@ -70,6 +122,13 @@ class OpenVINOConfig(EngineConfig):
     max_batched_tokens: int = Field(2048, ge=16, description="tokens per step (long prompts are chunked)")
     score_batch_tokens: int = Field(4096, ge=1, description="padded tokens per scoring forward pass, fewer where "
                                     "their float32 logits would pass 64 MiB")
+    # Levers: left at their defaults they stay out of the dumped config, so an engine's cache key and every stage
+    # key made before them are unchanged.
+    prefix_caching: bool = Field(False, exclude_if=lambda v: not v,
+                                 description="SchedulerConfig.enable_prefix_caching: a prompt's prefix shared with an "
+                                             "earlier request's is served from its KV blocks, not computed again")
+    speculative: OpenVINOSpeculative | None = Field(None, exclude_if=lambda v: v is None,
+                                                    description="speculative decoding; None: none")
 
     @model_validator(mode="after")
     def _bf16_cache(self) -> OpenVINOConfig:
@@ -80,8 +139,21 @@ class OpenVINOConfig(EngineConfig):
                              "refuses an f32 KV cache with bf16 inference")
         return self
 
+    def plain_twin(self) -> OpenVINOConfig | None:
+        """This engine without speculative decoding (the lever that claims unchanged output), None without it."""
+        return self.model_copy(update={"speculative": None}) if self.speculative is not None else None
 
-def warm_up(pipeline: Any) -> None:
+    def assisting(self, config: Any) -> Any:
+        """`config` (an og.GenerationConfig) with the speculative lever's per-request fields: a prompt-lookup
+        pipeline refuses a request without them."""
+        if self.speculative is not None:
+            config.num_assistant_tokens, ngram = self.speculative.lengths()
+            if ngram:
+                config.max_ngram_size = ngram
+        return config
+
+
+def warm_up(pipeline: Any, engine: OpenVINOConfig) -> None:
     """Two tokens from a 64-token prompt through `pipeline.generate`: a prefill of several tokens, then a
     decode step, each a kernel for which the CPU plugin repacks the weights as it first runs. Under
     drop_behind, as the pipeline is made, so the IR's pages do not stay resident beside the repack: with a
@@ -94,9 +166,66 @@ def warm_up(pipeline: Any) -> None:
     import openvino as ov
     import openvino_genai as og
 
-    config = og.GenerationConfig()
+    config = engine.assisting(og.GenerationConfig())  # a draft's kernels too, and prompt lookup needs its fields
     config.max_new_tokens, config.ignore_eos, config.do_sample = 2, True, False
     pipeline.generate([ov.Tensor(np.zeros((1, WARM_UP_PROMPT), dtype=np.int64))], [config])
+
+
+def draft_folder(config: OpenVINOConfig, tokenizer_dir: Path) -> Path | None:
+    """The speculative lever's draft folder, checked against the model whose tokenizer files are in `tokenizer_dir`
+    (the checkpoint at build, the engine folder at load): a BadInput naming the field unless it holds an IR and
+    the same tokenizer (openvino-genai's own check encodes one sentence and compares the lengths)."""
+    spec = config.speculative
+    if spec is None or spec.type != "draft":
+        return None
+    draft = Path(spec.draft_model).expanduser().resolve()  # type: ignore[arg-type]
+    if not (draft / IR).is_file():  # checked as the recipe loads too; gone since
+        raise BadInput(f"{DRAFT_FIELD}: {draft / IR} not found. Name the folder of a built OpenVINO engine (a run's "
+                       "engines/<key>/ folder, or an IR folder with its model's tokenizer and config files).")
+    differs = tokenizer_difference(tokenizer_dir, draft)
+    if differs:
+        raise BadInput(f"{DRAFT_FIELD}: {draft} has another tokenizer than the model it drafts for ({differs}). "
+                       "A draft proposes token ids the model checks: build the draft from a checkpoint of the same "
+                       "tokenizer (a smaller model of the family, or this one compressed further).")
+    return draft
+
+
+def tokenizer_difference(main: Path, draft: Path) -> str | None:
+    """What differs between the two folders' Hugging Face tokenizers (None: the same vocabulary, special
+    tokens and end-of-sequence ids)."""
+    from transformers import AutoTokenizer
+
+    a = AutoTokenizer.from_pretrained(main)
+    try:
+        b = AutoTokenizer.from_pretrained(draft)
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for a broken tokenizer.json
+        return f"its tokenizer does not load: {e}"
+    if a.get_vocab() != b.get_vocab():
+        return f"vocabularies of {len(a.get_vocab())} and {len(b.get_vocab())} tokens differ"
+    for name in ("bos_token_id", "pad_token_id"):
+        if getattr(a, name) != getattr(b, name):
+            return f"{name} {getattr(a, name)} against {getattr(b, name)}"
+    if eos_ids_of(main, a) != eos_ids_of(draft, b):
+        return f"end-of-sequence ids {sorted(eos_ids_of(main, a))} against {sorted(eos_ids_of(draft, b))}"
+    return None
+
+
+def with_ov_tokenizer(folder: Path, into: Path) -> Path:
+    """`into`: links to `folder`'s IR and config files beside its tokenizer converted to an OpenVINO model
+    (openvino-tokenizers). openvino-genai's draft pipeline reads each model's tokenizer as such a model from
+    its folder, which kiln's build does not write (kiln tokenizes with the Hugging Face one): made here, in a
+    temporary folder, rather than in the engine's own, which the cache holds as built."""
+    import openvino as ov
+    from openvino_tokenizers import convert_tokenizer
+    from transformers import AutoTokenizer
+
+    into.mkdir(parents=True, exist_ok=True)
+    for item in folder.iterdir():
+        if item.is_file() and not (into / item.name).exists():
+            (into / item.name).symlink_to(item.resolve())
+    if not (into / OV_TOKENIZER).is_file():
+        ov.save_model(convert_tokenizer(AutoTokenizer.from_pretrained(folder)), into / OV_TOKENIZER)
+    return into
 
 
 @BACKENDS.register("openvino", OpenVINOConfig)
@@ -121,6 +250,7 @@ class OpenVINOBackend(EngineBackend):
 
         check_checkpoint(checkpoint)
         cfg: OpenVINOConfig = self.config  # type: ignore[assignment]
+        draft_folder(cfg, checkpoint)  # a bad draft refused before the export, not when the engine first loads
         # int8/int4 from a 16-bit checkpoint: the weights are held once, as stored (openvino_export.py)
         with tracing(load_hf_llama(checkpoint, float32=cfg.weights == "fp32")) as hf:
             max_positions = hf.config.max_position_embeddings
@@ -178,6 +308,8 @@ class OpenVINOEngine(Engine):
         self._scored_shapes: set[tuple[int, ...]] = set()  # batch shapes the scorer has prepared its weights for
         self.vocab = model_vocab(engine_dir, self.tokenizer)
         self.score_budget = full_logits.token_budget(config.score_batch_tokens, self.vocab)
+        self.draft = draft_folder(config, engine_dir)
+        self._views: tempfile.TemporaryDirectory | None = None  # the draft pipeline's tokenizer models (made once)
 
     @property
     def _pipe(self) -> Any:
@@ -187,11 +319,31 @@ class OpenVINOEngine(Engine):
             sched = og.SchedulerConfig()
             sched.cache_size, sched.max_num_seqs = self.config.kv_cache_gib, self.config.max_batch_size
             sched.max_num_batched_tokens, sched.dynamic_split_fuse = self.config.max_batched_tokens, True
-            pipeline = og.ContinuousBatchingPipeline(str(self.engine_dir), sched, "CPU", self._properties())
-            with drop_behind(self.engine_dir / WEIGHTS):
-                warm_up(pipeline)
+            sched.enable_prefix_caching = self.config.prefix_caching
+            pipeline = self._make_pipeline(sched)
+            weights = [self.engine_dir / WEIGHTS, *([self.draft / WEIGHTS] if self.draft else [])]
+            with drop_behind(*[w for w in weights if w.is_file()]):
+                warm_up(pipeline, self.config)
             self._pipeline = pipeline
         return self._pipeline
+
+    def _make_pipeline(self, sched: Any) -> Any:
+        """The continuous-batching pipeline with the speculative lever: prompt lookup is a pipeline property; a
+        draft model comes with both models' tokenizers as OpenVINO models (`with_ov_tokenizer`), which
+        openvino-genai compares before it drafts."""
+        import openvino_genai as og
+
+        props, spec = self._properties(), self.config.speculative
+        if spec is None or spec.type == "prompt-lookup":
+            return og.ContinuousBatchingPipeline(str(self.engine_dir), sched, "CPU",
+                                                 {**props, **({"prompt_lookup": True} if spec else {})})
+        if self._views is None:
+            self._views = tempfile.TemporaryDirectory(prefix="kiln-openvino-draft-")
+        views = Path(self._views.name)
+        main = with_ov_tokenizer(self.engine_dir, views / "main")
+        draft = with_ov_tokenizer(self.draft, views / "draft")  # type: ignore[arg-type]
+        return og.ContinuousBatchingPipeline(str(self.engine_dir), og.Tokenizer(str(main)), sched, "CPU",
+                                             draft_model=og.draft_model(str(draft), "CPU"), **props)
 
     def _properties(self) -> dict[str, Any]:
         props: dict[str, Any] = {"INFERENCE_PRECISION_HINT": self.config.activations,
@@ -208,7 +360,7 @@ class OpenVINOEngine(Engine):
         import openvino_genai as og
 
         check_request(request, self.max_positions)
-        cfg = og.GenerationConfig()
+        cfg = self.config.assisting(og.GenerationConfig())
         cfg.max_new_tokens = min(request.max_new_tokens, self.max_positions - len(request.prompt_ids))
         cfg.ignore_eos, cfg.logprobs = request.ignore_eos, 1
         cfg.stop_token_ids = set(request.stop_ids) | (set() if request.ignore_eos else set(self.eos_ids))
@@ -327,3 +479,6 @@ class OpenVINOEngine(Engine):
         for handle, _, _ in self._live.values():
             handle.cancel()
         self._live, self._scorer, self._pipeline = {}, None, None
+        if self._views is not None:
+            self._views.cleanup()
+            self._views = None

@@ -227,3 +227,145 @@ def test_lm_eval_and_the_decode_benchmark_hold_one_compiled_model_at_a_time(ov_f
     lm.loglikelihood(score)
     interleaved({"candidate": ov_fp32}, parity.prompts(torch_engine.tokenizer)[:1], 2, [1], 1)
     assert ov_fp32._scorer is None and ov_fp32._pipeline is not None
+
+
+# ----- levers: prefix caching and speculative decoding (docs/engines.md, "OpenVINO levers") ---------------------
+
+def _lever(ov_fp32, **levers):
+    """The fp32 tiny engine's folder opened with runtime levers (none changes the build)."""
+    from kiln.engine.openvino import OpenVINOEngine
+
+    return OpenVINOEngine(ov_fp32.engine_dir, OpenVINOConfig(weights="fp32", threads=1, **levers))
+
+
+def _steps_and_tokens(engine, prompts, n=16):
+    """Each prompt's greedy tokens, all decoded together, and the pipeline steps they took."""
+    ids = [engine.add(GenerationRequest(p, n, ignore_eos=True)) for p in prompts]
+    out: dict[int, list[int]] = {i: [] for i in ids}
+    steps = 0
+    while engine.has_work():
+        steps += 1
+        for e in engine.step():
+            out[e.seq_id].append(e.token_id)
+    return steps, [out[i] for i in ids]
+
+
+def _lever_prompts(tokenizer) -> list[list[int]]:
+    """Mixed lengths: one token, the parity prompts, and a long passage repeated (which prompt lookup copies)."""
+    passage = tokenizer("the quick brown fox jumps over the lazy dog while kiln serves tokens. " * 6)["input_ids"]
+    return [parity.prompts(tokenizer, 1)[0][:1], *parity.prompts(tokenizer, 6), passage]
+
+
+def test_levers_at_their_defaults_leave_the_config_and_its_keys_unchanged():
+    from kiln.engine.cache import engine_key
+
+    plain = OpenVINOConfig()
+    spelled = OpenVINOConfig(prefix_caching=False, speculative=None)
+    assert "prefix_caching" not in plain.model_dump(mode="json") and "speculative" not in plain.model_dump()
+    assert engine_key(plain, "c", {}, None) == engine_key(spelled, "c", {}, None)
+    assert engine_key(plain, "c", {}, None) != engine_key(OpenVINOConfig(prefix_caching=True), "c", {}, None)
+    on = OpenVINOConfig(speculative={"type": "prompt-lookup", "ngram_n": 2})
+    assert on.model_dump()["speculative"]["ngram_n"] == 2 and on.speculative.lengths() == (5, 2)
+    assert plain.plain_twin() is None
+    assert on.plain_twin() == plain and on.plain_twin().model_dump() == plain.model_dump()
+
+
+@pytest.mark.parametrize("speculative, message", [
+    ({"type": "draft"}, "type draft needs draft_model"),
+    ({"type": "draft", "draft_model": "/nonexistent"}, "type draft needs draft_model.*'/nonexistent'"),
+    ({"type": "prompt-lookup", "draft_max": 4}, "draft_model and draft_max belong to type draft"),
+    ({"type": "draft", "draft_model": "x", "ngram_n": 2}, "ngram_n and ngram_m size prompt-lookup"),
+    ({"type": "prompt-lookup", "ngram_m": 0}, "ngram_m"),
+    ({"type": "ngram-simple"}, "type"),
+])
+def test_speculative_refuses_bad_combinations(speculative, message):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=message):
+        OpenVINOConfig(speculative=speculative)
+
+
+def test_a_draft_folder_with_another_tokenizer_or_gone_is_refused(ov_fp32, tiny_model_dir, tmp_path):
+    """As the engine loads, and at build before the export: a BadInput naming the field. (A folder without an
+    IR is refused as the recipe loads: test_speculative_refuses_bad_combinations.)"""
+    from kiln.engine.base import BACKENDS
+
+    other = tmp_path / "other"
+    other.mkdir()
+    for item in ov_fp32.engine_dir.iterdir():
+        (other / item.name).symlink_to(item)
+    tokenizer = json.loads((ov_fp32.engine_dir / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    a, b = [t for t in vocab if t.isalpha()][:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two tokens' ids swapped: another vocabulary, the merges still valid
+    (other / "tokenizer.json").unlink()
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    draft = {"type": "draft", "draft_model": str(other)}
+    another = r"engine\.speculative\.draft_model: .* another tokenizer .*vocabularies"
+    with pytest.raises(BadInput, match=another):
+        _lever(ov_fp32, speculative=draft)
+    with pytest.raises(BadInput, match=another):
+        BACKENDS.create(OpenVINOConfig(weights="fp32", speculative=draft)).build(tiny_model_dir, tmp_path / "built")
+    assert not (tmp_path / "built").exists()  # refused before the export
+    gone = OpenVINOConfig(weights="fp32", threads=1, speculative=draft)
+    (other / "openvino_model.xml").unlink()
+    from kiln.engine.openvino import OpenVINOEngine
+
+    with pytest.raises(BadInput, match=rf"engine\.speculative\.draft_model: {other}/openvino_model.xml not found"):
+        OpenVINOEngine(ov_fp32.engine_dir, gone)
+
+
+def test_prefix_caching_reaches_the_pipeline(ov_fp32):
+    """With the scheduler's prefix caching on, a prompt sharing a 300-token prefix with a finished one is
+    prefilled from the cached blocks: its first token comes at the first step, where without the cache its
+    300 tokens take a step per 32 (max_batched_tokens). The tokens are the same either way."""
+    shared = (parity.prompts(ov_fp32.tokenizer, 10)[3] * 60)[:300]
+    first_steps, tokens = {}, {}
+    for on in (False, True):
+        engine = _lever(ov_fp32, prefix_caching=on, max_batched_tokens=32)
+        try:
+            _steps_and_tokens(engine, [shared + [11, 12]], 2)
+            steps, got = [], []
+            for tail in ([13], [14, 15]):
+                seq = engine.add(GenerationRequest(shared + tail, 4, ignore_eos=True))
+                n, out = 0, []
+                while not out:
+                    n += 1
+                    out += [e.token_id for e in engine.step() if e.seq_id == seq]
+                while engine.has_work():
+                    out += [e.token_id for e in engine.step() if e.seq_id == seq]
+                steps.append(n)
+                got.append(out)
+            first_steps[on], tokens[on] = steps, got
+        finally:
+            engine.close()
+    assert tokens[True] == tokens[False]
+    assert min(first_steps[False]) >= len(shared) // 32 and first_steps[True] == [1, 1], first_steps
+
+
+@pytest.mark.parametrize("speculative", [{"type": "prompt-lookup", "ngram_n": 3, "ngram_m": 4},
+                                         {"type": "draft", "draft_max": 4}], ids=["prompt-lookup", "draft"])
+def test_speculative_greedy_equals_the_plain_pipeline_batched(ov_fp32, speculative):
+    """Greedy tokens with speculation equal the plain pipeline's on prompts of mixed lengths decoded together
+    (the batch-parity near-tie rule: a divergence within TIE_TOLERANCE of the plain engine's log-prob gap
+    passes), and speculation acted: fewer pipeline steps than tokens (the tiny IR drafting for itself agrees
+    with itself; prompt lookup copies the repeated passage)."""
+    from kiln.evaluate.parity import TIE_TOLERANCE, divergence
+
+    if speculative["type"] == "draft":
+        speculative = {**speculative, "draft_model": str(ov_fp32.engine_dir)}
+    prompts = _lever_prompts(ov_fp32.tokenizer)
+    plain_steps, want = _steps_and_tokens(ov_fp32, prompts, 24)
+    engine = _lever(ov_fp32, speculative=speculative)
+    try:
+        steps, got = _steps_and_tokens(engine, prompts, 24)
+        alone_steps, alone = _steps_and_tokens(engine, prompts[-1:], 24)
+        sampled = [e.token_id for e in engine.generate([GenerationRequest(prompts[1], 8, temperature=1.0, seed=3,
+                                                                          ignore_eos=True)])]
+    finally:
+        engine.close()
+    for p, w, g in zip(prompts, want, got, strict=True):
+        matched, gap = divergence(ov_fp32, p, w, g)
+        assert len(g) == 24 and (g == w if gap is None else gap <= TIE_TOLERANCE), (len(p), matched, gap)
+    assert alone == want[-1:] and len(sampled) == 8
+    assert plain_steps == 24 and alone_steps < 24 / 2, (plain_steps, steps, alone_steps)
