@@ -6,7 +6,9 @@ run A, B, A, B, ... (`repeats`), each repeat the whole configured shape. A sweep
 own saturation, so its headline numbers compare each arm at its own knee.
 
 With `prefix` set, each arm also runs the prefix-sharing workload with its prompt cache and without
-(evaluate/perf/prefix.py): TTFT both ways and the cache hit rate, the report's prefix-cache table.
+(evaluate/perf/prefix.py): TTFT both ways and the cache hit rate, the report's prefix-cache table;
+with `prefix.router`, through `kiln route` in front of two more replicas of the arm's engine too,
+placed by prefix and round-robin (`replicas_hit_rates`).
 
 Beside the measurement sits the roofline: the predicted decode ceiling per batch size from the
 checkpoint (weight bytes, KV bytes per token) and this machine's measured memory bandwidth, with
@@ -54,6 +56,10 @@ def measure(engines: Mapping[str, Any], dirs: Mapping[str, Path], cfg: Performan
             per_role[role]["prefix"] = prefix[role]
             per_role[role]["metrics"].update(prefix[role]["metrics"])
             per_role[role]["repeats"].update(prefix[role]["repeats"])
+            if cfg.prefix and cfg.prefix.router:
+                routed = per_role[role]["prefix"]["router"] = replicas_hit_rates(dirs[role], cfg)
+                per_role[role]["repeats"].update(routed["repeats"])
+                per_role[role]["metrics"].update(routed["metrics"])
     result_figures({role: (r[0].summaries, r[0].knee) for role, r in runs.items()}, out_dir=out / "plots")
     if any(ceilings.values()):  # engines without a local checkpoint (remote) have no roofline
         ceiling_vs_measured({role: rows for role, rows in ceilings.items() if rows}, out / "plots" / PLOTS[2])
@@ -86,6 +92,34 @@ def _run_arms(engines: Mapping[str, Any], cfg: PerformanceConfig) -> tuple[dict[
                         "or lower output_tokens or shape.max_concurrency"]) from e
         prefix = run_prefix(urls, cfg, key) if cfg.prefix else {}
     return runs, prefix
+
+
+def replicas_hit_rates(engine_dir: Path, cfg: PerformanceConfig) -> dict[str, Any]:
+    """Two replicas of an engine (each its own kiln serve) behind a real `kiln route`, the prefix workload
+    with the cache on sent through it placed by prefix and round-robin, `cfg.repeats` times, which first
+    alternating. Every run has system prompts new to both replicas (its own seed); the hit rates are the
+    replicas' own, summed by the load client."""
+    from kiln.deploy.config import RouterConfig
+    from kiln.deploy.router_process import RouterProcess
+    from kiln.engine.server_thread import ServerThread
+    from kiln.evaluate.perf.prefix import ROUND_ROBIN_HIT_RATE, ROUTED_HIT_RATE, prefix_load
+    from kiln.evaluate.perf.runner import run_load
+
+    rates: dict[str, list[float | None]] = {"prefix": [], "round-robin": []}
+    sent: dict[str, list[list[int]]] = {"prefix": [], "round-robin": []}
+    with ServerThread(engine_dir, model_name="replica") as a, ServerThread(engine_dir, model_name="replica") as b:
+        for k in range(cfg.repeats):
+            for j, balance in enumerate(("prefix", "round-robin") if k % 2 == 0 else ("round-robin", "prefix")):
+                seeded = cfg.model_copy(update={"seed": cfg.seed + 1000 + 2 * k + j})
+                with RouterProcess(RouterConfig(port=0, stable_url=f"{a.url},{b.url}", balance=balance)) as router:
+                    run = run_load(router.url, prefix_load(seeded, True), model="replica", salt=f"x{k}")
+                    sent[balance].append([r["sent"] for r in router.state()["replicas"]["stable"].values()])
+                rates[balance].append(run.summary.cache_hit_rate)
+    repeats = {name: rates[balance] for name, balance in ((ROUTED_HIT_RATE, "prefix"),
+                                                          (ROUND_ROBIN_HIT_RATE, "round-robin"))
+               if None not in rates[balance]}
+    return {"cache_hit_rate": rates, "sent": sent, "repeats": repeats,
+            "metrics": {name: statistics.median(v) for name, v in repeats.items()}}
 
 
 def _role_result(repeats: list[LoadResult], ceiling: list[CeilingRow] | None) -> dict[str, Any]:

@@ -256,20 +256,30 @@ def _load_tables(load: dict[str, Any]) -> list[Table]:
 def _prefix_table(arms: dict[str, Any]) -> list[Table]:
     """The prefix-sharing workload (evaluate.load.prefix): TTFT without and with the prompt cache, the
     drop, and the share of prompt tokens the server served from its cache (medians over repeats)."""
-    from kiln.evaluate.perf.prefix import CACHED_TTFT, HIT_RATE, TTFT_DROP, UNCACHED_TTFT
+    from kiln.evaluate.perf.prefix import (CACHED_TTFT, HIT_RATE, ROUND_ROBIN_HIT_RATE, ROUTED_HIT_RATE, TTFT_DROP,
+                                           UNCACHED_TTFT)
 
-    rows = []
+    def rate(m: dict[str, Any], name: str) -> str:
+        return f"{m[name]:.0%}" if name in m else "not reported by the engine"
+
+    rows, routed = [], []
     for role, part in arms.items():
         if not (p := part.get("prefix")):
             continue
         m = p["metrics"]
         rows.append([role, f"{p['system_tokens']} + {p['user_tokens']}", str(p["prefixes"]), str(p["concurrency"]),
                      _fmt(m.get(UNCACHED_TTFT)), _fmt(m.get(CACHED_TTFT)),
-                     f"{m[TTFT_DROP]:.0%}" if TTFT_DROP in m else "—",
-                     f"{m[HIT_RATE]:.0%}" if HIT_RATE in m else "not reported by the engine"])
+                     f"{m[TTFT_DROP]:.0%}" if TTFT_DROP in m else "—", rate(m, HIT_RATE)])
+        if "router" in p:
+            routed.append([role, rate(p["router"]["metrics"], ROUTED_HIT_RATE),
+                           rate(p["router"]["metrics"], ROUND_ROBIN_HIT_RATE)])
     header = ["arm", "prompt (system + user tokens)", "system prompts", "users", "TTFT p50 without cache (ms)",
               "TTFT p50 with cache (ms)", "TTFT drop", "cache hit rate"]
-    return [("Prefix cache (shared system prompt, distinct user turns)", header, rows)] if rows else []
+    tables = [("Prefix cache (shared system prompt, distinct user turns)", header, rows)] if rows else []
+    if routed:
+        tables.append(("Prefix cache behind kiln route, two replicas", ["arm", "hit rate placed by prefix",
+                                                                        "hit rate round-robin"], routed))
+    return tables
 
 
 def _paced(stages: list[dict[str, Any]]) -> str:

@@ -10,6 +10,10 @@ prompts. The same workload goes out with `cache_prompt: true` and with `false` (
 request field; kiln serve hands it to its engine), which one first alternating repeat by repeat.
 The two runs of a repeat differ in their user turns only, so only the system prompt can be reused.
 
+With `router`, the load stage also sends the workload (cache on) through `kiln route` in front of two
+replicas of the arm's engine, placed by prefix and round-robin (pipeline/load_stage.py: the router
+is a layer above this one), and reports both hit rates.
+
 The hit rate is the server's own figure, `usage.prompt_tokens_details.cached_tokens` over prompt
 tokens (kiln serve fills it from llama-server's `cache_n`). An engine that reports none has no hit
 rate, and its two TTFTs should not differ: nothing was cached.
@@ -43,6 +47,12 @@ declare(HIT_RATE, True, "fraction", "prompt tokens the server served from its pr
         "prefix-sharing workload with the cache on", "performance", _WHERE)
 declare(TTFT_DROP, True, "fraction", "1 - cached / uncached median TTFT of the prefix-sharing workload",
         "performance", _WHERE)
+ROUTED_HIT_RATE = LOAD_PREFIX + "prefix_routed_hit_rate"
+ROUND_ROBIN_HIT_RATE = LOAD_PREFIX + "prefix_round_robin_hit_rate"
+declare(ROUTED_HIT_RATE, True, "fraction", "prompt-cache hit rate of the prefix-sharing workload through kiln route "
+        "in front of two replicas, placed by a hash of the prompt prefix", "performance", _WHERE)
+declare(ROUND_ROBIN_HIT_RATE, True, "fraction", "the same, the two replicas taken in turn (round-robin)",
+        "performance", _WHERE)
 declare(LOAD_PREFIX + "cache_hit_rate", True, "fraction", "prompt tokens the server served from its prompt "
         "cache / prompt tokens (served over HTTP under the load shape)", "performance", "evaluate.load")
 
@@ -59,6 +69,8 @@ class PrefixConfig(Strict):
     requests: int = Field(16, ge=3, description="requests per run (one run with the cache, one without, per repeat)")
     output_tokens: int = Field(8, ge=1, description="tokens generated per request (TTFT is the figure)")
     timeout_s: float = Field(120.0, gt=0, description="longest a run may send for")
+    router: bool = Field(False, description="also through kiln route in front of two replicas of the arm's engine, "
+                         "placed by prefix and round-robin (starts the engine twice more)")
 
 
 def prefix_load(cfg: PerformanceConfig, cache: bool) -> PerformanceConfig:

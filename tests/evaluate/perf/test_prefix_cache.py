@@ -1,7 +1,8 @@
 """The prompt cache measured where it acts, on the real counterparts: kiln serve over llama-server (the
 tiny Llama's GGUF) reports the prompt tokens its engine served from the cache, the load client reads
 them, the prefix-sharing workload reports its hit rate with the cache and without, and `kiln route`
-in front of two such replicas keeps a prompt prefix on the replica that holds it."""
+in front of two such replicas keeps a prompt prefix on the replica that holds it (the load stage's
+`prefix.router`), against round-robin."""
 
 from __future__ import annotations
 
@@ -14,8 +15,7 @@ import pytest
 from kiln.engine.llama_cpp_config import LlamaCppConfig
 from kiln.engine.server_thread import ServerThread
 from kiln.evaluate.perf.config import PerformanceConfig
-from kiln.evaluate.perf.prefix import HIT_RATE, prefix_load, run_prefix
-from kiln.evaluate.perf.runner import run_load
+from kiln.evaluate.perf.prefix import HIT_RATE, ROUND_ROBIN_HIT_RATE, ROUTED_HIT_RATE, run_prefix
 from kiln.pipeline.report import _prefix_table
 from tests.llama_cpp_build import require_llama_cpp
 
@@ -77,21 +77,19 @@ def test_the_prefix_workload_reports_its_hit_rate_with_and_without_the_cache(ser
 
 
 def test_the_router_keeps_prompt_caches_warm_by_prefix(engine_dir):
-    """Two kiln serve replicas (one slot each) behind a real `kiln route`; 4 system prompts, each
-    request drawing one, one request at a time. By prefix a system prompt has one replica, so it is
-    warm there more often than when both replicas take every system prompt in turn. Each router
-    gets its own seed, so its system prompts are new to both replicas."""
-    from kiln.deploy.config import RouterConfig
-    from kiln.deploy.router_process import RouterProcess
+    """The load stage's `prefix.router`: two kiln serve replicas (one slot each) of the engine behind a
+    real `kiln route`; 4 system prompts, each request drawing one, one request at a time. By prefix a
+    system prompt has one replica, so it is warm there more often than when both replicas take every
+    system prompt in turn. Each run's system prompts are new to both replicas (its own seed)."""
+    from kiln.pipeline.load_stage import replicas_hit_rates
 
-    rates, spread = {}, {}
-    with ServerThread(engine_dir, model_name="tiny") as a, ServerThread(engine_dir, model_name="tiny") as b:
-        for seed, balance in enumerate(("prefix", "round-robin")):
-            cfg = PerformanceConfig.model_validate({"seed": seed, "workload": {"input_tokens": {"mean": 96}},
-                                                    "prefix": {"requests": 24, "prefixes": 4, "output_tokens": 1}})
-            with RouterProcess(RouterConfig(port=0, stable_url=f"{a.url},{b.url}", balance=balance)) as r:
-                run = run_load(r.url, prefix_load(cfg, cache=True), model="tiny", salt=balance)
-                spread[balance] = [s["sent"] for s in r.state()["replicas"]["stable"].values()]
-            assert run.summary.errors == 0 and sum(spread[balance]) == 24, (balance, spread)
-            rates[balance] = run.summary.cache_hit_rate
-    assert rates["prefix"] > rates["round-robin"] + 0.1, (rates, spread)
+    cfg = PerformanceConfig.model_validate({"repeats": 1, "workload": {"input_tokens": {"mean": 96}}, "prefix": {
+        "requests": 24, "prefixes": 4, "output_tokens": 1, "router": True}})
+    routed = replicas_hit_rates(engine_dir, cfg)
+    rates, sent = {k: v[0] for k, v in routed["cache_hit_rate"].items()}, {k: v[0] for k, v in routed["sent"].items()}
+    assert sum(sent["prefix"]) == sum(sent["round-robin"]) == 24 and sent["round-robin"] == [12, 12], sent
+    assert rates["prefix"] > rates["round-robin"] + 0.1, (rates, sent)
+    assert routed["metrics"] == {ROUTED_HIT_RATE: rates["prefix"], ROUND_ROBIN_HIT_RATE: rates["round-robin"]}
+    tables = _prefix_table({"tiny": {"prefix": {"system_tokens": 96, "user_tokens": 16, "prefixes": 4,
+                                                "concurrency": 1, "metrics": {}, "router": routed}}})
+    assert tables[1][2] == [["tiny", f"{rates['prefix']:.0%}", f"{rates['round-robin']:.0%}"]]
