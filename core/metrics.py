@@ -81,6 +81,17 @@ declare("draft_tokens", False, "tokens", "tokens the engine drafted per benchmar
         "engine")
 declare("draft_accepted", True, "tokens", "drafted tokens the model accepted per benchmark request", "engine")
 declare("acceptance_rate", True, "fraction", "drafted tokens accepted / drafted over the benchmark's requests", "engine")
+# A speculating candidate against its plain twin at rising concurrency (kiln.evaluate.decode_bench.stops_paying).
+SPEC_STOPS_PAYING, SPEC_PAYS_UP_TO = "speculation_stops_paying_at", "speculation_pays_up_to"
+declare(SPEC_STOPS_PAYING, True, "requests", "the first concurrency at which speculation's speed-up over its plain "
+        "twin is no longer surely above 1 (its interval reaches 1)", "engine")
+declare(SPEC_PAYS_UP_TO, True, "requests", "the highest concurrency up to which speculation surely beats its plain "
+        "twin at every level (0: not even at 1)", "engine")
+
+
+def sweep_ratio(level: int) -> str:
+    """The speculating candidate's aggregate tok/s over its plain twin's at concurrency `level` (+ _lo, _hi)."""
+    return f"speculation_ratio_c{level}"
 # Footprint.
 # Every arm is built (optimize: a search sets it per candidate), so the build always measures its size.
 declare("size_bytes", False, "bytes", "checkpoint size on disk", "size", "optimize")

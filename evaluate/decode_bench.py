@@ -26,10 +26,14 @@ a speed-up or a slow-down (`speculation`).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from kiln.core import progress
+from kiln.core.metrics import SPEC_PAYS_UP_TO as PAYS_UP_TO, SPEC_STOPS_PAYING as STOPS_PAYING, sweep_ratio
 from kiln.engine.base import Engine, GenerationRequest
 from kiln.evaluate.contention import Watch, as_metrics
 
@@ -118,3 +122,55 @@ def interleaved(engines: dict[str, Engine], prompts: Sequence[list[int]], new_to
         if stop is not None and done + 1 < rounds and stop(out):
             break
     return out
+
+
+# Where speculation stops paying (issue 53: "find the batch size where it stops helping"): the concurrency
+# levels a speculating candidate and its plain twin are compared at.
+SWEEP_CONCURRENCY = (1, 2, 4, 8)
+
+
+def concurrency_sweep(engines: dict[str, Engine], prompts: Sequence[list[int]], new_tokens: int, rounds: int,
+                      levels: Sequence[int] = SWEEP_CONCURRENCY) -> dict[str, dict[str, list[float]]]:
+    """Per arm, `c<level>_tok_s` -> aggregate output tok/s with `level` requests decoding together, paired:
+    at each level the prompts are cut into groups of `level` (the set repeated where it is shorter), each
+    group one pair, run on both arms back to back in an order that alternates pair by pair."""
+    names = list(engines)
+    for name in names:  # warm-up, as `interleaved`'s
+        _one_request(engines[name], prompts[0], 4)
+    out: dict[str, dict[str, list[float]]] = {n: {} for n in names}
+    pair = 0
+    progress.total(rounds * sum(max(1, len(prompts) // c) for c in levels), "pairs")
+    for _ in range(rounds):
+        for c in levels:
+            cycled = list(prompts) * -(-c // len(prompts))
+            for i in range(max(1, len(prompts) // c)):
+                group = cycled[i * c:(i + 1) * c]
+                for name in names if pair % 2 == 0 else reversed(names):
+                    out[name].setdefault(f"c{c}_tok_s", []).append(_batch(engines[name], group, new_tokens))
+                pair += 1
+                progress.advance()
+    return out
+
+
+def stops_paying(fast: dict[str, list[float]], plain: dict[str, list[float]], confidence: float,
+                 levels: Sequence[int] = SWEEP_CONCURRENCY) -> dict[str, float]:
+    """Per level, the speculating arm's aggregate tok/s over its plain twin's (geometric mean of the paired
+    ratios, Student-t interval on their logs); `speculation_stops_paying_at`: the first level whose interval
+    no longer sits wholly above 1 (absent when every level's does), `speculation_pays_up_to`: the last
+    level before it (0: not even at the first)."""
+    from kiln.core.gate.performance import t_interval
+
+    figures: dict[str, float] = {}
+    pays_up_to = 0
+    for c in levels:
+        logs = np.log(np.asarray(fast[f"c{c}_tok_s"]) / np.asarray(plain[f"c{c}_tok_s"]))
+        mean, lo, hi = t_interval(logs, confidence) if len(logs) > 1 else (float(logs.mean()), -np.inf, np.inf)
+        figures.update({sweep_ratio(c): math.exp(mean), f"{sweep_ratio(c)}_lo": math.exp(lo),
+                        f"{sweep_ratio(c)}_hi": math.exp(hi)})
+        if STOPS_PAYING not in figures:
+            if lo > 0:
+                pays_up_to = c
+            else:
+                figures[STOPS_PAYING] = c
+    return {**figures, PAYS_UP_TO: pays_up_to}
+

@@ -128,3 +128,39 @@ def load_stage(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], c
               {"engines": {r: p.name for r, p in engines.items()}, "config": cfg.model_dump(mode="json"),
                "hardware": hardware_fingerprint(), **_confirmation(ctx, confirmation, fresh)},
               lambda out: measure({role: loaded[role] for role in engines}, engines, cfg, out))
+
+
+def speculation_sweep(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path]) -> None:
+    """A speculating candidate against its plain twin (`EngineConfig.plain_twin`: the same engine folder,
+    opened without speculation) at rising concurrency, on the benchmark's prompts: the concurrency at
+    which speculation stops paying, as figures (kiln.evaluate.decode_bench.stops_paying), not a check.
+    Nothing runs for a candidate without a twin."""
+    from kiln.engine.cache import hardware_fingerprint
+    from kiln.engine.loader import engine_config, read_manifest
+
+    engine_dir = engines.get("candidate")
+    twin = engine_config(read_manifest(engine_dir)).plain_twin() if engine_dir else None
+    if twin is None:
+        return
+    b = ctx.recipe.evaluate.benchmark
+    prompts = cached_prompts(ctx, engines["baseline"], b.prompts, b.num_prompts)
+    confidence = (ctx.gate or ctx.recipe.gate).confidence
+
+    def compute(out: Path) -> dict[str, Any]:
+        from kiln.engine.loader import load_engine
+        from kiln.evaluate.decode_bench import concurrency_sweep, stops_paying
+
+        loaded.keep_only("candidate")
+        plain = load_engine(engine_dir, **twin.model_dump(mode="json"))
+        try:
+            samples = concurrency_sweep({"speculative": loaded["candidate"], "plain": plain}, prompts,
+                                        b.max_new_tokens, b.repeats)
+        finally:
+            plain.close()
+        atomic_write_json(out / "sweep.json", samples)
+        return {"metrics": stops_paying(samples["speculative"], samples["plain"], confidence), "sweep": samples}
+
+    run_stage(ctx, "speculation", "candidate",
+              {"engine": engine_dir.name, "twin": twin.model_dump(mode="json"), "prompts": hash_of(prompts),
+               "config": b.model_dump(mode="json"), "confidence": confidence, "hardware": hardware_fingerprint()},
+              compute)

@@ -17,6 +17,10 @@ class Recording:
         self.log.append((self.name, len(request.prompt_ids)))
         return self.engine.add(request)
 
+    def generate(self, requests):  # a batch: every request noted, then run together
+        self.log.extend((self.name, len(r.prompt_ids)) for r in requests)
+        return self.engine.generate(requests)
+
     def __getattr__(self, attr):
         return getattr(self.engine, attr)
 
@@ -124,3 +128,43 @@ def test_a_speculating_arm_records_its_drafts_per_request_and_its_acceptance_rat
     assert out["candidate"]["draft_tokens"] == [6] * 6 and out["candidate"]["draft_accepted"] == [3, 0, 1] * 2
     assert speculation(out["candidate"]) == {"draft_tokens": 6, "draft_accepted": 4 / 3, "acceptance_rate": 4 / 18}
     assert speculation({"draft_tokens": [0, 0], "draft_accepted": [0, 0]}) == {"draft_tokens": 0, "draft_accepted": 0}
+
+
+def test_the_concurrency_sweep_pairs_groups_of_each_level(tiny_model_dir):
+    """Each level cuts the prompts into groups of that many (the set repeated when shorter), one pair per
+    group, both arms back to back in alternating order."""
+    from kiln.evaluate.decode_bench import concurrency_sweep
+
+    engine = TorchEngine(tiny_model_dir, TorchEngineConfig(threads=1))
+    log: list[tuple[str, int]] = []
+    arms = {"speculative": Recording(engine, "S", log), "plain": Recording(engine, "P", log)}
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
+
+    out = concurrency_sweep(arms, prompts, new_tokens=3, rounds=2, levels=(1, 2, 8))
+
+    assert {k: len(v) for k, v in out["plain"].items()} == {"c1_tok_s": 8, "c2_tok_s": 4, "c8_tok_s": 2}
+    assert all(x > 0 for arm in out.values() for v in arm.values() for x in v)
+    sent = log[2:]  # after one warm-up request per arm
+    assert len(sent) == 2 * 2 * (4 * 1 + 2 * 2 + 1 * 8)
+    level1, level2, level8 = sent[:8], sent[8:16], sent[16:32]  # the first round
+    assert [n for n, _ in level1] == ["S", "P", "P", "S"] * 2 and [k for _, k in level1[::2]] == [3, 4, 5, 2]
+    assert [n for n, _ in level2] == ["S", "S", "P", "P", "P", "P", "S", "S"]  # 5 pairs so far: this one S first
+    assert [k for _, k in level2[:4]] == [3, 4, 3, 4] and [k for _, k in level2[4:]] == [5, 2, 5, 2]
+    assert [k for _, k in level8[:8]] == [3, 4, 5, 2] * 2  # the set repeated to fill the group
+
+
+def test_speculation_stops_paying_where_its_interval_reaches_one():
+    from kiln.core.metrics import SPEC_PAYS_UP_TO, SPEC_STOPS_PAYING
+    from kiln.evaluate.decode_bench import stops_paying
+
+    plain = {f"c{c}_tok_s": [100.0, 110.0, 90.0, 105.0] for c in (1, 2, 4, 8)}
+    ratios = {1: [1.5, 1.4, 1.6, 1.45], 2: [1.2, 1.25, 1.3, 1.22], 4: [1.1, 0.95, 1.05, 0.9], 8: [0.8, 0.85, 0.9, 0.8]}
+    fast = {f"c{c}_tok_s": [p * r for p, r in zip(plain[f"c{c}_tok_s"], ratios[c])] for c in ratios}
+    figures = stops_paying(fast, plain, 0.95)
+    assert figures[SPEC_STOPS_PAYING] == 4 and figures[SPEC_PAYS_UP_TO] == 2, figures
+    assert figures["speculation_ratio_c1_lo"] > 1 and figures["speculation_ratio_c4_lo"] < 1 < figures["speculation_ratio_c4_hi"]
+    assert abs(figures["speculation_ratio_c8"] - 0.836) < 0.01
+    always = stops_paying({k: [2 * x for x in v] for k, v in plain.items()}, plain, 0.95)
+    assert SPEC_STOPS_PAYING not in always and always[SPEC_PAYS_UP_TO] == 8
+    never = stops_paying({k: [0.5 * x for x in v] for k, v in plain.items()}, plain, 0.95)
+    assert never[SPEC_STOPS_PAYING] == 1 and never[SPEC_PAYS_UP_TO] == 0
