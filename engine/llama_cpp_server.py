@@ -26,7 +26,7 @@ import selectors
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,9 @@ class _Sequence:
     produced: int = 0
     generated: list[int] = field(default_factory=list)
     streamed: int = 0  # tokens the current completion has streamed (0 again after a resume)
+    # The last token, held until its completion's final chunk brings the server's timings (_tokens).
+    held: TokenEvent | None = None
+    timings: list[dict[str, Any]] = field(default_factory=list)  # each finished completion's, in order
 
 
 class LlamaServerEngine(LlamaCppEngine):
@@ -213,6 +216,11 @@ class LlamaServerEngine(LlamaCppEngine):
         r, ids = seq.request, chunk.get("tokens") or []
         probs = chunk.get("completion_probabilities") or []
         done = bool(chunk.get("stop"))
+        if done and "timings" in chunk:
+            seq.timings.append(chunk["timings"])
+        if seq.held is not None:  # the final chunk after the last token: its figures complete the event
+            out.append(replace(seq.held, stats=self._stats(seq)))
+            return True
         for k, token in enumerate(ids):
             seq.produced += 1
             seq.generated.append(int(token))
@@ -221,7 +229,13 @@ class LlamaServerEngine(LlamaCppEngine):
             last = token in r.stop_ids or seq.produced >= r.max_new_tokens
             finish = ("stop" if token in r.stop_ids else "length") if last else (
                 _finish(chunk) if done and k == len(ids) - 1 else None)
-            out.append(TokenEvent(seq.seq_id, int(token), now, lp, finish))
+            event = TokenEvent(seq.seq_id, int(token), now, lp, finish)
+            if last and token not in r.stop_ids and not done:
+                # The server stops here too (n_predict) and sends its timings next, straight after:
+                # held until then, with the time it arrived.
+                seq.held = event
+                return False
+            out.append(replace(event, stats=self._stats(seq)) if last or finish else event)
             if last:
                 return True
         # Resumed only when this completion streamed its tokens (the EOS among them, already in `out`):
@@ -231,8 +245,25 @@ class LlamaServerEngine(LlamaCppEngine):
             return False
         if done and not ids:  # the end came without a token (EOS is not streamed)
             eos = self.tokenizer.eos_token_id
-            out.append(TokenEvent(seq.seq_id, eos if eos is not None else 0, now, None, _finish(chunk)))
+            out.append(TokenEvent(seq.seq_id, eos if eos is not None else 0, now, None, _finish(chunk),
+                                  self._stats(seq)))
         return done
+
+    def _stats(self, seq: _Sequence) -> dict[str, int] | None:
+        """The request's figures from llama-server's timings (see TokenEvent.stats); None when no
+        completion of it finished (a stop id kiln applies closes the stream before the server's end).
+        The prompt's figures are the first completion's, the request's own prompt (a resume's prompt
+        is that prompt plus the tokens so far, from the slot's cache); the drafts sum every completion's."""
+        if not seq.timings:
+            return None
+        first = seq.timings[0]
+        stats = {"prompt_tokens": int(first.get("prompt_n", 0)) + int(first.get("cache_n", 0)),
+                 "cached_tokens": int(first.get("cache_n", 0))}
+        # Drafting figures come only from a request that drafted; a speculative engine reports 0 for none.
+        if self.config.speculative is not None or any("draft_n" in t for t in seq.timings):
+            stats["draft_tokens"] = sum(int(t.get("draft_n", 0)) for t in seq.timings)
+            stats["draft_accepted"] = sum(int(t.get("draft_n_accepted", 0)) for t in seq.timings)
+        return stats
 
     # ----- scoring (in-process: LlamaCppEngine) ---------------------------------------------
 

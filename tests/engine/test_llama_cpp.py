@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kiln.engine.base import GenerationRequest
-from kiln.engine.llama_cpp_config import LlamaCppConfig
+from kiln.engine.llama_cpp_config import LlamaCppConfig, SpeculativeConfig
 from kiln.engine.llama_cpp_server import server_command
 from kiln.optimize.gguf import Gguf, GgufConfig
 from kiln.core.errors import BadInput
@@ -119,6 +119,43 @@ def test_cache_prompt_false_prefills_the_whole_prompt_again(llama_f32, monkeypat
             pass
     assert len(evaluated) == 3 and evaluated[1] == len(prompt), evaluated
     assert evaluated[2] < len(prompt), evaluated  # served from the cache
+
+
+def test_the_last_event_carries_llama_servers_prompt_and_cache_figures(llama_f32):
+    """TokenEvent.stats, on a sequence's last event only, from the timings of llama-server's final chunk
+    (which comes after the last token: kiln holds that token until then): the prompt's length and the
+    tokens its cache served, none when kiln asked for no cache. A request ended at an end token and
+    resumed (ignore_eos) counts its own prompt, not the resumed completion's prompt + tokens so far.
+    A plain engine reports no draft figures."""
+    prompt = mixed_prompts(llama_f32.vocab_size, 5)[6]  # 60 tokens
+    stats = []
+    for cache in (True, False, True):
+        events = list(llama_f32.generate([GenerationRequest(prompt, 4, ignore_eos=True, cache_prompt=cache)]))
+        assert len(events) == 4 and events[-1].finish_reason == "length"
+        assert all(e.stats is None for e in events[:-1])
+        stats.append(events[-1].stats)
+    assert [s["prompt_tokens"] for s in stats] == [60, 60, 60] and stats[1]["cached_tokens"] == 0, stats
+    assert 0 < stats[2]["cached_tokens"] < 60 and "draft_tokens" not in stats[2], stats
+    end = [28531, 41735]  # the tiny Llama's greedy first token is <|endoftext|> (see the ignore_eos test)
+    events = list(llama_f32.generate([GenerationRequest(end, 6, ignore_eos=True, cache_prompt=False)]))
+    assert len(events) == 6 and events[-1].stats["prompt_tokens"] == 2, events[-1]
+
+
+def test_a_speculative_server_reports_its_drafts(tiny_model_dir, tmp_path):
+    """llama-server with n-gram speculation (ngram-simple, 1-token lookups: the tiny Llama's greedy text
+    repeats one token, so drafts come at once) reports the tokens it drafted and those the model
+    accepted on the request's last event."""
+    spec = SpeculativeConfig(type="ngram-simple", ngram_n=1, ngram_m=8)
+    engine = parity.build(LlamaCppConfig(threads=1, parallel=1, ctx_per_slot=512, speculative=spec, **EXACT),
+                          tiny_model_dir, tmp_path)
+    try:
+        prompt = mixed_prompts(engine.vocab_size, 3)[3][:12] * 4
+        events = list(engine.generate([GenerationRequest(prompt, 48, ignore_eos=True, cache_prompt=False)]))
+    finally:
+        engine.close()
+    stats = events[-1].stats
+    assert len(events) == 48 and stats["prompt_tokens"] == 48, stats
+    assert stats["draft_tokens"] > 0 and 0 < stats["draft_accepted"] <= stats["draft_tokens"], stats
 
 
 def test_streamed_logprobs_match_torch_scores(llama_any, torch_engine):
