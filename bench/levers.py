@@ -64,8 +64,7 @@ def engines(checkpoint: Path, threads: int, variants: list[str]) -> dict[str, An
         config = {"backend": "llama_cpp", "runtime": "server", "threads": threads, "parallel": 1,
                   **({"speculative": spec} if spec else {})}
         out[name] = load_engine(build_engine(engine_config({"config": config}), artifact, digest, cache_root()))
-    out["_gguf"] = build_engine(engine_config({"config": {"backend": "llama_cpp", "threads": threads}}), artifact,
-                                digest, cache_root()) / GGUF_FILE
+    out["_gguf"] = out["plain"].gguf_path  # the file every variant serves, for llama-bench
     return out
 
 
