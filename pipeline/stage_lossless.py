@@ -46,7 +46,7 @@ def lossless(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path]) -> 
         loaded.keep_only("candidate")
         got = candidate_answers(loaded["candidate"], lambda: load_engine(engine_dir), manifest["source"]["path"],
                                 sets, lambda: loaded.release("candidate"))
-        plain = load_engine(engine_dir, **twin.model_dump(mode="json"))
+        plain = load_engine(engine_dir, **twin_options(twin, manifest["config"]))
         try:
             res = exactness(plain, sets, got)
         finally:
@@ -73,3 +73,11 @@ def prompt_sets(ctx: RunContext, baseline_dir: Path) -> list[Any]:
         sets.append(PromptSet("served", with_shortest(prompts, tokenizer_of(baseline_dir)), served.max_new_tokens,
                               served.concurrency))
     return sets
+
+
+def twin_options(twin: Any, built: dict[str, Any]) -> dict[str, Any]:
+    """The load options that turn the built config `built` into `twin`: its whole dump, and the fields
+    the dump leaves out at their defaults (`exclude_if`: speculative None) named too, or the
+    manifest's value of them (the lever itself) would stay."""
+    dumped = twin.model_dump(mode="json")
+    return {**{k: getattr(twin, k) for k in built if k not in dumped}, **dumped}
