@@ -71,11 +71,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args()
-    from kiln.pipeline.demo import cache_root, demo_model_dir
+    from kiln.pipeline.demo import demo_model_dir, prepare_demo_data
     from kiln.core.files import atomic_write_json
 
     checkpoint = demo_model_dir()
-    text = (cache_root() / "data" / "demo-v3" / "eval.txt").read_text()
+    text = prepare_demo_data().eval_text.read_text()  # the same held-out text in every data version
     rows: dict[str, dict[str, Any]] = {}
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
         f.write(text)
