@@ -138,3 +138,34 @@ def test_a_near_tie_passes_and_is_counted():
     check = judge(POLICY, evidence, Evidence("baseline")).results[0]
     assert check.verdict is Verdict.SUCCESSFUL
     assert check.reason == "all 2 answers equal the plain twin's, 1 split from it only at a near-tie"
+
+
+def test_a_recipe_with_speculation_and_no_lossless_check_is_refused(tmp_path):
+    from kiln.core.errors import BadInput, ExitCode
+    from kiln.pipeline.recipe import load_recipe
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: x\ncandidates:\n"
+                      "  - {name: plain, optimize: {method: none}, engine: {backend: llama_cpp}}\n"
+                      "  - {name: spec, optimize: {method: none}, engine: {backend: llama_cpp, speculative: "
+                      "{type: ngram-simple}}}\n"
+                      "gate: {checks: [{kind: size, max_ratio: 1}]}\n")
+    with pytest.raises(BadInput) as e:
+        load_recipe(recipe)
+    assert e.value.exit_code == ExitCode.BAD_INPUT
+    assert "candidates.1.engine: speculative decoding" in str(e.value), str(e.value)
+    assert "add `- {kind: lossless}` to gate.checks" in str(e.value), str(e.value)
+    recipe.write_text(recipe.read_text().replace("max_ratio: 1}", "max_ratio: 1}, {kind: lossless}"))
+    assert [c.kind for c in load_recipe(recipe).gate.checks] == ["size", "lossless"]
+
+
+def test_the_twin_is_loaded_without_the_lever():
+    """A speculative engine's folder loaded with its twin's options: the manifest's `speculative`, which
+    the twin's dump leaves out at its default, must be overridden, not kept."""
+    from kiln.engine.llama_cpp_config import LlamaCppConfig
+    from kiln.pipeline.stage_lossless import twin_options
+
+    built = LlamaCppConfig(speculative={"type": "ngram-simple"}, cache_reuse=4).model_dump(mode="json")
+    twin = LlamaCppConfig.model_validate(built).plain_twin()
+    loaded = LlamaCppConfig.model_validate({**built, **twin_options(twin, built)})  # as EngineBackend.load merges
+    assert loaded == twin and loaded.speculative is None and loaded.cache_reuse == 4
