@@ -70,7 +70,7 @@ def measured(run_or_summary: Any, started: tuple[float, contention.Reading]) -> 
 
 
 def cache_on_off(url: str, args: argparse.Namespace, round_: int) -> dict[str, dict[str, Any]]:
-    from kiln.evaluate.perf.prefix import prefix_load
+    from kiln.evaluate.perf.prefix_run import prefix_load
     from kiln.evaluate.perf.runner import run_load
 
     cfg, out = load_config(args, 0, 1, 1), {}
@@ -84,7 +84,7 @@ def cache_on_off(url: str, args: argparse.Namespace, round_: int) -> dict[str, d
 def balances(urls: list[str], args: argparse.Namespace, round_: int) -> dict[str, dict[str, Any]]:
     from kiln.deploy.config import RouterConfig
     from kiln.deploy.router_process import RouterProcess
-    from kiln.evaluate.perf.prefix import prefix_load
+    from kiln.evaluate.perf.prefix_run import prefix_load
     from kiln.evaluate.perf.runner import run_load
 
     out = {}

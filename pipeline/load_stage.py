@@ -74,7 +74,7 @@ def _run_arms(engines: Mapping[str, Any], cfg: PerformanceConfig) -> tuple[dict[
     """Serve every arm at once on loopback and run the shape on each, interleaved across repeats; then
     the prefix workload, when the recipe asks for it (its result per role, else empty)."""
     from kiln.engine.server_thread import ServerThread
-    from kiln.evaluate.perf.prefix import run_prefix
+    from kiln.evaluate.perf.prefix_run import run_prefix
     from kiln.evaluate.perf.runner import run_load
 
     key = secrets.token_urlsafe(24)
@@ -102,7 +102,8 @@ def replicas_hit_rates(engine_dir: Path, cfg: PerformanceConfig) -> dict[str, An
     from kiln.deploy.config import RouterConfig
     from kiln.deploy.router_process import RouterProcess
     from kiln.engine.server_thread import ServerThread
-    from kiln.evaluate.perf.prefix import ROUND_ROBIN_HIT_RATE, ROUTED_HIT_RATE, prefix_load
+    from kiln.evaluate.perf.prefix import ROUND_ROBIN_HIT_RATE, ROUTED_HIT_RATE
+    from kiln.evaluate.perf.prefix_run import prefix_load
     from kiln.evaluate.perf.runner import run_load
 
     rates: dict[str, list[float | None]] = {"prefix": [], "round-robin": []}

@@ -15,7 +15,8 @@ import pytest
 from kiln.engine.llama_cpp_config import LlamaCppConfig
 from kiln.engine.server_thread import ServerThread
 from kiln.evaluate.perf.config import PerformanceConfig
-from kiln.evaluate.perf.prefix import HIT_RATE, ROUND_ROBIN_HIT_RATE, ROUTED_HIT_RATE, run_prefix
+from kiln.evaluate.perf.prefix import HIT_RATE, ROUND_ROBIN_HIT_RATE, ROUTED_HIT_RATE
+from kiln.evaluate.perf.prefix_run import run_prefix
 from kiln.pipeline.report import _prefix_table
 from tests.llama_cpp_build import require_llama_cpp
 
