@@ -139,7 +139,8 @@ def speculation_sweep(ctx: RunContext, loaded: LazyEngines, engines: dict[str, P
     from kiln.engine.loader import engine_config, read_manifest
 
     engine_dir = engines.get("candidate")
-    twin = engine_config(read_manifest(engine_dir)).plain_twin() if engine_dir else None
+    manifest = read_manifest(engine_dir) if engine_dir else None
+    twin = engine_config(manifest).plain_twin() if manifest else None
     if twin is None:
         return
     b = ctx.recipe.evaluate.benchmark
@@ -149,9 +150,10 @@ def speculation_sweep(ctx: RunContext, loaded: LazyEngines, engines: dict[str, P
     def compute(out: Path) -> dict[str, Any]:
         from kiln.engine.loader import load_engine
         from kiln.evaluate.decode_bench import concurrency_sweep, stops_paying
+        from kiln.pipeline.stage_lossless import twin_options
 
         loaded.keep_only("candidate")
-        plain = load_engine(engine_dir, **twin.model_dump(mode="json"))
+        plain = load_engine(engine_dir, **twin_options(twin, manifest["config"]))  # the lever named off
         try:
             samples = concurrency_sweep({"speculative": loaded["candidate"], "plain": plain}, prompts,
                                         b.max_new_tokens, b.repeats)
