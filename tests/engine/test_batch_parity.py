@@ -12,6 +12,13 @@ its context: the shared tiny model (tests/conftest.py) mostly repeats a prompt's
 an engine that lost the rest of the prompt would repeat just the same. Each engine runs MAX_EXAMPLES
 drawn batches plus the one the issue reported (a one-token prompt among longer ones), derandomized:
 the same batches on every run.
+
+Speculative decoding claims the text of the engine without it (issue 53): llama-server with each
+speculative type kiln offers (ngram-simple, ngram-mod, and a draft model: the tiny GGUF drafting for
+itself), on the shared tiny Llama and batched so, must write its plain twin's greedy tokens (the same
+folder without speculation, one request at a time) under the lossless check's own rule
+(kiln.evaluate.quality.lossless.record: a split only at a near-tie). Half of its prompts repeat a
+segment, the copy-heavy text where drafting pays.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from hypothesis import strategies as st
 
 from kiln.engine.base import Engine, GenerationRequest
 from kiln.evaluate.parity import TIE_TOLERANCE, divergence
+from kiln.evaluate.quality.lossless import record
 from tests.engine import parity
 
 MAX_EXAMPLES = 25  # 2-10 s an engine here, beside its 1-10 s build
@@ -35,10 +43,17 @@ IDS = st.integers(3, 31_999)
 # as the reference's token at that index of the prompt's unstopped continuation (a random id would
 # never be generated); `join` is the steps taken before the request is added.
 LENGTH = st.integers(1, 3) | st.integers(1, 64)  # half of them short: a one-token prompt is in most batches
-REQUEST = st.tuples(LENGTH.flatmap(lambda n: st.lists(IDS, min_size=n, max_size=n)),
-                    st.integers(1, NEW_TOKENS), st.booleans(), st.none() | st.integers(0, NEW_TOKENS - 1),
-                    st.integers(0, 4))
-BATCH = st.lists(REQUEST, min_size=2, max_size=6).map(lambda b: [(*b[0][:4], 0), *b[1:]])  # the first starts it
+PROMPT = LENGTH.flatmap(lambda n: st.lists(IDS, min_size=n, max_size=n))
+
+
+def requests(prompts: st.SearchStrategy) -> st.SearchStrategy:
+    """Batches of 2-6 requests with prompts drawn from `prompts`; the first starts the batch."""
+    request = st.tuples(prompts, st.integers(1, NEW_TOKENS), st.booleans(), st.none() | st.integers(0, NEW_TOKENS - 1),
+                        st.integers(0, 4))
+    return st.lists(request, min_size=2, max_size=6).map(lambda b: [(*b[0][:4], 0), *b[1:]])
+
+
+BATCH = requests(PROMPT)
 ISSUE_39 = [([9 + k for k in range(n)], NEW_TOKENS, True, None, 0) for n in (1, 4, 13, 30, 64)]
 
 
@@ -132,3 +147,71 @@ def test_batched_greedy_equals_alone_and_the_reference(engine, reference, batch)
         want = parity.run(reference, [r], [0])[0]
         matched, gap = divergence(reference, r.prompt_ids, want, got)
         assert (got == want) if gap is None else gap <= TIE_TOLERANCE, (len(r.prompt_ids), matched, gap, got, want)
+
+
+
+# Sizes meant to draft within NEW_TOKENS (llama.cpp's ngram-mod default waits for 48 tokens found).
+SPECULATIVE = {"ngram-simple": {"type": "ngram-simple", "ngram_n": 2, "ngram_m": 8},
+               "ngram-mod": {"type": "ngram-mod", "ngram_n": 2, "ngram_m": 8, "draft_min": 1},
+               "draft": {"type": "draft", "draft_max": 4}}  # the model's own GGUF drafts for it
+COPIED = st.lists(IDS, min_size=1, max_size=8).flatmap(lambda seg: st.integers(2, 8).map(lambda k: seg * k))
+COPY_HEAVY = [([9 + k % 5 for k in range(n)], NEW_TOKENS, True, None, j) for j, n in enumerate((10, 25, 40))]
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tiny_model_dir, tmp_path_factory) -> Path:
+    """A llama.cpp server engine's folder: the plain twin and every speculative variant load it. Its
+    model is the shared tiny Llama, which repeats itself, not the context Llama above: that one never
+    writes an n-gram twice, so the n-gram drafters found no draft on it (0 of 30 tokens drafted)."""
+    folder = tmp_path_factory.mktemp("llama-plain")
+    _build("llama_cpp-server", tiny_model_dir, folder).close()
+    return folder
+
+
+@pytest.fixture(scope="module")
+def plain_llama(llama_folder):
+    from kiln.engine.loader import load_engine
+
+    engine = load_engine(llama_folder)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module", params=list(SPECULATIVE))
+def speculative(request, llama_folder):
+    from kiln.engine.llama_cpp import GGUF
+    from kiln.engine.loader import load_engine
+
+    folder, spec = llama_folder, {**SPECULATIVE[request.param]}
+    if spec["type"] == "draft":
+        spec["draft_model"] = str(folder / GGUF)
+    engine = load_engine(folder, speculative=spec)
+    yield engine
+    engine.close()
+
+
+@settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@example(batch=ISSUE_39)
+@example(batch=COPY_HEAVY)
+@given(batch=requests(COPIED | PROMPT))
+def test_speculative_greedy_equals_its_plain_twin(speculative, plain_llama, batch):
+    requests_ = _requests(batch, plain_llama, {})
+    batched = parity.run(speculative, requests_, [join for *_, join in batch])
+    for i, (r, got) in enumerate(zip(requests_, batched, strict=True)):
+        want = parity.run(plain_llama, [r], [0])[0]
+        judged = record(plain_llama, "hypothesis", i, r.prompt_ids, want, got, None)
+        assert judged["lossless_match"], judged["lossless_divergence"]
+
+
+def test_each_speculative_variant_drafts(speculative, request):
+    """The property above is not vacuous: on a prompt that repeats itself each variant drafts tokens.
+    Not yet for the n-gram types: on the tiny Llama llama-server drafted nothing with them (no draft_n
+    in its timings, no 'draft acceptance' line in its log), on this prompt nor on a 24-token one, while
+    the model wrote one token 30 times; strict, so the day they draft this fails and the mark goes."""
+    if request.node.callspec.params["speculative"].startswith("ngram"):
+        request.applymarker(pytest.mark.xfail(strict=True, reason="llama-server's n-gram drafters draft nothing on "
+                                              "the tiny Llama (issue 53 finding): the property holds vacuously"))
+    prompt = COPY_HEAVY[-1][0]
+    events = list(speculative.generate([GenerationRequest(prompt, 3 * NEW_TOKENS, ignore_eos=True)]))
+    assert events[-1].stats["draft_tokens"] > 0, events[-1].stats
