@@ -71,13 +71,16 @@ def judged_recipe(recipe: Path, set_: list[str], policy_from: Path | None) -> An
     """The recipe `kiln run` and `kiln validate` work on: RECIPE with `--set`, judged under the policy of
     `policy_from` when given. The overrides of policy fields (gate.*, evaluate.*, baseline.*) apply to
     that policy: the command line still wins over both files."""
+    from kiln.core.errors import BadInput
     from kiln.pipeline.policy import policy_digest, policy_overrides, with_policy_of
-    from kiln.pipeline.recipe import load_recipe
+    from kiln.pipeline.recipe import load_recipe, unguarded_speculation
 
     r = load_recipe(recipe, set_)
     if policy_from is None:
         return r
     judged = with_policy_of(r, load_recipe(policy_from, policy_overrides(set_)))
+    if why := unguarded_speculation(judged):  # the pinned gate must hold the recipe's speculation to its claim
+        raise BadInput(f"{recipe} judged under the policy of {policy_from}: {why} (in {policy_from})")
     own, used = policy_digest(r), policy_digest(judged)
     same = f", the same as {recipe}'s)" if own == used else f"); {recipe}'s own policy {own[:12]} is not used"
     console.print(f"judged under the policy of {policy_from} (policy {used[:12]}{same}", markup=False, soft_wrap=True)

@@ -27,6 +27,7 @@ from kiln.core import yaml_input
 from kiln.core.errors import BadInput
 from kiln.core.files import hash_of
 from kiln.core.gate.base import CheckConfig
+from kiln.core.gate.lossless import unguarded
 from kiln.core.gate.policy import GateSection
 from kiln.core.metrics import METRICS
 from kiln.core.units import DEFAULT_CURRENCY, currency_problem
@@ -70,7 +71,8 @@ class QualitySection(Section):
 
 
 class BenchmarkSection(Section):
-    prompts: str = Field("demo", description="'demo' (GSM8K questions) or a local JSONL with a 'prompt' field")
+    prompts: str = Field("demo", description="'demo' (GSM8K questions), 'demo-copy' (rewrite an Austen passage, "
+                         "fixing its typos: copy-heavy) or a local JSONL with a 'prompt' field")
     num_prompts: int = Field(8, ge=1)
     max_new_tokens: int = Field(32, ge=2)
     batch_sizes: list[int] = Field(default_factory=lambda: [1])
@@ -265,6 +267,8 @@ class Recipe(Section):
                                  "another backend (torch is the reference)")
             if QUANTIZERS.get("none").artifact_format not in backend.artifact_formats:
                 raise ValueError(f"baseline.engine.backend '{base.backend}' cannot load the unquantized checkpoint")
+        if why := unguarded_speculation(self):  # speculative decoding is judged lossless, or not run
+            raise ValueError(why)
         if problems := unmeasured_checks(self):
             raise ValueError("every gate check needs a stage of the recipe that measures it (unmeasured, it could "
                              "only end Inconclusive):" + "".join(f"\n    {p}" for p in problems))
@@ -330,6 +334,14 @@ def _tune_beside_engine(data: dict[str, Any]) -> dict[str, Any]:
         engine = dict(engine)
         data = {**data, "engine": engine, "tune": engine.pop("tune")}
     return data
+
+
+def unguarded_speculation(recipe: Recipe) -> str | None:
+    """Why `recipe`'s gate cannot judge its candidates: one claims lossless output (speculative
+    decoding) and gate.checks has no lossless check (kiln.core.gate.lossless); None when it can."""
+    arms = [("engine", recipe.engine)] if recipe.candidates is None else \
+        [(f"candidates.{i}.engine", c.engine) for i, c in enumerate(recipe.candidates)]
+    return unguarded(arms, recipe.gate.checks)
 
 
 def unmeasured_checks(recipe: Recipe) -> list[str]:

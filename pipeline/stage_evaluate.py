@@ -10,8 +10,9 @@ from typing import Any
 from kiln.core.files import hash_of
 from kiln.pipeline.demo import prepare_demo_data
 from kiln.pipeline.phases import PHASES
-from kiln.pipeline.stage_benchmark import benchmark, load_stage
+from kiln.pipeline.stage_benchmark import benchmark, load_stage, speculation_sweep
 from kiln.pipeline.stage_inputs import LazyEngines, cached_prompts, text_path, token_ids
+from kiln.pipeline.stage_lossless import checked as lossless_checked, lossless
 from kiln.pipeline.stages import RunContext, run_stage
 
 EVALUATE_PHASES = PHASES[1:]  # every phase but the build, which is the optimize and engine stages
@@ -45,6 +46,9 @@ def evaluate(ctx: RunContext, engines: dict[str, Path], phases: tuple[str, ...] 
     if "rest" in phases:
         if q.served:
             _served(ctx, loaded, engines, q.served)
+        if lossless_checked(ctx):  # speculative decoding's text against its plain twin's, after both answered
+            lossless(ctx, loaded, engines)
+        speculation_sweep(ctx, loaded, engines)  # a speculating candidate: where it stops beating its plain twin
         if q.lmeval:
             for role in engines:
                 loaded.keep_only(role)
