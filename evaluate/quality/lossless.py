@@ -20,12 +20,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.core import progress
 from kiln.core.errors import KilnError
 from kiln.core.gate.lossless import APPLIES, DIVERGENCE, MATCH, NEAR_TIES
-from kiln.engine.base import Engine, GenerationRequest
+from kiln.engine.base import Engine
 from kiln.evaluate.parity import TIE_TOLERANCE, divergence
 from kiln.evaluate.quality.base import QualityResult
+from kiln.evaluate.quality.served import one_at_a_time
 
 EXCERPT = 40  # characters of a prompt a divergence quotes
 
@@ -44,15 +44,7 @@ class PromptSet:
 def alone(engine: Engine, prompts: Sequence[list[int]], n: int) -> list[list[int]]:
     """Greedy answers, one request at a time, as the decode benchmark asks them (EOS ignored, prefill
     uncached)."""
-    out = []
-    for p in prompts:
-        engine.add(GenerationRequest(list(p), n, ignore_eos=True, cache_prompt=False))
-        tokens: list[int] = []
-        while engine.has_work():
-            tokens += [e.token_id for e in engine.step()]
-        out.append(tokens)
-        progress.advance()
-    return out
+    return one_at_a_time(engine, prompts, n, cache_prompt=False)
 
 
 def candidate_answers(engine: Engine, load: Callable[[], Engine], tokenizer: Any, sets: Sequence[PromptSet],

@@ -59,11 +59,12 @@ def with_shared_prefix(prompts: Sequence[list[int]], n: int) -> list[list[int]]:
     return [head + list(p) for p in prompts]
 
 
-def one_at_a_time(engine: Engine, prompts: Sequence[list[int]], n: int) -> list[list[int]]:
-    """Greedy continuations with nothing batched: each request runs alone."""
+def one_at_a_time(engine: Engine, prompts: Sequence[list[int]], n: int, cache_prompt: bool = True) -> list[list[int]]:
+    """Greedy continuations with nothing batched: each request runs alone (its prefill from the engine's
+    prompt cache unless `cache_prompt` is off, as the decode benchmark asks)."""
     out = []
     for p in prompts:
-        engine.add(GenerationRequest(list(p), n, ignore_eos=True))
+        engine.add(GenerationRequest(list(p), n, ignore_eos=True, cache_prompt=cache_prompt))
         tokens: list[int] = []
         while engine.has_work():
             tokens += [e.token_id for e in engine.step()]
