@@ -136,11 +136,10 @@ def speculation_sweep(ctx: RunContext, loaded: LazyEngines, engines: dict[str, P
     which speculation stops paying, as figures (kiln.evaluate.decode_bench.stops_paying), not a check.
     Nothing runs for a candidate without a twin."""
     from kiln.engine.cache import hardware_fingerprint
-    from kiln.engine.loader import engine_config, read_manifest
+    from kiln.pipeline.stage_lossless import open_twin, plain_twin
 
     engine_dir = engines.get("candidate")
-    manifest = read_manifest(engine_dir) if engine_dir else None
-    twin = engine_config(manifest).plain_twin() if manifest else None
+    manifest, twin = plain_twin(engine_dir) if engine_dir else (None, None)
     if twin is None:
         return
     b = ctx.recipe.evaluate.benchmark
@@ -148,12 +147,10 @@ def speculation_sweep(ctx: RunContext, loaded: LazyEngines, engines: dict[str, P
     confidence = (ctx.gate or ctx.recipe.gate).confidence
 
     def compute(out: Path) -> dict[str, Any]:
-        from kiln.engine.loader import load_engine
         from kiln.evaluate.decode_bench import concurrency_sweep, stops_paying
-        from kiln.pipeline.stage_lossless import twin_options
 
         loaded.keep_only("candidate")
-        plain = load_engine(engine_dir, **twin_options(twin, manifest["config"]))  # the lever named off
+        plain = open_twin(engine_dir, manifest, twin)
         try:
             samples = concurrency_sweep({"speculative": loaded["candidate"], "plain": plain}, prompts,
                                         b.max_new_tokens, b.repeats)

@@ -25,11 +25,8 @@ def checked(ctx: RunContext) -> bool:
 
 def lossless(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path]) -> None:
     """The candidate's answers against its plain twin's, or the record that it has no twin."""
-    from kiln.engine.loader import engine_config, read_manifest
-
     engine_dir = engines["candidate"]
-    manifest = read_manifest(engine_dir)
-    twin = engine_config(manifest).plain_twin()
+    manifest, twin = plain_twin(engine_dir)
     inputs: dict[str, Any] = {"candidate": engine_dir.name,
                               "twin": None if twin is None else twin.model_dump(mode="json")}
     if twin is None:
@@ -46,7 +43,7 @@ def lossless(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path]) -> 
         loaded.keep_only("candidate")
         got = candidate_answers(loaded["candidate"], lambda: load_engine(engine_dir), manifest["source"]["path"],
                                 sets, lambda: loaded.release("candidate"))
-        plain = load_engine(engine_dir, **twin_options(twin, manifest["config"]))
+        plain = open_twin(engine_dir, manifest, twin)
         try:
             res = exactness(plain, sets, got)
         finally:
@@ -73,6 +70,22 @@ def prompt_sets(ctx: RunContext, baseline_dir: Path) -> list[Any]:
         sets.append(PromptSet("served", with_shortest(prompts, tokenizer_of(baseline_dir)), served.max_new_tokens,
                               served.concurrency))
     return sets
+
+
+def plain_twin(engine_dir: Path) -> tuple[dict[str, Any], Any]:
+    """The engine folder's manifest and its plain twin's config (`EngineConfig.plain_twin`), None
+    where the built config has no lever claiming lossless output."""
+    from kiln.engine.loader import engine_config, read_manifest
+
+    manifest = read_manifest(engine_dir)
+    return manifest, engine_config(manifest).plain_twin()
+
+
+def open_twin(engine_dir: Path, manifest: dict[str, Any], twin: Any) -> Any:
+    """The engine in `engine_dir` loaded as its plain twin: the lever named off."""
+    from kiln.engine.loader import load_engine
+
+    return load_engine(engine_dir, **twin_options(twin, manifest["config"]))
 
 
 def twin_options(twin: Any, built: dict[str, Any]) -> dict[str, Any]:

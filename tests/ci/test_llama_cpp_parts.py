@@ -53,7 +53,7 @@ def fake_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return archive
 
 
-def test_the_core_first_then_the_rest_compiles_only_what_it_adds(fake_source: Path) -> None:
+def test_the_core_first_then_the_rest_completes_the_install(fake_source: Path) -> None:
     final = b.build(jobs=1, targets=b.CORE_TARGETS)
     assert b.complete(final, b.CORE_TARGETS) and not b.complete(final)
     assert not (final / "bin" / "llama-server").exists() and b.binary("llama-server") is None
