@@ -38,7 +38,7 @@ install: $(STAMP)
 llama-cpp:
 	$(PY) core/llama_cpp_build.py
 
-# Only what the demo runs on (llama-quantize, llama-tokenize, libllama.so: 60% of the compile); `make
+# Only what the demo runs on (libllama.so: kiln quantizes and tokenizes through its C API); `make
 # llama-cpp`, `make test` or the first recipe on the server runtime adds the rest from the kept build tree.
 llama-cpp-core:
 	$(PY) core/llama_cpp_build.py --core

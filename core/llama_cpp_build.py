@@ -34,13 +34,16 @@ from pathlib import Path
 VERSION = "0.3.36"  # llama-cpp-python on PyPI; its vendor/llama.cpp is the llama.cpp kiln runs
 SDIST = f"llama_cpp_python-{VERSION}.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-# What the demo needs (`make demo`): the gguf method's llama-quantize and llama-tokenize, and libllama.so for the
-# library runtime and scoring. The rest (the server runtime's llama-server, the benches' llama-perplexity and
-# llama-bench) is 40% of the compile on 2 cores (llama-server alone brings the multimodal library, the HTTP
-# server and its JSON): built by `make llama-cpp`, `make test`, or kiln itself the first time a recipe
-# asks for the server runtime, in the build tree the core's build left (only what is missing compiles).
-CORE_TARGETS = ("llama-quantize", "llama-tokenize")
-TARGETS = (*CORE_TARGETS, "llama-server", "llama-perplexity", "llama-bench")
+# What the demo needs (`make demo`) is libllama.so alone (the `llama` target, with ggml): the library runtime and
+# scoring load it, and the gguf method quantizes and tokenizes through its C API (optimize/gguf_native.py), so the
+# demo's part compiles neither llama.cpp's `common` library nor a program. The rest (the server runtime's
+# llama-server, the benches' llama-perplexity and llama-bench, and llama-quantize, kept to check the C API's file
+# against the program's) is most of the compile on 2 cores: llama-server alone brings `common`, the multimodal
+# library, the HTTP server and its JSON. It is built by `make llama-cpp`, `make test`, or kiln itself the first time
+# a recipe asks for the server runtime, in the build tree the core's build left (only what is missing compiles).
+CORE_TARGETS: tuple[str, ...] = ()
+TARGETS = ("llama-server", "llama-perplexity", "llama-bench", "llama-quantize")
+LIBRARY_TARGET = "llama"
 LIBRARY = "libllama.so"  # what the binding loads; the libggml*.so it links sit beside it
 # No AMX, whatever the CPU flags say: GGML_NATIVE compiles ggml's AMX matmul wherever cpuid reports AMX,
 # and on this project's 2-core VMs that do (amx_tile, amx_int8, the kernel granting XTILEDATA),
@@ -220,7 +223,7 @@ def build(jobs: int | None = None, targets: tuple[str, ...] = TARGETS, log: Path
         src, out = _tree(root)
         build_dir = tree_dir() / "build"
         with open(log, "ab") if log else contextlib.nullcontext() as sink:
-            subprocess.run(["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *targets],
+            subprocess.run(["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", LIBRARY_TARGET, *targets],
                            check=True, stdout=sink, stderr=sink)
         seconds = time.monotonic() - started
         if final.exists():

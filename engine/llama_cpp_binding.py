@@ -6,17 +6,13 @@ library runtime (llama_cpp_library.py) to generate, either runtime to score
 package, copied from the same sdist the binaries are built from, core/llama_cpp_build.py) over
 the build's `libllama.so`.
 
-Only the binding's low-level modules are imported (`llama_cpp.llama_cpp`, `_internals`): the
-package's `__init__` also imports its high-level `Llama` class and that needs `diskcache`, which
-kiln does not install.
+Only the binding's low-level modules are imported: `llama_cpp.llama_cpp`, the C API, loaded by
+core/llama_cpp_lib.py (the gguf quantizer calls it too), and `_internals`, its wrappers.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.machinery
-import importlib.util
-import os
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -35,19 +31,10 @@ def binding() -> ModuleType:
     """llama-cpp-python's `_internals` module, loaded over this machine's libllama.so."""
     if "llama_cpp._internals" in sys.modules:
         return sys.modules["llama_cpp._internals"]
-    from kiln.core.llama_cpp_build import BINDING, library_dir
+    from kiln.core.llama_cpp_lib import api
 
-    base = library_dir()
-    if base is None:
-        raise BadInput("llama.cpp's shared library and Python binding are not built on this machine: run "
-                       "`make llama-cpp` (or `python -m kiln.core.llama_cpp_build`) to build llama.cpp once.")
-    os.environ["LLAMA_CPP_LIB_PATH"] = str(base / "bin")  # read by llama_cpp.llama_cpp when it loads the library
-    spec = importlib.machinery.ModuleSpec("llama_cpp", None, is_package=True)
-    spec.submodule_search_locations = [str(base / BINDING / "llama_cpp")]
-    package = importlib.util.module_from_spec(spec)  # the package without running its __init__
-    sys.modules["llama_cpp"] = package
+    lib = api()
     internals = importlib.import_module("llama_cpp._internals")
-    lib = internals.llama_cpp
     global _QUIET
     _QUIET = lib.llama_log_callback(lambda level, text, data: None)  # kept referenced: llama.cpp calls it later
     lib.llama_log_set(_QUIET, None)  # llama.cpp logs every load to stderr; kiln reports its own errors

@@ -1,9 +1,10 @@
 """`gguf`: convert a safetensors checkpoint to one GGUF file (f32/f16/bf16) and quantize it with
-llama.cpp's `llama-quantize` (q8_0, q6_K, q5_0, q4_0, q4_1, iq4_nl, q4_K_M, q5_K_M).
+llama.cpp's quantizer (q8_0, q6_K, q5_0, q4_0, q4_1, iq4_nl, q4_K_M, q5_K_M).
 
-Both tools come from the llama.cpp build kiln makes at install time (core/llama_cpp_build.py):
-the vendored `convert_hf_to_gguf.py` (run with this interpreter; it needs PyPI `gguf`, pinned to
-the version it vendors) and `llama-quantize`. The artifact folder holds `model.gguf`, the HF
+Both come from the llama.cpp build kiln makes at install time (core/llama_cpp_build.py): the
+vendored `convert_hf_to_gguf.py` (run with this interpreter; it needs PyPI `gguf`, pinned to the
+version it vendors) and `llama_model_quantize` of libllama, called as `llama-quantize` calls it
+(optimize/gguf_native.py, in a child process). The artifact folder holds `model.gguf`, the HF
 tokenizer files and the manifest; anything that reads GGUF can serve it.
 
 The manifest reads the written file back with the `gguf` reader: bits per weight over all
@@ -172,12 +173,13 @@ def convert(source: Path, target: Path, outtype: str) -> None:
 
 
 def quantize_file(src: Path, target: Path, kind: str, threads: int | None = None) -> None:
-    cmd = [str(_tool("llama-quantize")), str(src), str(target), QUANT_TYPES[kind][0]]
+    """llama-quantize's work through llama.cpp's C API (optimize/gguf_native.py), in a child process."""
+    cmd = [sys.executable, "-m", "kiln.optimize.gguf_native", "quantize", str(src), str(target), QUANT_TYPES[kind][0]]
     if threads:
         cmd.append(str(threads))
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"llama-quantize {kind} failed: {proc.stderr.strip()[-800:]}")
+        raise RuntimeError(f"quantizing to {kind} failed: {proc.stderr.strip()[-800:]}")
 
 
 def describe(path: Path, kind: str | None = None) -> dict[str, Any]:
@@ -213,14 +215,13 @@ def sample_texts(source: Path, calibration: Calibration | None, n: int = 8) -> l
     return [tok.decode(s[:256], skip_special_tokens=True) for s in calibration.samples[:n]]
 
 
-def llama_tokenize(gguf_path: Path, text: str) -> list[int]:
-    """llama.cpp's own tokenization of `text` (no BOS, special tokens not parsed)."""
-    proc = subprocess.run([str(_tool("llama-tokenize")), "-m", str(gguf_path), "--stdin", "--ids", "--no-bos",
-                           "--no-parse-special", "--log-disable"],
-                          input=text, check=False, capture_output=True, text=True)
+def llama_tokenize(gguf_path: Path, texts: list[str]) -> list[list[int]]:
+    """llama.cpp's own tokenization of each text (no BOS, special tokens not parsed), in one child process."""
+    proc = subprocess.run([sys.executable, "-m", "kiln.optimize.gguf_native", "tokenize", str(gguf_path)],
+                          input=json.dumps(texts), check=False, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"llama-tokenize failed on {gguf_path}: {proc.stderr.strip()[-800:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"llama.cpp's tokenizer failed on {gguf_path}: {proc.stderr.strip()[-800:]}")
+    return json.loads(proc.stdout)
 
 
 def check_tokenizer(gguf_path: Path, hf_dir: Path, texts: list[str]) -> dict[str, Any]:
@@ -228,14 +229,14 @@ def check_tokenizer(gguf_path: Path, hf_dir: Path, texts: list[str]) -> dict[str
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(str(hf_dir))
-    for text in texts:
+    try:
+        ours = llama_tokenize(gguf_path, texts)
+    except RuntimeError as e:  # a vocabulary llama.cpp cannot even load (std::out_of_range)
+        raise BadInput(f"{gguf_path}: llama.cpp cannot tokenize with this GGUF's vocabulary (type "
+                       f"{describe(gguf_path)['tokenizer_model']!r}; {hf_dir}/tokenizer.json is the model's): "
+                       f"{e}. Fix tokenizer.json, or convert with a llama.cpp that knows this tokenizer.") from e
+    for text, got in zip(texts, ours, strict=True):
         want = hf(text, add_special_tokens=False).input_ids
-        try:
-            got = llama_tokenize(gguf_path, text)
-        except RuntimeError as e:  # a vocabulary llama.cpp cannot even load (std::out_of_range)
-            raise BadInput(f"{gguf_path}: llama.cpp cannot tokenize with this GGUF's vocabulary (type "
-                           f"{describe(gguf_path)['tokenizer_model']!r}; {hf_dir}/tokenizer.json is the model's): "
-                           f"{e}. Fix tokenizer.json, or convert with a llama.cpp that knows this tokenizer.") from e
         if got != want:
             at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
             raise BadInput(

@@ -103,3 +103,30 @@ def test_a_bf16_checkpoint_quantizes_through_a_bf16_file_to_the_same_bytes(tiny_
     Gguf(GgufConfig(type=kind, threads=1)).quantize(bf16, tmp_path / "via-f32", None)
     assert seen == ["bf16", "f32"]
     assert (tmp_path / "via-bf16" / "model.gguf").read_bytes() == (tmp_path / "via-f32" / "model.gguf").read_bytes()
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_K_M", "iq4_nl"])
+def test_the_c_api_quantizes_to_the_bytes_llama_quantize_writes(f32_artifact, tmp_path, kind):
+    """kiln quantizes through llama.cpp's C API (so `make demo` need not compile the `common` library the
+    llama-quantize program links); the program, built with the rest of llama.cpp, writes the same file."""
+    from kiln.core.llama_cpp_build import binary
+    from kiln.optimize.gguf import QUANT_TYPES, quantize_file
+
+    src = f32_artifact[0] / "model.gguf"
+    quantize_file(src, tmp_path / "api.gguf", kind, threads=1)
+    subprocess.run([str(binary("llama-quantize")), str(src), str(tmp_path / "cli.gguf"), QUANT_TYPES[kind][0], "1"],
+                   check=True, capture_output=True)
+    assert (tmp_path / "api.gguf").read_bytes() == (tmp_path / "cli.gguf").read_bytes()
+
+
+def test_llama_cpp_s_tokenizer_takes_every_text_in_one_load_as_given(f32_artifact, tiny_model_dir):
+    """The tokenizer check's ids come from llama.cpp's own tokenizer, texts as given (a backslash-n stays
+    two characters: llama-tokenize would have turned it into a newline first)."""
+    from transformers import AutoTokenizer
+
+    from kiln.optimize.gguf import llama_tokenize
+
+    texts = ["plain text", "a literal \\n escape", "", "naïve café"]
+    hf = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    assert llama_tokenize(f32_artifact[0] / "model.gguf", texts) == [
+        hf(t, add_special_tokens=False).input_ids for t in texts]
