@@ -87,9 +87,11 @@ demo: setup-demo
 # The suite's budget is ~20 minutes on a 2-core machine. Its tests mostly wait on one thread (kiln
 # subprocesses, servers starting, engines at 1-2 threads on a tiny model), so two workers nearly
 # halve it (measured: 33 min 44 s serial, 17 min 8 s with two); a file runs whole on one worker,
-# so its module fixtures are built once. --durations: CI's log names what spends the budget.
+# so its module fixtures are built once. Files go out in collection order (--no-loadscope-reorder: xdist's
+# own, most tests first, left the long few-test end-to-end files for last), which tests/conftest.py
+# starts with the slowest files. --durations: CI's log names what spends the budget.
 test: setup system-deps lint-tools
-	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=25
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder --durations=25
 
 # kiln's cache (the llama.cpp build, the demo's files, every stage) and its home (runs, the tracking
 # store) are not the checkout's: they stay. runs, mlflow.db, mlruns: what an older kiln left here.

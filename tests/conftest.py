@@ -1,4 +1,5 @@
-"""Shared test fixtures: the demo model and data, and a tiny random Llama with the demo tokenizer.
+"""Shared test fixtures: the demo model and data, and a tiny random Llama with the demo tokenizer;
+and the order the test files go out to `make test`'s workers in (slowest first).
 
 Environment is set at import time, before any test module imports transformers or MLflow:
 tests never reach a model hub. What is built or fetched once per machine (llama.cpp, the demo model
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -56,6 +58,40 @@ os.environ["KILN_CACHE"] = str(_CACHE)
 # kiln's home (runs, the default MLflow store and its artifacts: kiln.core.home) is never the user's:
 # this session's own folder for what runs before any test (session fixtures), then each test's own.
 os.environ["KILN_HOME"] = str(_CACHE / "home")
+
+
+# The files that take longest, longest first (seconds of wall on one test worker in a fresh-clone `make
+# test` on the 2-core VM, 2026-12-07). `make test` hands whole files to two workers in collection order
+# (--dist loadfile --no-loadscope-reorder): these go first so the last minutes are the many short files,
+# not one worker running a 6-minute file while the other has nothing left. xdist's own order (most tests
+# first) put most of them last, since a long end-to-end file holds few tests.
+SLOWEST_FILES = (
+    "tests/pipeline/test_search_ray.py",  # 366 s
+    "tests/pipeline/test_tracking_servers.py",  # 235 s
+    "tests/ci/test_action_runner.py",  # 232 s
+    "tests/pipeline/test_search.py",  # 103 s
+    "tests/pipeline/test_forged_evidence.py",  # 85 s
+    "tests/pipeline/test_disk_once.py",  # 69 s
+    "tests/optimize/test_gguf.py",  # 67 s
+    "tests/pipeline/test_search_goodput.py",  # 60 s
+    "tests/engine/test_llama_cpp_run.py",  # 52 s
+    "tests/pipeline/test_run_e2e.py",  # 48 s
+    "tests/pipeline/test_ui_browser.py",  # 46 s
+)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """SLOWEST_FILES first, in that order; then the others by number of tests, most first, as xdist
+    orders them by default. A stable sort: each file's own order (fixture grouping) is kept."""
+    counts = Counter(item.nodeid.split("::")[0] for item in items)
+
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        path = item.nodeid.split("::")[0]
+        slow = SLOWEST_FILES.index(path) if path in SLOWEST_FILES else len(SLOWEST_FILES)
+        return slow, -counts[path]
+
+    items.sort(key=rank)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
