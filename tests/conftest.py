@@ -94,6 +94,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=rank)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    from tests import cpu_report  # CPU seconds by file at the end of the run: what spends the suite's budget
+
+    config.pluginmanager.register(cpu_report, "kiln-cpu-report")
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     if _MADE_HERE and not hasattr(session.config, "workerinput"):
         shutil.rmtree(_CACHE, ignore_errors=True)
