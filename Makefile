@@ -101,7 +101,8 @@ demo: setup-demo
 # halve it (measured: 33 min 44 s serial, 17 min 8 s with two); a file runs whole on one worker,
 # so its module fixtures are built once. Files go out in collection order (--no-loadscope-reorder: xdist's
 # own, most tests first, left the long few-test end-to-end files for last), which tests/conftest.py
-# starts with the slowest files. --durations: CI's log names what spends the budget.
+# starts with the slowest files. --durations and the CPU seconds by file that follow them (tests/cpu_report.py):
+# CI's log names what spends the budget (on 2 cores the suite is bound by CPU, so the CPU table more than the walls).
 test: setup system-deps lint-tools
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder --durations=25
 
