@@ -72,6 +72,7 @@ def judged_recipe(recipe: Path, set_: list[str], policy_from: Path | None) -> An
     `policy_from` when given. The overrides of policy fields (gate.*, evaluate.*, baseline.*) apply to
     that policy: the command line still wins over both files."""
     from kiln.core.errors import BadInput
+    from kiln.pipeline.kv_cache_rule import unjudged_kv_cache
     from kiln.pipeline.policy import policy_digest, policy_overrides, with_policy_of
     from kiln.pipeline.recipe import load_recipe, unguarded_speculation
 
@@ -79,7 +80,8 @@ def judged_recipe(recipe: Path, set_: list[str], policy_from: Path | None) -> An
     if policy_from is None:
         return r
     judged = with_policy_of(r, load_recipe(policy_from, policy_overrides(set_)))
-    if why := unguarded_speculation(judged):  # the pinned gate must hold the recipe's speculation to its claim
+    # the pinned policy must hold the recipe's speculation to its claim and judge its KV cache at length
+    if why := unguarded_speculation(judged) or unjudged_kv_cache(judged):
         raise BadInput(f"{recipe} judged under the policy of {policy_from}: {why} (in {policy_from})")
     own, used = policy_digest(r), policy_digest(judged)
     same = f", the same as {recipe}'s)" if own == used else f"); {recipe}'s own policy {own[:12]} is not used"
