@@ -24,7 +24,9 @@ candidates:
 %s
   - name: torch-int8
     optimize: {method: int8_weight_only}
-gate: {checks: [{kind: size, max_ratio: 1}]}
+# A quantized KV cache (k-q8_0) is judged by perplexity at its ctx_per_slot (pipeline/kv_cache_rule.py).
+evaluate: {quality: {perplexity: {seq_len: 2048}}}
+gate: {checks: [{kind: size, max_ratio: 1}, {kind: quality, metric: perplexity, margin: 0.05, relative: true}]}
 """
 
 
