@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 from kiln.core.errors import BadInput
 from kiln.engine.base import BACKENDS, REBUILD, Engine, EngineBackend, keep_checkpoint_files
 from kiln.optimize.checkpoint import link_or_copy
-from kiln.engine.llama_cpp_config import LlamaCppConfig
+from kiln.engine.llama_cpp_config import DRAFT_GGUF, LlamaCppConfig, drafting_candidate
 from kiln.engine.llama_cpp_library import LlamaLibraryEngine
 from kiln.engine.llama_cpp_server import LlamaServerEngine
 
@@ -62,19 +62,38 @@ class LlamaCppBackend(EngineBackend):
             gguf.check_tokenizer(out_dir / GGUF, checkpoint, list(gguf.SAMPLE_TEXT))
         keep_checkpoint_files(checkpoint, out_dir)
         info = gguf.describe(out_dir / GGUF, kind)
+        draft = _link_draft(self.config, out_dir)  # type: ignore[attr-defined]
         return {"format": "gguf", "file": GGUF, "type": kind, "llama_cpp": VERSION,
                 "bits_per_weight": info["bits_per_weight"], "weight_bytes": info["file_bytes"],
-                "tokenizer_model": info["tokenizer_model"],
+                "tokenizer_model": info["tokenizer_model"], **({"draft": draft} if draft else {}),
                 "build_seconds": round(time.perf_counter() - started, 1)}
 
     @classmethod
     def open(cls, engine_dir: Path, config: LlamaCppConfig, manifest: dict[str, Any]) -> Engine:
         path = engine_dir / manifest["build"]["file"]
-        if not path.is_file():
-            raise BadInput(f"{engine_dir}: {path.name} is missing. {REBUILD}")
+        draft = manifest["build"].get("draft")
+        for needed in (path, *([engine_dir / draft["file"]] if draft else [])):
+            if not needed.is_file():
+                raise BadInput(f"{engine_dir}: {needed.name} is missing. {REBUILD}")
         if config.runtime == "library":
             return LlamaLibraryEngine(path, engine_dir, config)
         return LlamaServerEngine.start(path, engine_dir, config)
+
+
+def _link_draft(config: LlamaCppConfig, out_dir: Path) -> dict[str, Any] | None:
+    """Another candidate's GGUF drafting for this engine, linked in as draft.gguf and recorded as the
+    folder's own source is (the artifact's path and hash); None when no candidate drafts for it."""
+    from kiln.optimize.gguf import GGUF_FILE
+
+    draft = drafting_candidate(config)
+    if draft is None:
+        return None
+    if draft.artifact is None:
+        raise BadInput(f"engine.speculative.draft_model: candidate '{draft.candidate}''s artifact was not made "
+                       "here; build this engine through `kiln run` on the recipe that lists both candidates")
+    link_or_copy(draft.artifact / GGUF_FILE, out_dir / DRAFT_GGUF)
+    sha256 = config.speculative.draft_sha256  # type: ignore[union-attr]
+    return {"file": DRAFT_GGUF, "candidate": draft.candidate, "source": {"path": str(draft.artifact), "sha256": sha256}}
 
 
 def _artifact_field(checkpoint: Path, key: str) -> str | None:

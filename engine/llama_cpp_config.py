@@ -8,17 +8,24 @@ attention as generation.
 The levers of issue 53 (speculative decoding, KV-cache types for K and V, prompt-cache reuse) are
 fields here too. Left at their defaults they stay out of the config's dump (`exclude_if`), so every
 engine stage key and recipe digest made before they existed is unchanged.
+
+A draft model (speculative type draft) is a .gguf path or another candidate of the recipe
+(`DraftCandidate`): the recipe fills in how that candidate's artifact is made (Recipe.arms), the
+run's optimize stage makes it once under that candidate's own stage key, the engine stage names its
+bytes (`draft_sha256`, which keys the engine) and the build links it into the engine folder as
+`draft.gguf` (engine/llama_cpp.py).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from kiln.engine.base import EngineConfig
+from kiln.optimize.gguf import GgufConfig
 
 # The KV cache types the pinned llama.cpp takes (llama-server -ctk/-ctv): ggml_type ids for the binding's
 # context params, and bytes per element (a quantized type stores blocks of 32 with their scales).
@@ -29,6 +36,27 @@ KV_BYTES: dict[str, float] = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 
                               "q4_1": 20 / 32, "iq4_nl": 18 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32}
 _FLOAT_KV = ("f32", "f16", "bf16")
 NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
+DRAFT_GGUF = "draft.gguf"  # another candidate's GGUF in the engine folder, beside the model's model.gguf
+
+
+class DraftCandidate(BaseModel):
+    """A draft model given as another candidate of the same recipe (`draft_model: {candidate: NAME}`): its
+    gguf artifact drafts, e.g. the checkpoint's q4_0 for its q8_0. Every candidate of a recipe quantizes
+    the same checkpoint, so the draft shares the model's vocabulary (llama-server refuses one that does not)."""
+
+    model_config = ConfigDict(extra="forbid")
+    candidate: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+                           description="the name of another candidate of the recipe whose optimize.method is gguf")
+    optimize: GgufConfig | None = Field(
+        None, exclude_if=lambda v: v is None, description="how the draft is made: the named candidate's optimize, "
+        "filled in when the recipe splits into its candidates (Recipe.arms); a recipe leaves it out")
+    # The artifact folder the engine stage found the draft in (its optimize stage's model/), which the build
+    # links draft.gguf from: where it lies on this machine, never part of a key.
+    _artifact: Path | None = PrivateAttr(None)
+
+    @property
+    def artifact(self) -> Path | None:
+        return self._artifact
 
 
 class SpeculativeConfig(BaseModel):
@@ -47,19 +75,32 @@ class SpeculativeConfig(BaseModel):
     ngram_m: int | None = Field(
         None, ge=1, le=1024, description="n-gram types: the draft length, tokens proposed per match "
         "(--spec-ngram-<type>-size-m; ngram-mod: --spec-ngram-mod-n-max)")
-    draft_model: str | None = Field(
-        None, description="type draft: the draft model, a .gguf file with the model's vocabulary (--spec-draft-model)")
+    draft_model: str | DraftCandidate | None = Field(
+        None, description="type draft: the draft model (--spec-draft-model), a .gguf file with the model's vocabulary "
+        "or {candidate: NAME}, the gguf artifact of another candidate of the recipe (made once, linked into the "
+        "engine folder as draft.gguf)")
     draft_max: int | None = Field(None, ge=1, le=1024, description="type draft: most tokens drafted per step "
                                   "(--spec-draft-n-max)")
     draft_min: int | None = Field(
         None, ge=0, le=1024, description="type draft: fewest tokens a draft is used with (--spec-draft-n-min); "
         "ngram-mod: the fewest found tokens a draft is used with (--spec-ngram-mod-n-min, llama.cpp's default 48)")
+    draft_sha256: str | None = Field(
+        None, exclude_if=lambda v: v is None, pattern=r"^[0-9a-f]{64}$", description="type draft: the draft's "
+        "content hash (the candidate artifact's, or the .gguf file's), filled in by the engine stage so the engine's "
+        "key follows the draft's bytes; a recipe leaves it out")
 
     @model_validator(mode="after")
     def _fields_of_the_type(self) -> SpeculativeConfig:
         if why := _speculative_problem(self):
             raise ValueError(why)
         return self
+
+    def draft_file(self, beside: Path) -> str | None:
+        """The GGUF llama-server drafts with: draft_model's path, or for another candidate's artifact the
+        draft.gguf its build linked `beside` the model's GGUF; None for the n-gram types."""
+        if isinstance(self.draft_model, DraftCandidate):
+            return str(Path(beside) / DRAFT_GGUF)
+        return self.draft_model
 
 
 def _speculative_problem(s: SpeculativeConfig) -> str | None:
@@ -69,14 +110,14 @@ def _speculative_problem(s: SpeculativeConfig) -> str | None:
             return "ngram_n and ngram_m size the n-gram types; type draft is sized by draft_max and draft_min"
         if s.draft_model is None:
             return "type draft needs draft_model (a .gguf file with the model's vocabulary)"
-        path = Path(s.draft_model)
-        if path.suffix != ".gguf" or not path.is_file():
+        path = Path(s.draft_model) if isinstance(s.draft_model, str) else None  # a candidate: the recipe checks it
+        if path is not None and (path.suffix != ".gguf" or not path.is_file()):
             return (f"draft_model '{s.draft_model}' is not an existing .gguf file: give the path of a GGUF of "
                     "a smaller model with the same vocabulary (e.g. a gguf optimize artifact's model.gguf)")
         if s.draft_min is not None and s.draft_min > (s.draft_max or 3):
             return f"draft_min {s.draft_min} is above draft_max {s.draft_max or 3} (llama.cpp's default 3)"
         return None
-    if s.draft_model is not None or s.draft_max is not None:
+    if s.draft_model is not None or s.draft_max is not None or s.draft_sha256 is not None:
         return f"draft_model and draft_max belong to type draft; {s.type} drafts from the sequence's own n-grams"
     if s.type == "ngram-cache" and (s.ngram_n is not None or s.ngram_m is not None):
         return "llama.cpp's ngram-cache has fixed sizes (it reads no ngram_n or ngram_m); leave them out"
@@ -158,3 +199,28 @@ class LlamaCppConfig(EngineConfig):
     def plain_twin(self) -> LlamaCppConfig | None:
         """The same engine without speculation (the lever that claims lossless output), or None."""
         return None if self.speculative is None else self.model_copy(update={"speculative": None})
+
+    def draft_made_by(self, optimize: GgufConfig) -> LlamaCppConfig:
+        """This engine with its draft candidate told how its artifact is made (that candidate's `optimize`)."""
+        spec = self.speculative
+        assert spec is not None and isinstance(spec.draft_model, DraftCandidate), "draft_made_by: no draft candidate"
+        draft = spec.draft_model.model_copy(update={"optimize": optimize})
+        return self.model_copy(update={"speculative": spec.model_copy(update={"draft_model": draft})})
+
+    def draft_resolved(self, sha256: str, artifact: Path | None = None) -> LlamaCppConfig:
+        """This engine with its draft's bytes named (`draft_sha256`) and, for another candidate's artifact,
+        the folder on this machine the build links its GGUF from."""
+        spec = self.speculative
+        assert spec is not None and spec.type == "draft", "draft_resolved: the engine drafts with no model"
+        draft = spec.draft_model
+        if isinstance(draft, DraftCandidate):
+            draft = draft.model_copy()
+            draft._artifact = artifact
+        return self.model_copy(update={"speculative": spec.model_copy(update={"draft_sha256": sha256,
+                                                                             "draft_model": draft})})
+
+
+def drafting_candidate(engine: Any) -> DraftCandidate | None:
+    """The candidate whose artifact drafts for `engine` (any backend's config), or None."""
+    draft = getattr(getattr(engine, "speculative", None), "draft_model", None)
+    return draft if isinstance(draft, DraftCandidate) else None

@@ -49,16 +49,16 @@ def server_command(exe: Path, gguf_path: Path, port: int, config: LlamaCppConfig
             "--batch-size", str(config.batch_size), "--threads", str(threads), "--threads-batch", str(threads),
             "--cache-type-k", k, "--cache-type-v", v, "--flash-attn", config.flash_attn,
             *(["--cache-reuse", str(config.cache_reuse)] if config.cache_reuse else []),
-            *_speculative_flags(config.speculative, threads),
+            *_speculative_flags(config.speculative, threads, Path(gguf_path).parent),
             "--cont-batching", "--no-webui", "--log-disable"]
 
 
-def _speculative_flags(spec: SpeculativeConfig | None, threads: int) -> list[str]:
+def _speculative_flags(spec: SpeculativeConfig | None, threads: int, engine_dir: Path) -> list[str]:
     """llama-server's flags for `spec`; a size left None is left to llama.cpp's default for the type."""
     if spec is None:
         return []
     if spec.type == "draft":  # the draft model decodes on the same threads, between the model's steps
-        sizes = {"--spec-draft-model": spec.draft_model, "--spec-draft-n-max": spec.draft_max,
+        sizes = {"--spec-draft-model": spec.draft_file(engine_dir), "--spec-draft-n-max": spec.draft_max,
                  "--spec-draft-n-min": spec.draft_min, "--spec-draft-threads": threads,
                  "--spec-draft-threads-batch": threads}
         kind = "draft-simple"

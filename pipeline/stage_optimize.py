@@ -7,12 +7,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kiln.core.files import atomic_write_json, dir_size, hash_of, read_json, sha256_tree
+from kiln.core.files import atomic_write_json, dir_size, hash_of, read_json, sha256_file, sha256_tree
 from kiln.core.versions import library_versions
 from kiln.optimize.base import QUANTIZERS, ModelArtifact
 from kiln.optimize.memory import source_dtype
 from kiln.pipeline.demo import prepare_demo_data
-from kiln.pipeline.model_source import ResolvedModel
+from kiln.pipeline.model_source import ResolvedModel, resolve_model
 from kiln.pipeline.rss import return_freed_memory
 from kiln.pipeline.stage_inputs import read_prompts, text_path, tokenized_prompts, tokenizer_of
 from kiln.pipeline.stages import RunContext, StageOutcome, peak_rss_bytes, run_stage
@@ -99,6 +99,7 @@ def engine(ctx: RunContext, role: str, art: ModelArtifact) -> Path:
             path=ctx.outcomes["optimize:candidate"].path / "model",
             manifest=ctx.outcomes["optimize:candidate"].result["manifest"])
         cfg = with_knobs(cfg, tune_engine(ctx, candidate).result["winner"])
+    cfg = _draft_named(ctx, cfg)
 
     def compute(out: Path) -> dict[str, Any]:
         engine_dir = build_engine(cfg, art.path, art.manifest["sha256"], ctx.cache)
@@ -126,6 +127,24 @@ def engine(ctx: RunContext, role: str, art: ModelArtifact) -> Path:
                         compute, artifacts=("parity.json",), portable=False,
                         needs=lambda result: [Path(result["engine_dir"]) / ENGINE_MANIFEST])
     return Path(outcome.result["engine_dir"])
+
+
+def _draft_named(ctx: RunContext, cfg: Any) -> Any:
+    """`cfg` with its draft model's bytes named (speculative.draft_sha256, in the engine's key): a draft
+    made anew, or a .gguf rewritten at its path, builds and measures a new engine. A draft given as another
+    candidate is that candidate's artifact, made here once as role "draft" under the candidate's own
+    optimize key (so the run makes it once, whichever arm asks first); the build links it in."""
+    from kiln.engine.llama_cpp_config import LlamaCppConfig, drafting_candidate
+
+    if not isinstance(cfg, LlamaCppConfig) or cfg.speculative is None or cfg.speculative.type != "draft":
+        return cfg
+    draft = drafting_candidate(cfg)
+    if draft is None:
+        return cfg.draft_resolved(sha256_file(Path(cfg.speculative.draft_model)))  # type: ignore[arg-type]
+    if "optimize:draft" not in ctx.outcomes:
+        quantize(ctx, "draft", draft.optimize, resolve_model(ctx.recipe.model.path, ctx.cache))
+    made = ctx.outcomes["optimize:draft"]
+    return cfg.draft_resolved(made.result["manifest"]["sha256"], made.path / "model")
 
 
 def _parity_smoke(ctx: RunContext, engine_dir: Path, art: ModelArtifact) -> dict[str, Any] | None:
