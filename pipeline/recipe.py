@@ -17,12 +17,14 @@ import kiln.engine  # noqa: F401 - registers the engine backends
 import kiln.optimize  # noqa: F401 - registers the quantization methods
 from kiln.deploy.config import DeployConfig
 from kiln.engine.base import BACKENDS
+from kiln.engine.llama_cpp_config import drafting_candidate
 from kiln.evaluate.perf.config import PerformanceConfig
 from kiln.evaluate.quality.lmeval import LmEvalConfig
 from kiln.evaluate.quality.served import ServedConfig
 from kiln.evaluate.tune import TuneConfig, check_space
 from kiln.optimize.base import QUANTIZERS
 from kiln.pipeline.candidate_grid import expand_grids
+from kiln.pipeline.kv_cache_rule import unjudged_kv_cache
 from kiln.core import yaml_input
 from kiln.core.errors import BadInput
 from kiln.core.files import hash_of
@@ -238,6 +240,10 @@ class Recipe(Section):
     def _engine_takes_the_artifact(self) -> Recipe:
         if self.candidates is None:
             _check_arm(self.optimize, self.engine, "")
+            if (draft := drafting_candidate(self.engine)) and draft.optimize is None:
+                raise ValueError(f"engine.speculative.draft_model: {{candidate: {draft.candidate}}} names another "
+                                 "candidate, and this recipe lists none: give the path of a .gguf file, or list "
+                                 "both configurations under candidates")
         else:
             names = [c.name for c in self.candidates]
             if dup := sorted({n for n in names if names.count(n) > 1}):
@@ -245,6 +251,8 @@ class Recipe(Section):
             for i, c in enumerate(self.candidates):
                 if not c.champion:
                     _check_arm(c.optimize, c.engine, f"candidates.{i}.")
+                if why := _draft_problem(self.candidates, i):
+                    raise ValueError(f"candidates.{i}.engine.speculative.draft_model: {why}")
             if sum(c.champion for c in self.candidates) > 1:
                 raise ValueError("candidates: the registry has one champion; list it once")
             if self.tune is not None:
@@ -269,6 +277,8 @@ class Recipe(Section):
                 raise ValueError(f"baseline.engine.backend '{base.backend}' cannot load the unquantized checkpoint")
         if why := unguarded_speculation(self):  # speculative decoding is judged lossless, or not run
             raise ValueError(why)
+        if why := unjudged_kv_cache(self):  # a quantized KV cache is judged at the longest context it serves
+            raise ValueError(why)
         if problems := unmeasured_checks(self):
             raise ValueError("every gate check needs a stage of the recipe that measures it (unmeasured, it could "
                              "only end Inconclusive):" + "".join(f"\n    {p}" for p in problems))
@@ -284,8 +294,8 @@ class Recipe(Section):
         if self.candidates is None:
             return [("candidate", self)]
         base = self.baseline.engine or BACKENDS.config("torch")()
-        return [(c.name, self.model_copy(update={"optimize": c.optimize, "engine": c.engine, "candidates": None,
-                                                 "baseline": BaselineSection(engine=base)}))
+        return [(c.name, self.model_copy(update={"optimize": c.optimize, "engine": _drafted(c.engine, self.candidates),
+                                                 "candidates": None, "baseline": BaselineSection(engine=base)}))
                 for c in self.candidates if not c.champion]
 
     def with_champion(self, serving: dict[str, Any] | None) -> Recipe:
@@ -314,6 +324,39 @@ class Recipe(Section):
     def digest(self) -> str:
         """Content hash of the resolved recipe: keys runs and tags MLflow runs."""
         return hash_of(self.model_dump(mode="json"))
+
+
+def _draft_problem(candidates: list[CandidateSection], i: int) -> str | None:
+    """Why candidate `i`'s draft, given as another candidate (`draft_model: {candidate: NAME}`), cannot
+    draft for it; None when it can or drafts otherwise. One recipe's candidates quantize one checkpoint,
+    so the draft has the model's vocabulary."""
+    draft = drafting_candidate(candidates[i].engine)
+    if draft is None or draft.optimize is not None:  # a resolved arm (a champion as recorded) says how it is made
+        return None
+    named = {c.name: c for c in candidates}.get(draft.candidate)
+    fix = "name another candidate of this recipe whose optimize.method is gguf (e.g. a q4_0 of the checkpoint)"
+    if draft.candidate == candidates[i].name:
+        return f"candidate '{draft.candidate}' names itself; {fix}, or use an n-gram type (ngram-simple)"
+    if named is None:
+        from kiln.core.registry import did_you_mean
+
+        others = [c.name for c in candidates if c.name != candidates[i].name]
+        return f"no candidate is named '{draft.candidate}'.{did_you_mean(draft.candidate, others)} {fix.capitalize()}"
+    if named.champion:
+        return f"'{draft.candidate}' is the registry's champion, whose artifact this run does not make; {fix}"
+    if (fmt := QUANTIZERS.get(named.optimize.method).artifact_format) != "gguf":
+        return (f"'{draft.candidate}' (optimize.method {named.optimize.method}) makes a {fmt} artifact, and "
+                f"llama-server drafts with a GGUF; {fix}, or give the path of a .gguf file")
+    return None
+
+
+def _drafted(engine: Any, candidates: list[CandidateSection]) -> Any:
+    """`engine` with a draft given as another candidate told how that candidate's artifact is made (its
+    optimize): the arm is a recipe of its own, and its optimize stage makes the draft under that key."""
+    draft = drafting_candidate(engine)
+    if draft is None or draft.optimize is not None:
+        return engine
+    return engine.draft_made_by(next(c for c in candidates if c.name == draft.candidate).optimize)
 
 
 def _tune_beside_engine(data: dict[str, Any]) -> dict[str, Any]:
