@@ -41,8 +41,8 @@ def test_a_files_cpu_counts_the_subprocesses_its_tests_waited_for() -> None:
     path = "tests/x/test_burn.py"
     protocol = cpu_report.pytest_runtest_protocol(SimpleNamespace(nodeid=f"{path}::t"), None)
     next(protocol)
-    subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass"],
-                   check=True)
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass"
+    subprocess.run([sys.executable, "-c", burn], check=True)  # half a CPU-second in a child the test waits for
     with contextlib.suppress(StopIteration):
         next(protocol)
     try:
