@@ -98,8 +98,11 @@ def test_openvino_int8_drops_its_mapped_weights_after_the_repack(tiny_model_dir,
         assert engine._pipeline is None  # a quality stage builds no generation pipeline
         assert engine.score(pairs) == first
         # a batch of another shape: the CPU plugin reads the .bin again as it prepares the weights for it
-        # (135M, a batch of 4 after one of 1: the whole file resident again, 123 of 141 MiB)
-        assert engine.score(pairs[:1]) == first[:1]
+        # (135M, a batch of 4 after one of 1: the whole file resident again, 123 of 141 MiB). Its kernels
+        # for that shape may round differently: on an AVX-512 EPYC one token's logprob moved by 1e-6
+        [alone], [batched] = engine.score(pairs[:1]), first[:1]
+        assert alone.is_greedy == batched.is_greedy
+        assert alone.token_logprobs == pytest.approx(batched.token_logprobs, abs=1e-5)
         assert resident(weights) < 0.05 * weights.stat().st_size, (resident(weights), weights.stat().st_size)
         ps = parity.prompts(torch_engine.tokenizer, 3)
         got = parity.greedy(engine, ps, 6)

@@ -127,14 +127,22 @@ def runoff_run(tmp_path_factory, tiny_model_dir):
     raw.update(name="tiny-runoff", model={"path": str(tiny_model_dir)}, candidates=CANDIDATES)
     raw["evaluate"]["quality"].update(lmeval=None, agreement=False)
     raw["evaluate"]["quality"]["perplexity"]["max_documents"] = 24
-    # The speed bound is the checkpoint's; on a busy CI host it must not turn Inconclusive (test_search.py).
+    # The speed bound is the checkpoint's; on a busy CI host it must not turn Inconclusive (test_search.py):
+    # neither guard, CPU pressure nor steal (a fresh CI VM's steal moved between a pair's halves).
     raw["gate"]["checks"] = [{"kind": "quality", "metric": "perplexity", "margin": 0.05, "relative": True},
-                             {"kind": "performance", "metric": "decode_tok_s", "min_ratio": 0.1, "max_cpu_pressure": None}]
+                             {"kind": "performance", "metric": "decode_tok_s", "min_ratio": 0.1, "max_cpu_pressure": None,
+                              "max_cpu_steal": None}]
     recipe = work / "runoff.yaml"
     recipe.write_text(yaml.safe_dump(raw))
     proc = kiln("run", str(recipe), cwd=work)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {"work": work, "recipe": recipe, "run_dir": next((work / "runs").iterdir()), "proc": proc}
+
+
+def _checks(work: Path) -> str:
+    """The newest run's checks, each with its verdict and reason: why a run did not pass."""
+    verdict = json.loads((max((work / "runs").iterdir(), key=lambda p: p.stat().st_mtime) / "verdict.json").read_text())
+    return "\n".join(f"{c['name']}: {c['verdict']}: {c.get('reason', '')}" for c in verdict.get("checks", [])) + "\n"
 
 
 def _stage(path: Path) -> tuple[dict, dict]:
@@ -180,7 +188,7 @@ def test_two_passing_candidates_meet_in_a_fresh_interleaved_stage(runoff_run):
 def test_a_rerun_measures_the_runoff_again(runoff_run):
     """A runoff compares candidates at one moment: a rerun's is this run's, never an earlier one's."""
     second = kiln("run", str(runoff_run["recipe"]), cwd=runoff_run["work"])
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert second.returncode == 0, _checks(runoff_run["work"]) + second.stdout[-3000:] + second.stderr[-3000:]
     computed = [line for line in second.stdout.splitlines() if "▶" in line and "benchmark[pair]" in line]
     assert len(computed) == 2, computed  # the runoff and the winner's confirmation; the screenings reused
 
