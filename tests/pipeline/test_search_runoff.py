@@ -130,8 +130,8 @@ def runoff_run(tmp_path_factory, tiny_model_dir):
     # The speed bound is the checkpoint's; on a busy CI host it must not turn Inconclusive (test_search.py):
     # neither guard, CPU pressure nor steal (a fresh CI VM's steal moved between a pair's halves).
     raw["gate"]["checks"] = [{"kind": "quality", "metric": "perplexity", "margin": 0.05, "relative": True},
-                             {"kind": "performance", "metric": "decode_tok_s", "min_ratio": 0.1, "max_cpu_pressure": None,
-                              "max_cpu_steal": None}]
+                             {"kind": "performance", "metric": "decode_tok_s", "min_ratio": 0.1,
+                              "max_cpu_pressure": None, "max_cpu_steal": None}]
     recipe = work / "runoff.yaml"
     recipe.write_text(yaml.safe_dump(raw))
     proc = kiln("run", str(recipe), cwd=work)
