@@ -30,6 +30,19 @@ def served_engine(tiny_model_dir):
 
 
 @pytest.fixture(scope="session")
+def tiny_gguf(tiny_model_dir, tmp_path_factory):
+    """The tiny random Llama as an f32 GGUF engine folder (model.gguf beside its tokenizer), read only."""
+    from kiln.engine.cache import write_engine
+    from kiln.engine.llama_cpp_config import LlamaCppConfig
+    from tests.llama_cpp_build import require_llama_cpp
+
+    require_llama_cpp()
+    out = tmp_path_factory.mktemp("tiny-gguf")
+    write_engine(LlamaCppConfig(), tiny_model_dir, "tiny", out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def naive_greedy():
     return _naive_greedy
 

@@ -14,21 +14,9 @@ from pathlib import Path
 import pytest
 
 from kiln.engine.llama_cpp_config import LlamaCppConfig
-from tests.llama_cpp_build import require_llama_cpp
 
 SEQ_LEN = 1024  # the rule's floor, and the tiny Llama's max_position_embeddings
 DOCUMENTS = 3
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tiny_model_dir, tmp_path_factory) -> Path:
-    """The tiny random Llama as an f32 GGUF engine folder (model.gguf beside its tokenizer)."""
-    from kiln.engine.cache import write_engine
-
-    require_llama_cpp()
-    out = tmp_path_factory.mktemp("kv-perplexity")
-    write_engine(LlamaCppConfig(), tiny_model_dir, "tiny", out)
-    return out
 
 
 def _per_document_nll(folder: Path, docs: list[list[int]], v: str) -> list[float]:

@@ -20,7 +20,6 @@ from pydantic import ValidationError
 from kiln.engine.llama_cpp_config import LlamaCppConfig, SpeculativeConfig
 from kiln.engine.llama_cpp_server import LlamaServerEngine, server_command
 from kiln.pipeline.recipe import Recipe, format_errors
-from tests.llama_cpp_build import require_llama_cpp
 
 EXACT = {"cache_type": "f32", "flash_attn": "off", "threads": 1, "ctx_per_slot": 512}
 # What a llama_cpp engine config dumped to before the levers existed: every engine stage key and
@@ -125,17 +124,6 @@ def test_server_command_names_each_lever(tmp_path):
 
 
 # ----- llama-server: the levers reach the running server ---------------------------------------
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tiny_model_dir, tmp_path_factory) -> Path:
-    """The tiny random Llama as an f32 GGUF engine folder (model.gguf beside its tokenizer)."""
-    from kiln.engine.cache import write_engine
-
-    require_llama_cpp()
-    out = tmp_path_factory.mktemp("levers")
-    write_engine(LlamaCppConfig(), tiny_model_dir, "tiny", out)
-    return out
-
 
 def _server(folder: Path, **options) -> LlamaServerEngine:
     return LlamaServerEngine.start(folder / "model.gguf", folder, LlamaCppConfig(**EXACT, **options))
