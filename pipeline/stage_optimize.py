@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kiln.core.files import atomic_write_json, dir_size, hash_of, read_json, sha256_file, sha256_tree
+from kiln.core.files import atomic_write_json, cached_tree_hash, dir_size, hash_of, read_json, sha256_tree
 from kiln.core.versions import library_versions
 from kiln.optimize.base import QUANTIZERS, ModelArtifact
 from kiln.optimize.memory import source_dtype
@@ -140,7 +140,9 @@ def _draft_named(ctx: RunContext, cfg: Any) -> Any:
         return cfg
     draft = drafting_candidate(cfg)
     if draft is None:
-        return cfg.draft_resolved(sha256_file(Path(cfg.speculative.draft_model)))  # type: ignore[arg-type]
+        # remembered by the file's stat signature, as the checkpoint's hash is: a rerun does not read the draft again
+        return cfg.draft_resolved(cached_tree_hash(Path(cfg.speculative.draft_model),  # type: ignore[arg-type]
+                                                   ctx.cache / "hashes.json"))
     if "optimize:draft" not in ctx.outcomes:
         quantize(ctx, "draft", draft.optimize, resolve_model(ctx.recipe.model.path, ctx.cache))
     made = ctx.outcomes["optimize:draft"]

@@ -102,7 +102,8 @@ def test_the_engine_key_follows_the_drafts_bytes_not_its_name(tmp_path):
     draft = tmp_path / "d.gguf"
     draft.write_bytes(b"GGUF one")
     by_path = LlamaCppConfig(speculative={"type": "draft", "draft_model": str(draft)})
-    no_ctx = SimpleNamespace()  # a path draft needs no stage of the run
+    (tmp_path / "cache").mkdir()
+    no_ctx = SimpleNamespace(cache=tmp_path / "cache")  # a path draft needs no stage of the run, only the hash cache
     first = _draft_named(no_ctx, by_path)
     draft.write_bytes(b"GGUF two")
     second = _draft_named(no_ctx, by_path)
