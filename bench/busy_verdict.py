@@ -151,8 +151,8 @@ def main() -> None:
     args = p.parse_args()
     from kiln.core.files import atomic_write_json
     from kiln.engine.loader import load_engine
-    from kiln.pipeline.recipe import load_recipe
-    from kiln.pipeline.stage_inputs import _encode, read_prompts, tokenizer_of
+    from kiln.pipeline.recipe.schema import load_recipe
+    from kiln.pipeline.stages.inputs import _encode, read_prompts, tokenizer_of
 
     levels = args.levels or [0, 1, 2]
     recipe = load_recipe(args.recipe, [])

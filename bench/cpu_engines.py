@@ -84,7 +84,7 @@ METRICS = ("ttft_512_ms", "decode_tok_s_b1", "decode_tok_s_b8", "serve_tok_s_b1"
 def gguf_artifact(checkpoint: Path, kind: str, threads: int) -> Path:
     """The gguf method's artifact of `checkpoint` at `kind`, made once into the cache."""
     from kiln.optimize.gguf import Gguf, GgufConfig
-    from kiln.pipeline.demo import cache_root
+    from kiln.pipeline.demo.prepare import cache_root
     from kiln.core.files import atomic_write_json, cached_tree_hash
 
     out = cache_root() / "bench-gguf" / f"{cached_tree_hash(checkpoint, cache_root() / 'hashes.json')[:12]}-{kind}"
@@ -161,12 +161,12 @@ def measure(label: str, checkpoint: Path, threads: int, decode_tokens: int, orde
 
     # Registers the backends even before kiln.engine's __init__ imports them.
     import kiln.engine.ctranslate2
-    import kiln.engine.llama_cpp
+    import kiln.engine.llama_cpp.backend
     import kiln.engine.openvino  # noqa: F401
     from kiln.engine.base import GenerationRequest
     from kiln.engine.cache import build_engine
     from kiln.engine.loader import engine_config, load_engine
-    from kiln.pipeline.demo import cache_root
+    from kiln.pipeline.demo.prepare import cache_root
     from kiln.core.files import cached_tree_hash
 
     variant = dict(VARIANTS[label])
@@ -360,7 +360,7 @@ def main() -> None:
     p.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.model is None:
-        from kiln.pipeline.demo import demo_model_dir
+        from kiln.pipeline.demo.prepare import demo_model_dir
 
         args.model = demo_model_dir()
     if args.child:

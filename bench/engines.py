@@ -79,7 +79,7 @@ def weight_bytes(engine, checkpoint: Path) -> int:
 
 def peak_rss_mb(pid: int | str = "self") -> int:
     """A process's own peak resident set in MB (VmHWM; ru_maxrss would carry the parent's)."""
-    from kiln.pipeline.stages import peak_rss_bytes
+    from kiln.pipeline.stages.base import peak_rss_bytes
 
     return round(peak_rss_bytes(pid) / 2**20)
 
@@ -209,7 +209,7 @@ def main() -> None:
 
 
 def _demo_model() -> Path:
-    from kiln.pipeline.demo import demo_model_dir
+    from kiln.pipeline.demo.prepare import demo_model_dir
 
     return demo_model_dir()
 

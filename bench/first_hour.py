@@ -167,7 +167,8 @@ def _ended(marker: Path | None, phase: dict) -> float | None:
 def _own_recipe(clone: Path, work: Path) -> Path:
     """A copy of the demo checkpoint as the user's own model, and the recipe the docs lead to."""
     py = clone / ".venv" / "bin" / "python"
-    demo = subprocess.run([str(py), "-c", "from kiln.pipeline.demo import demo_model_dir; print(demo_model_dir())"],
+    lookup = "from kiln.pipeline.demo.prepare import demo_model_dir; print(demo_model_dir())"
+    demo = subprocess.run([str(py), "-c", lookup],
                           cwd=work, env={**os.environ, "KILN_CACHE": str(work / "cache")}, capture_output=True,
                           text=True, check=True).stdout.strip().splitlines()[-1]
     model = work / "my-finetune"

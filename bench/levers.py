@@ -47,12 +47,12 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
 
 def engines(checkpoint: Path, threads: int, variants: list[str]) -> dict[str, Any]:
     """One loaded engine per variant, each its own llama-server over the same q8_0 file."""
-    import kiln.engine.llama_cpp  # noqa: F401  (registers the backend)
+    import kiln.engine.llama_cpp.backend  # noqa: F401  (registers the backend)
     from kiln.core.files import cached_tree_hash
     from kiln.engine.cache import build_engine
     from kiln.engine.loader import engine_config, load_engine
     from kiln.optimize.gguf import GGUF_FILE
-    from kiln.pipeline.demo import cache_root
+    from kiln.pipeline.demo.prepare import cache_root
 
     artifact = cpu_engines.gguf_artifact(checkpoint, "q8_0", threads)
     digest = cached_tree_hash(artifact, cache_root() / "hashes.json")
@@ -86,7 +86,7 @@ def copied(tokens: list[int], prompt: list[int], k: int = 8) -> float:
 
 def measure(workload: str, loaded: dict[str, Any], names: list[str], n_prompts: int, n: int, rounds: int,
             threads: int) -> dict[str, Any]:
-    from kiln.pipeline.stage_inputs import tokenized_prompts
+    from kiln.pipeline.stages.inputs import tokenized_prompts
 
     prompts = tokenized_prompts(workload, n_prompts, loaded[names[0]].tokenizer)
     depth = round(statistics.mean(map(len, prompts)))
@@ -157,7 +157,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args()
     if args.model is None:
-        from kiln.pipeline.demo import demo_model_dir
+        from kiln.pipeline.demo.prepare import demo_model_dir
 
         args.model = demo_model_dir()
     names = ["plain", *[v for v in args.variants or VARIANTS if v != "plain"]]

@@ -4,7 +4,7 @@ For each GGUF type (f32, q8_0, q4_K_M of the demo model, made by the `gguf` meth
 held-out text is scored two ways:
 - `llama-perplexity -c 512 -b 512`: llama.cpp's own tool, on chunks of 512 tokens, each scored on
   its second half (tokens 257..511 given the ones before);
-- kiln: the llama_cpp engine's `score()` (in-process, engine/llama_cpp_scoring.py) on the same
+- kiln: the llama_cpp engine's `score()` (in-process, engine/llama_cpp/scoring.py) on the same
   chunks, the same halves, from the HF tokenizer's ids (the gguf method checked they match);
 and, for reference, kiln's perplexity evaluator as the demo recipe runs it (24 windows of 256).
 What the gate uses is the ratio to f32, so the figure is |ratio(kiln) / ratio(llama-perplexity) - 1|.
@@ -45,7 +45,7 @@ def llama_perplexity(gguf_path: Path, text: Path, chunks: int, threads: int) -> 
 
 def kiln_perplexities(artifact: Path, text: str, chunks: int, threads: int) -> dict[str, float]:
     from kiln.engine.cache import write_engine
-    from kiln.engine.llama_cpp import LlamaCppConfig
+    from kiln.engine.llama_cpp.backend import LlamaCppConfig
     from kiln.engine.loader import load_engine
     from kiln.evaluate.quality.base import documents
     from kiln.evaluate.quality.perplexity import perplexity
@@ -71,7 +71,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args()
-    from kiln.pipeline.demo import demo_model_dir, prepare_demo_data
+    from kiln.pipeline.demo.prepare import demo_model_dir, prepare_demo_data
     from kiln.core.files import atomic_write_json
 
     checkpoint = demo_model_dir()

@@ -46,10 +46,10 @@ PROMPT = list(range(1000, 1016))
 
 
 def engine_dirs(checkpoint: Path, kind: str, threads: int) -> dict[str, Path]:
-    import kiln.engine.llama_cpp  # noqa: F401  (registers the backend)
+    import kiln.engine.llama_cpp.backend  # noqa: F401  (registers the backend)
     from kiln.engine.cache import build_engine
     from kiln.engine.loader import engine_config
-    from kiln.pipeline.demo import cache_root
+    from kiln.pipeline.demo.prepare import cache_root
     from kiln.core.files import cached_tree_hash
 
     artifact = cpu_engines.gguf_artifact(checkpoint, kind, threads)
@@ -148,7 +148,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=OUT, help=f"result JSON (default: {OUT})")
     args = p.parse_args()
     if args.model is None:
-        from kiln.pipeline.demo import demo_model_dir
+        from kiln.pipeline.demo.prepare import demo_model_dir
 
         args.model = demo_model_dir()
     checkpoint = args.model

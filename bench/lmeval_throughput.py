@@ -156,7 +156,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from kiln.evaluate.tasks import offline_environment, prepare_tasks, task_manager
-    from kiln.pipeline.demo import demo_model_dir, prepare_demo_data
+    from kiln.pipeline.demo.prepare import demo_model_dir, prepare_demo_data
 
     offline_environment()
     import torch

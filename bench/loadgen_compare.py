@@ -50,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.engine.fake import FakeEngineConfig, FakeServer
+from kiln.engine.serve.fake import FakeEngineConfig, FakeServer
 from kiln.core.files import atomic_write_json
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -29,7 +29,7 @@ import statistics
 import time
 from pathlib import Path
 
-from kiln.engine.fake import FakeEngineConfig, FakeServer
+from kiln.engine.serve.fake import FakeEngineConfig, FakeServer
 from kiln.evaluate.perf.config import PerformanceConfig
 from kiln.evaluate.perf.metrics import achieved_rate
 from kiln.evaluate.perf.runner import run_load

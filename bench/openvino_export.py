@@ -57,7 +57,7 @@ def measure(model: Path, weights: str, threads: int, scratch: Path) -> dict[str,
     from kiln.engine.base import GenerationRequest, engine_config
     from kiln.engine.cache import write_engine
     from kiln.engine.loader import load_engine
-    from kiln.pipeline.rss import peak_rss_bytes, reset_peak_rss, return_freed_memory, rss_bytes
+    from kiln.pipeline.stages.rss import peak_rss_bytes, reset_peak_rss, return_freed_memory, rss_bytes
 
     import_first()
     config = engine_config({"config": {"backend": "openvino", "weights": weights, "threads": threads}})

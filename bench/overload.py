@@ -67,7 +67,7 @@ def _free_port() -> int:
 def build_engine(batch: int, cache: Path) -> Path:
     from kiln.engine.cache import build_engine as build
     from kiln.engine.hf_torch import TorchEngineConfig
-    from kiln.pipeline.model_source import resolve_model
+    from kiln.pipeline.recipe.model_source import resolve_model
 
     model = resolve_model("demo", cache)
     return build(TorchEngineConfig(threads=2, max_batch_size=batch), model.path, model.sha256, cache)
@@ -194,7 +194,7 @@ def main() -> None:
     a = p.parse_args()
     if a.quick:
         a.rounds, a.seconds, a.batch = 1, 20, 8
-    from kiln.pipeline.model_source import cache_root
+    from kiln.pipeline.recipe.model_source import cache_root
 
     cache = cache_root()
     engine = build_engine(a.batch, cache)

@@ -41,11 +41,11 @@ OUT = Path(__file__).parent / "results" / "prefix_cache.json"
 
 def engine_dir(checkpoint: Path, kind: str, threads: int) -> Path:
     """The llama_cpp server runtime over the gguf method's artifact, one slot, built once into the cache."""
-    import kiln.engine.llama_cpp  # noqa: F401  (registers the backend)
+    import kiln.engine.llama_cpp.backend  # noqa: F401  (registers the backend)
     from kiln.core.files import cached_tree_hash
     from kiln.engine.cache import build_engine
     from kiln.engine.loader import engine_config
-    from kiln.pipeline.demo import cache_root
+    from kiln.pipeline.demo.prepare import cache_root
 
     artifact = cpu_engines.gguf_artifact(checkpoint, kind, threads)
     digest = cached_tree_hash(artifact, cache_root() / "hashes.json")
@@ -141,7 +141,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args()
     if args.model is None:
-        from kiln.pipeline.demo import demo_model_dir
+        from kiln.pipeline.demo.prepare import demo_model_dir
 
         args.model = demo_model_dir()
     load0 = os.getloadavg()

@@ -50,8 +50,8 @@ def quantize_worker(model: Path, spec: dict, out: Path) -> dict:
     from kiln.optimize.checkpoint import read_config
     from kiln.optimize.memory import plan_memory
     from kiln.core.files import atomic_dir
-    from kiln.pipeline.stage_optimize import calibration_text
-    from kiln.pipeline.stages import peak_rss_bytes
+    from kiln.pipeline.stages.optimize import calibration_text
+    from kiln.pipeline.stages.base import peak_rss_bytes
 
     config = TypeAdapter(QUANTIZERS.config_union()).validate_python(spec)
     quantizer = QUANTIZERS.create(config)
@@ -147,7 +147,7 @@ def main() -> None:
         atomic_write_json(Path(out).with_suffix(".result.json"), result)
         print("KILN-RESULT " + json.dumps(result))
         return
-    from kiln.pipeline.demo import demo_model_dir, prepare_demo_data
+    from kiln.pipeline.demo.prepare import demo_model_dir, prepare_demo_data
 
     model = args.model or demo_model_dir()
     rows, dirs = {}, {}

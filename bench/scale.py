@@ -224,7 +224,7 @@ def _tokenizer_and_config(config: dict[str, Any], tokenizer_dir: Path, out: Path
 
 def recipe(size: str, checkpoint: Path, dtype: str, skip: list[str]) -> dict[str, Any]:
     from kiln.core.gate.quality import min_perplexity_documents
-    from kiln.pipeline.phases import family_confidence
+    from kiln.pipeline.stages.phases import family_confidence
 
     candidates = [c for c in CANDIDATES + (DEMO_TYPES if size == "135m" else []) if c["name"] not in skip]
     # 24 documents decide the perplexity check up to three candidates; the family's confidence needs more beyond
@@ -250,9 +250,9 @@ def recipe(size: str, checkpoint: Path, dtype: str, skip: list[str]) -> dict[str
 def plan(recipe_path: Path, available: int, workdir: Path, sets: tuple[str, ...] = ()) -> dict[str, Any]:
     """`kiln plan-memory` as a user runs it (its text and exit code), and the same plans' numbers.
     `sets`: recipe changes (`--set` of both), e.g. another model.path."""
-    from kiln.pipeline.memory_plan import arm_plans, run_context
-    from kiln.pipeline.model_source import cache_root, resolve_model
-    from kiln.pipeline.recipe import load_recipe
+    from kiln.pipeline.stages.memory_plan import arm_plans, run_context
+    from kiln.pipeline.recipe.model_source import cache_root, resolve_model
+    from kiln.pipeline.recipe.schema import load_recipe
 
     r = load_recipe(recipe_path, list(sets))
     model = resolve_model(r.model.path, cache_root())
@@ -419,8 +419,8 @@ def measure_size(size: str, args: argparse.Namespace) -> None:
     from kiln.core.files import atomic_write_json, atomic_write_text
     from kiln.optimize.architecture import DecoderShapes
     from kiln.optimize.memory import available_memory, parse_bytes, source_dtype
-    from kiln.pipeline.demo import demo_model_dir
-    from kiln.pipeline.recipe import apply_overrides
+    from kiln.pipeline.demo.prepare import demo_model_dir
+    from kiln.pipeline.recipe.schema import apply_overrides
 
     name, config = SIZES[size]
     work = args.workdir / size
@@ -722,7 +722,7 @@ def replan(path: Path) -> None:
     kept as `plan_at_run`), so a fix to the planner is checked against the peaks already measured."""
     from kiln.core.files import atomic_write_json
 
-    from kiln.pipeline.demo import demo_model_dir
+    from kiln.pipeline.demo.prepare import demo_model_dir
 
     r = json.loads(path.read_text())
     sets: tuple[str, ...] = ()

@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))  # the test suite's real cluster and tracking serv
 
 from kiln.core.files import atomic_write_json  # noqa: E402
 from kiln.evaluate import contention  # noqa: E402
-from kiln.pipeline.phases import PHASES  # noqa: E402
+from kiln.pipeline.stages.phases import PHASES  # noqa: E402
 from tests.conftest import build_tiny_llama  # noqa: E402
 from tests.pipeline.conftest import TINY_RECIPE, fresh_cache  # noqa: E402
 from tests.ray_cluster import ray_cluster  # noqa: E402
@@ -144,7 +144,7 @@ def main() -> None:
     args = ap.parse_args()
     if 1 not in args.nodes:
         ap.error("--nodes must include 1: the model is fitted on the one-node runs")
-    from kiln.pipeline.demo import demo_model_dir
+    from kiln.pipeline.demo.prepare import demo_model_dir
 
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="kiln-scale-") as tmp, tracking_setup("http", Path(tmp) / "store") as store:

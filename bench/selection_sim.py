@@ -1,6 +1,6 @@
 """The search's verdict survives the selection: a simulation through the real judge() (issue #18).
 
-The search (kiln.pipeline.search) judges N candidates against one baseline, promotes the fastest
+The search (kiln.pipeline.search.search) judges N candidates against one baseline, promotes the fastest
 of those whose every check is Successful, measures the winner's speed again and states that fresh
 figure. Two properties, on simulated evidence judged by kiln.core.gate.policy.judge:
 
@@ -34,7 +34,7 @@ from kiln.core.files import atomic_write_json
 from kiln.core.gate.base import Evidence, Verdict
 from kiln.core.gate.policy import GateSection, judge
 from kiln.core.gate.quality import min_perplexity_documents
-from kiln.pipeline.phases import family_confidence, for_family
+from kiln.pipeline.stages.phases import family_confidence, for_family
 
 OUT = Path(__file__).parent / "results" / "selection_sim.json"
 MARGIN = 0.05

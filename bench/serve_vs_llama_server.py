@@ -52,8 +52,8 @@ def bare_llama_server(engine_dir: Path) -> Iterator[str]:
     import subprocess
 
     from kiln.core.llama_cpp_build import binary
-    from kiln.engine.llama_cpp_config import LlamaCppConfig
-    from kiln.engine.llama_cpp_server import server_command
+    from kiln.engine.llama_cpp.config import LlamaCppConfig
+    from kiln.engine.llama_cpp.server import server_command
     from kiln.engine.remote import free_port, stop_process, wait_healthy
 
     manifest = json.loads((engine_dir / "kiln-engine.json").read_text())
@@ -195,7 +195,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args()
     if args.model is None:
-        from kiln.pipeline.demo import demo_model_dir
+        from kiln.pipeline.demo.prepare import demo_model_dir
 
         args.model = demo_model_dir()
     dirs = engine_dirs(args.model, args.type, args.threads)

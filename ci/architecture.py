@@ -69,7 +69,7 @@ def lint(root: Path = ROOT) -> subprocess.CompletedProcess[str]:
 
 
 def _node(module: str, subpackages: set[str]) -> str:
-    """kiln.evaluate.perf.metrics -> kiln.evaluate.perf; kiln.engine.server -> kiln.engine."""
+    """kiln.evaluate.perf.metrics -> kiln.evaluate.perf; kiln.engine.serve.server -> kiln.engine."""
     parts = module.split(".")
     return ".".join(parts[:3]) if ".".join(parts[:3]) in subpackages else ".".join(parts[:2])
 

@@ -62,8 +62,8 @@ def uses_demo_data(recipe: Any) -> bool:
 
 
 def demo_data_cached() -> bool:
-    from kiln.pipeline import demo_data
-    from kiln.pipeline.demo import cache_root
+    from kiln.pipeline.demo import data as demo_data
+    from kiln.pipeline.demo.prepare import cache_root
 
     return (cache_root() / "data" / demo_data.DATA_VERSION / "manifest.json").is_file()
 
@@ -79,8 +79,8 @@ def llama_cpp_key() -> str:
 def outputs(recipe_path: str, overrides: list[str], policy_from: str | None = None) -> dict[str, str]:
     from kiln.core import llama_cpp_build
     from kiln.core.errors import KilnError
-    from kiln.pipeline.policy import policy_overrides, with_policy_of
-    from kiln.pipeline.recipe import load_recipe
+    from kiln.pipeline.recipe.policy import policy_overrides, with_policy_of
+    from kiln.pipeline.recipe.schema import load_recipe
 
     try:
         recipe = load_recipe(recipe_path, overrides)

@@ -7,7 +7,7 @@ No prebuilt llama.cpp can be downloaded here, so the install step compiles it fr
 source: the llama-cpp-python sdist on PyPI vendors llama.cpp. One source for the binaries, the
 `convert_hf_to_gguf.py` converter and the Python binding: the sdist's pure-Python ctypes package
 `llama_cpp/` is copied beside the shared libraries it loads (`LLAMA_CPP_LIB_PATH`), which the
-llama_cpp engine uses in-process to score prompts (engine/llama_cpp_binding.py, engine/llama_cpp_scoring.py). The build is keyed by
+llama_cpp engine uses in-process to score prompts (engine/llama_cpp/binding.py, engine/llama_cpp/scoring.py). The build is keyed by
 that version and by the CPU's flags (`GGML_NATIVE=ON` compiles for this CPU: a cache copied to
 another CPU could crash with an illegal instruction), assembled in a build tree and renamed into
 place, under a file lock so two `make` runs build it once. In two parts where the demo asks: `--core`
@@ -87,7 +87,7 @@ def kiln_cache() -> Path:
     """kiln's one cache: $KILN_CACHE if set, else ~/.cache/kiln, whatever the current folder.
 
     Every stage, `kiln prepare-demo`, this build and its lookup, `make` and the test suite use it
-    (pipeline/demo.py's `cache_root` returns it). It is defined here because this module must run
+    (pipeline/demo/prepare.py's `cache_root` returns it). It is defined here because this module must run
     with Python's standard library alone: the Makefile runs it before kiln is installed.
     """
     return Path(os.environ.get("KILN_CACHE") or Path.home() / ".cache" / "kiln").expanduser()

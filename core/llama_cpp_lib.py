@@ -7,7 +7,7 @@ which imports its high-level `Llama` class and that needs `diskcache`, which kil
 
 It lives on the shared ground because two layers call llama.cpp in-process: the gguf quantizer
 (llama_model_quantize and the tokenizer check, optimize/gguf_native.py) and the llama_cpp engine
-(engine/llama_cpp_binding.py, which adds the binding's `_internals` wrappers). The quantizer's calls
+(engine/llama_cpp/binding.py, which adds the binding's `_internals` wrappers). The quantizer's calls
 are the whole of what `make demo` needs from llama.cpp's programs: with them, the demo's part of the
 compile is libllama alone, not the `common` library that llama-quantize and llama-tokenize link.
 """

@@ -4,7 +4,7 @@ A gate needs to know whether up is good (lm-eval's `higher_is_better` idea): che
 direction from here, never from the recipe, so a policy cannot get it backwards. It also needs to
 know what measures a metric: `measured_by` names the recipe section whose stage records it (and
 `task`, the lm-eval task that must be listed), so `kiln validate` refuses a gate check no stage of
-the recipe would measure instead of letting it end Inconclusive (kiln.pipeline.recipe).
+the recipe would measure instead of letting it end Inconclusive (kiln.pipeline.recipe.schema).
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ for _name, _up, _unit, _what in (
     declare(LOAD_PREFIX + _name, _up, _unit, f"{_what} (served over HTTP under the load shape)", "performance",
             f"{LOAD}.price_per_hour" if _name.startswith("cost_") else LOAD)
 declare("peak_rss_bytes", False, "bytes", "peak resident memory while producing the artifact", "size")
-# What each stage held (kiln.pipeline.rss): kiln's own process, and the processes it started.
+# What each stage held (kiln.pipeline.stages.rss): kiln's own process, and the processes it started.
 for _stage in ("optimize", "engine", "quality", "agreement", "served", "lmeval", "benchmark", "load"):
     declare(f"{_stage}_peak_rss_bytes", False, "bytes", f"peak resident memory of kiln's process in the {_stage} stage",
             "machine")
@@ -127,7 +127,7 @@ for _stage in ("optimize", "engine", "quality", "agreement", "served", "lmeval",
             f"peak summed PSS of the processes the {_stage} stage started", "machine")
 
 # The deciding figures a pipeline's parent MLflow run carries, so its runs table shows and sorts them
-# (kiln.pipeline.report.run_figures): the gate's figures of the candidate the run judged (a search's winner).
+# (kiln.pipeline.report.report.run_figures): the gate's figures of the candidate the run judged (a search's winner).
 SPEEDUP = "speedup"  # decode tok/s, candidate / baseline: the paired ratio of a decode speed check
 COST_PER_1M = "cost_per_1m"  # .candidate, .baseline: per 1M output tokens under the load shape, recipe's currency
 COST_PER_1M_B1 = "cost_per_1m_b1"  # .candidate, .baseline: per 1M output tokens at batch 1 (search.price_per_hour)

@@ -1,6 +1,6 @@
 """Gate policy -> Argo Rollouts AnalysisTemplates: each check becomes a PromQL query and conditions.
 
-Check -> PromQL over the metrics kiln serve exports (kiln.engine.metric_names; the pods of an arm are
+Check -> PromQL over the metrics kiln serve exports (kiln.engine.serve.metric_names; the pods of an arm are
 picked by their pod-template hash, passed in by the Rollout as args canary-hash / stable-hash):
 - ttft_ms, tpot_ms, ratio: latency(canary) / latency(stable); SLO: 1000 * latency(canary) (ms);
 - decode_tok_s, ratio: latency_tpot(stable) / latency_tpot(canary); SLO: 1 / latency_tpot(canary);
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.deploy.config import DeployConfig, KubernetesConfig
-from kiln.engine import metric_names as names
+from kiln.engine.serve import metric_names as names
 from kiln.core.errors import KilnError
 from kiln.core.gate.base import CheckConfig
 from kiln.core.gate.policy import GateSection

@@ -50,7 +50,7 @@ __all__ = ["CanaryResult", "Controller", "StepRecord", "recover_crashed_walk", "
 
 class Controller:
     """Walks one canary. `journal` records the walk and settles the version's outcome (records
-    nothing by default; kiln.pipeline.canary_journal.MlflowJournal records to MLflow)."""
+    nothing by default; kiln.pipeline.tracking.canary_journal.MlflowJournal records to MLflow)."""
 
     def __init__(self, target: DeployTarget, policy: GateSection, deploy: DeployConfig,
                  journal: CanaryJournal | None = None, log: Callable[[str], None] = print,

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kiln.engine.admission import AdmissionConfig
+from kiln.engine.serve.admission import AdmissionConfig
 
 
 class Section(BaseModel):

@@ -4,7 +4,7 @@ The controller (canary.py) knows no tracking server. It asks its journal which m
 walks, tells it that the walk started, how each step ended and how the walk ended, and asks it to
 settle the version's outcome (promoted: the registry's `champion` moves to it; the outcome is
 tagged on the version either way). This base records nothing: a walk with no tracking server,
-and the simulations. `kiln.pipeline.canary_journal.MlflowJournal` records the walk as an MLflow
+and the simulations. `kiln.pipeline.tracking.canary_journal.MlflowJournal` records the walk as an MLflow
 run with a child run per step and moves the registry's aliases; the orchestrator passes it in.
 """
 

@@ -36,8 +36,8 @@ from kiln.deploy.base import DeployTarget, Observations, observations_from
 from kiln.deploy.config import RouterConfig, RouterOptions, Section
 from kiln.deploy.proxy import upstream_key
 from kiln.deploy.router_process import RouterProcess
-from kiln.engine.admission import api_keys
-from kiln.engine.fake import FakeEngineConfig, FakeServer
+from kiln.engine.serve.admission import api_keys
+from kiln.engine.serve.fake import FakeEngineConfig, FakeServer
 from kiln.engine.remote import free_port, wait_healthy
 from kiln.core.errors import BadInput, KilnError
 

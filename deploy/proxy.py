@@ -22,8 +22,8 @@ from aiohttp import web
 from kiln.deploy.config import RouterConfig
 from kiln.deploy.observations import Comparison, Observation, is_failure
 from kiln.deploy.sse import SSERelay, continuation, max_new_tokens
-from kiln.engine import metric_names as names
-from kiln.engine.admission import STATS, Admission, api_keys
+from kiln.engine.serve import metric_names as names
+from kiln.engine.serve.admission import STATS, Admission, api_keys
 from kiln.core.errors import BadInput
 from kiln.evaluate.quality.served import served_scores
 

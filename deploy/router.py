@@ -14,7 +14,7 @@
 - Optionally mirrors a fraction of greedy requests to the other arm and scores the answers as the
   offline served-text check does. Mirrors carry no client identity, start only with free slots,
   and are cancelled first when a client would wait (proxy.py).
-- Admission control, rate limits, request logs and drain on SIGTERM come from engine/admission.py
+- Admission control, rate limits, request logs and drain on SIGTERM come from engine/serve/admission.py
   (shared with `kiln serve`).
 
 Keys: with a client key, /v1 needs `Authorization: Bearer <key>`. /admin always needs a key (it
@@ -41,8 +41,8 @@ from kiln.deploy.hashring import ReplicaRing, WeightedRing
 from kiln.deploy.observations import ArmMetrics, Window
 from kiln.deploy.proxy import UPSTREAM_ERRORS, Backend, Proxy, error_response, upstream_key
 from kiln.deploy.sse import prompt_prefix
-from kiln.engine import metric_names as names
-from kiln.engine.admission import Admission, api_keys, key_matches
+from kiln.engine.serve import metric_names as names
+from kiln.engine.serve.admission import Admission, api_keys, key_matches
 
 
 def replica_urls(url: str) -> list[str]:

@@ -40,7 +40,7 @@ def serve_router(config: RouterConfig, api_key: str | None = None, upstream_api_
     import uvloop
 
     from kiln.deploy.router import Router
-    from kiln.engine.admission import serve_until_drained
+    from kiln.engine.serve.admission import serve_until_drained
 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
@@ -80,7 +80,7 @@ class RouterProcess:
         """`admin_key`: what /admin needs; by default the (first) client key, or without one a key made
         here. Blank keys are refused here, before a child starts."""
         from kiln.deploy.proxy import upstream_key
-        from kiln.engine.admission import api_keys
+        from kiln.engine.serve.admission import api_keys
 
         clients = api_keys(api_key, "api_key")  # these raise on a blank key, here rather than in the child
         upstream_key(upstream_api_key)
@@ -111,7 +111,7 @@ class RouterProcess:
         fd = self.sock.fileno()
         cmd = [sys.executable, "-m", "kiln.deploy.router_process", self.config.model_dump_json(), str(fd)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, pass_fds=(fd,))
-        from kiln.engine.fake import _readline_with_timeout
+        from kiln.engine.serve.fake import _readline_with_timeout
 
         line = _readline_with_timeout(self.proc, self.start_timeout_s)
         if not line.startswith(READY):

@@ -35,7 +35,7 @@ def deploy_local(policy: GateSection, deploy: DeployConfig, stable: BackendSpec,
                  state_path: Path | None = None) -> CanaryResult:
     """Walk a canary on this machine. Clients send traffic to http://127.0.0.1:<port> meanwhile.
 
-    journal: what records the walk and settles the version (kiln.pipeline.canary_journal for
+    journal: what records the walk and settles the version (kiln.pipeline.tracking.canary_journal for
     MLflow); by default nothing is recorded.
     keep_serving: after the walk, keep the router and the winning arm up until SIGTERM/SIGINT
     (a real local deployment); otherwise stop everything and return.

@@ -126,7 +126,7 @@ def run_trial(config: Any, load: PerformanceConfig, knobs: dict[str, Any], check
               cache: Path) -> Trial:
     """Build (or reuse) the engine with `knobs`, serve it, run the tuning load against it over HTTP."""
     from kiln.engine.cache import build_engine
-    from kiln.engine.server_thread import ServerThread
+    from kiln.engine.serve.server_thread import ServerThread
     from kiln.evaluate.perf.runner import run_load
 
     trial, start = Trial(knobs), time.perf_counter()

@@ -1,5 +1,5 @@
 """`python -m kiln.pipeline` is the `kiln` command."""
 
-from kiln.pipeline.cli import main
+from kiln.pipeline.cli.main import main
 
 main()

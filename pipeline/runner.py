@@ -25,20 +25,21 @@ from kiln.core.files import atomic_write_json, atomic_write_text, file_lock, has
 from kiln.core.gate.base import Verdict
 from kiln.core.gate.policy import GateOutcome, judge
 from kiln.core.versions import environment, git_commit
-from kiln.pipeline import report, search
-from kiln.pipeline.evidence import evidence_from_run
-from kiln.pipeline.model_source import cache_root, resolve_model
-from kiln.pipeline.outcomes import Ending, not_judged
-from kiln.pipeline.phases import up_to
-from kiln.pipeline.recipe import Recipe
-from kiln.pipeline.rss import settle
-from kiln.pipeline.stage_evaluate import evaluate
-from kiln.pipeline.stage_gate import gate
-from kiln.pipeline.stage_inputs import check_inputs
-from kiln.pipeline.stage_optimize import engine, optimize_both
-from kiln.pipeline.stages import RunContext
-from kiln.pipeline.tracking import VERDICT, Tracker, flatten, process_tags, redact_uri, source_tags
-from kiln.pipeline.tracking import _alive as alive
+from kiln.pipeline.report import report
+from kiln.pipeline.search import search
+from kiln.pipeline.provenance.evidence import evidence_from_run
+from kiln.pipeline.recipe.model_source import cache_root, resolve_model
+from kiln.pipeline.stages.outcomes import Ending, not_judged
+from kiln.pipeline.stages.phases import up_to
+from kiln.pipeline.recipe.schema import Recipe
+from kiln.pipeline.stages.rss import settle
+from kiln.pipeline.stages.evaluate import evaluate
+from kiln.pipeline.stages.gate import gate
+from kiln.pipeline.stages.inputs import check_inputs
+from kiln.pipeline.stages.optimize import engine, optimize_both
+from kiln.pipeline.stages.base import RunContext
+from kiln.pipeline.tracking.runs import VERDICT, Tracker, flatten, process_tags, redact_uri, source_tags
+from kiln.pipeline.tracking.runs import _alive as alive
 
 
 def new_run_dir(root: Path, recipe: Recipe) -> Path:
@@ -160,9 +161,9 @@ POLICY_FILE = "policy.json"  # the policy the run is judged under and its digest
 
 def check_policy(client: Any, recipe: Recipe) -> dict[str, Any]:
     """The recipe's policy and digest, once the registered model it registers under does not pin another
-    (BadInput naming both and the ways forward; kiln.pipeline.model_registry)."""
-    from kiln.pipeline.model_registry import pinned_policy, policy_mismatch, registered_name
-    from kiln.pipeline.policy import policy, policy_digest
+    (BadInput naming both and the ways forward; kiln.pipeline.tracking.registry)."""
+    from kiln.pipeline.tracking.registry import pinned_policy, policy_mismatch, registered_name
+    from kiln.pipeline.recipe.policy import policy, policy_digest
 
     digest, name = policy_digest(recipe), registered_name(recipe)
     pinned = pinned_policy(client, name)
@@ -200,7 +201,7 @@ def _search(ctx: RunContext, model: Any) -> GateOutcome:
     """Every candidate judged, the winner (or, with none, the one that got furthest) laid out in
     the run folder as a single-candidate run is, so `kiln show`, `kiln serve RUN` and the report
     read it the same way; each candidate keeps its own folder under candidates/. How the run ends
-    is a row of kiln.pipeline.outcomes."""
+    is a row of kiln.pipeline.stages.outcomes."""
     winner, arms, policy = search.run_search(ctx, model)
     top = search.shown(arms, winner)
     stopped = [a.name for a in arms if a.budget]

@@ -147,7 +147,7 @@ def build_tiny_llama(tokenizer_dir: Path, out: Path) -> Path:
 @pytest.fixture(scope="session")
 def demo_model() -> Path:
     """The SmolLM2-135M-Instruct fp32 checkpoint folder (converted on first use, then cached)."""
-    from kiln.pipeline.demo import demo_model_dir
+    from kiln.pipeline.demo.prepare import demo_model_dir
 
     return demo_model_dir()
 
@@ -155,7 +155,7 @@ def demo_model() -> Path:
 @pytest.fixture(scope="session")
 def demo_data():
     """`DemoData`: held-out and calibration Austen text, GSM8K prompts, word-swap task."""
-    from kiln.pipeline.demo import prepare_demo_data
+    from kiln.pipeline.demo.prepare import prepare_demo_data
 
     return prepare_demo_data()
 

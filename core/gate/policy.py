@@ -43,7 +43,7 @@ class GateOutcome:
     results: list[CheckResult]
     exit_code: ExitCode
     rule: str
-    summary: str = ""  # how the run ended, in one line (kiln.pipeline.outcomes)
+    summary: str = ""  # how the run ended, in one line (kiln.pipeline.stages.outcomes)
 
     def to_dict(self) -> dict[str, Any]:
         return {"verdict": self.verdict.value, "exit_code": int(self.exit_code), "rule": self.rule,

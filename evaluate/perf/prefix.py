@@ -11,7 +11,7 @@ request field; kiln serve hands it to its engine), which one first alternating r
 The two runs of a repeat differ in their user turns only, so only the system prompt can be reused.
 
 With `router`, the load stage also sends the workload (cache on) through `kiln route` in front of two
-replicas of the arm's engine, placed by prefix and round-robin (pipeline/load_stage.py: the router
+replicas of the arm's engine, placed by prefix and round-robin (pipeline/stages/load.py: the router
 is a layer above this one), and reports both hit rates.
 
 The hit rate is the server's own figure, `usage.prompt_tokens_details.cached_tokens` over prompt

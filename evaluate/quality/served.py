@@ -77,7 +77,7 @@ def under_load(load: Callable[[], Engine], tokenizer: Path | str, prompts: Seque
                concurrency: int) -> list[list[int]]:
     """Greedy continuations streamed from a real `kiln serve` of `load()`, `concurrency` in flight."""
     from kiln.engine.remote import RemoteEngine, RemoteEngineConfig
-    from kiln.engine.server_thread import ServerThread
+    from kiln.engine.serve.server_thread import ServerThread
 
     with ServerThread(load, model_name=MODEL) as server:
         client = RemoteEngine(RemoteEngineConfig(url=server.url, model=MODEL), tokenizer)

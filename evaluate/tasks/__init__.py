@@ -3,7 +3,7 @@
 Data files live in machine-specific places (the demo data cache), so each template names its
 files as `${key}` and `render_shipped` writes a copy with the real paths, plus the derived data
 files and the `!function` helpers, into a folder that lm-eval's `TaskManager` indexes. The paths
-come in as an argument (`TaskData`: the orchestrator passes kiln.pipeline.demo's DemoData); this
+come in as an argument (`TaskData`: the orchestrator passes kiln.pipeline.demo.prepare's DemoData); this
 package builds no data. `prepare_tasks` does that for the shipped names in a task list and finds
 the folders of the user's YAMLs; `task_fingerprint` hashes what decides a task's numbers (config, data content,
 lm-eval version), never its paths, so a cached baseline result is reused only when valid.
@@ -41,7 +41,7 @@ ADAPTER_VERSION = 1  # bump when KilnLM's tokenization or scoring changes what a
 
 
 class TaskData(Protocol):
-    """The data files the shipped tasks read (kiln.pipeline.demo.DemoData has them)."""
+    """The data files the shipped tasks read (kiln.pipeline.demo.prepare.DemoData has them)."""
 
     eval_text: Path
     word_swap: Path
@@ -134,7 +134,7 @@ class TaskSet:
 def prepare_tasks(specs: list[str], work_dir: Path, data: TaskData | None = None) -> TaskSet:
     """Render the shipped tasks named in `specs` into `work_dir`; locate the user YAMLs among them.
 
-    `data`: the shipped tasks' data paths (kiln.pipeline.demo.prepare_demo_data() builds them);
+    `data`: the shipped tasks' data paths (kiln.pipeline.demo.prepare.prepare_demo_data() builds them);
     needed only when `specs` names a shipped task (`needs_data`).
     """
     shipped = [s for s in specs if s in SHIPPED]
@@ -142,7 +142,7 @@ def prepare_tasks(specs: list[str], work_dir: Path, data: TaskData | None = None
     if shipped:
         if data is None:
             raise BadInput(f"lm-eval task(s) {shipped}: kiln's shipped tasks read the demo data, and no data paths "
-                           "were given. Pass data= (kiln.pipeline.demo.prepare_demo_data(), or any object with "
+                           "were given. Pass data= (kiln.pipeline.demo.prepare.prepare_demo_data(), or any object with "
                            "eval_text, word_swap and gsm8k_answers paths).")
         include.append(render_shipped(shipped, data, Path(work_dir) / "shipped"))
     names = []

@@ -126,7 +126,7 @@ def test_cache_key_changes_with_the_patch_the_flags_and_the_cpu(monkeypatch: pyt
 
 
 def test_demo_data_is_needed_until_the_cache_holds_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kiln.pipeline import demo_data
+    from kiln.pipeline.demo import data as demo_data
 
     recipe = str(ROOT / "recipes" / "demo-int8.yaml")
     monkeypatch.setenv("KILN_CACHE", str(tmp_path / "kc"))
@@ -150,7 +150,7 @@ def test_own_data_files_need_no_demo_data(tmp_path: Path, monkeypatch: pytest.Mo
     raw["evaluate"]["benchmark"]["prompts"] = str(prompts)
     recipe = tmp_path / "own.yaml"
     recipe.write_text(yaml.safe_dump(raw))
-    from kiln.pipeline.recipe import load_recipe
+    from kiln.pipeline.recipe.schema import load_recipe
 
     load_recipe(recipe)  # valid: needs reads it, not the fallback for an invalid recipe
     assert needs.outputs(str(recipe), [])["demo-data"] == "false"
@@ -510,7 +510,7 @@ def test_the_base_branchs_expectations_decide(tmp_path: Path) -> None:
     workspace = checkouts(tmp_path, tmp_path / "model", lambda r: None, expect_head="recipes/tiny.yaml: Failed\n")
     out = prepare(tmp_path, workspace)
     assert (out["expect"], out["expect-base"], out["expect-head"]) == ("", "", "Failed")
-    from kiln.pipeline.github import policy_report
+    from kiln.pipeline.github.publish import policy_report
 
     diff = {"old": {"sha256": "a" * 64}, "new": {"sha256": "a" * 64}, "changes": []}
     outcome, section = policy_report("recipes/tiny.yaml", diff, False, "kiln-policy-approved",
@@ -559,7 +559,7 @@ def test_demo_recipe_gets_past_its_gguf_build_on_a_fresh_runner(tmp_path: Path) 
     from kiln.core.llama_cpp_build import install_dir
 
     shared = shared_build()
-    from kiln.pipeline.demo import demo_model_dir, prepare_demo_data
+    from kiln.pipeline.demo.prepare import demo_model_dir, prepare_demo_data
 
     data, model = prepare_demo_data().manifest.parent.parent, demo_model_dir().parent
     workspace, home = tmp_path / "workspace", tmp_path / "home"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.pipeline import github
+from kiln.pipeline.github import publish as github
 from kiln.core.errors import BadInput
 
 PASSWORD = "s3cret-tracking-pw"
@@ -293,7 +293,7 @@ def test_add_masks_hides_url_credentials() -> None:
 
 
 def test_the_comment_says_how_the_run_ended(tmp_path: Path, actions: dict[str, str]) -> None:
-    """The outcome table's line (kiln.pipeline.outcomes) under the title: a search whose budget ran out
+    """The outcome table's line (kiln.pipeline.stages.outcomes) under the title: a search whose budget ran out
     must read as not judged, not only as Inconclusive."""
     run_dir = make_run(tmp_path, actions, "Inconclusive", 3, CHECKS_FAIL)
     record = json.loads((run_dir / "verdict.json").read_text())

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kiln.core.errors import BadInput
-from kiln.pipeline.github_changes import changed_recipes, referenced_paths, removed_recipes, runner_of
+from kiln.pipeline.github.changes import changed_recipes, referenced_paths, removed_recipes, runner_of
 
 FILES = {
     "recipes/cpu.yaml": "name: cpu\nmodel: {path: models/tiny}\nengine: {backend: torch}\n",

@@ -1,7 +1,7 @@
 """How CI reviews a pull request's recipe: `kiln policy diff` (each difference of two policies,
 stricter, looser or changed), and `kiln run/validate --policy-from` (the base branch's policy judges).
 
-The classification is pure (kiln.pipeline.policy): tested on the policies of real recipes, edited
+The classification is pure (kiln.pipeline.recipe.policy): tested on the policies of real recipes, edited
 as a pull request would edit them.
 """
 
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kiln.pipeline.policy import (CHANGED, LOOSER, STRICTER, overall, policy, policy_changes, policy_digest,
+from kiln.pipeline.recipe.policy import (CHANGED, LOOSER, STRICTER, overall, policy, policy_changes, policy_digest,
                                   policy_overrides)
-from kiln.pipeline.recipe import Recipe, load_recipe
+from kiln.pipeline.recipe.schema import Recipe, load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "recipes" / "demo-int8.yaml"

@@ -131,7 +131,7 @@ def test_composite_action_shape() -> None:
 
 def test_action_reads_the_outputs_kiln_writes(tmp_path: Path) -> None:
     """ci/action.yml reads steps.run.outputs.X; publish (or no-verdict) must write every X."""
-    from kiln.pipeline import github
+    from kiln.pipeline.github import publish as github
 
     out = tmp_path / "out.txt"
     github.publish_no_verdict(tmp_path / "runs", "r.yaml", 2, "", {"GITHUB_OUTPUT": str(out)})

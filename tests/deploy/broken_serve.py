@@ -8,7 +8,7 @@ TorchEngine. For test_prometheus.py's canary that serves fast, error-free, wrong
 from __future__ import annotations
 
 from kiln.engine import hf_torch
-from kiln.pipeline.cli import main
+from kiln.pipeline.cli.main import main
 from tests.evaluate.broken_engine import BatchBrokenEngine
 
 if __name__ == "__main__":

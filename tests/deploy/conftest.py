@@ -17,7 +17,7 @@ REPO = HERE.parents[1]
 @pytest.fixture
 def mlflow_registry(tmp_path):
     """A sqlite MLflow store with model 'smol': version 1 is champion, version 2 the challenger."""
-    from kiln.pipeline.tracking import Tracker
+    from kiln.pipeline.tracking.runs import Tracker
 
     from tests.pipeline.attested import attested_version
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kiln.engine.fake import FakeEngineConfig
+from kiln.engine.serve.fake import FakeEngineConfig
 
 # Slow enough that a loaded 2-core machine's scheduling jitter stays small next to them.
 BASE = {"ttft_ms": 40.0, "tpot_ms": 15.0}

@@ -14,8 +14,8 @@ from aiohttp import web
 
 from kiln.deploy.config import RouterConfig
 from kiln.deploy.router_process import RouterProcess
-from kiln.engine.admission import STATS, Admission, AdmissionConfig
-from kiln.engine.fake import FakeServer
+from kiln.engine.serve.admission import STATS, Admission, AdmissionConfig
+from kiln.engine.serve.fake import FakeServer
 from tests.deploy.fakes import fake
 
 
@@ -137,7 +137,7 @@ def test_sigterm_exit_is_bounded_by_the_drain_timeout():
     """A stream longer than the drain: the router exits about a second after drain_timeout_s
     (measured 1.68 s with a 1 s drain; it waited aiohttp's 60 s shutdown timeout before), and
     the stream it cut ends with an error event and [DONE], not a dropped connection."""
-    from kiln.engine.admission import CUT_AFTER_DRAIN_S
+    from kiln.engine.serve.admission import CUT_AFTER_DRAIN_S
 
     drain = 1.0
     with FakeServer(fake(ttft_ms=10, tpot_ms=200)) as s:  # 100 tokens: a 20 s stream
@@ -167,7 +167,7 @@ def test_sigterm_exit_is_bounded_by_the_drain_timeout():
 def test_every_request_is_counted_by_outcome():
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from kiln.engine import metric_names as names
+    from kiln.engine.serve import metric_names as names
 
     async def main() -> str:
         admission = Admission(AdmissionConfig(max_concurrency=1, max_queue=0))

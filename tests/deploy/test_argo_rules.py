@@ -16,7 +16,7 @@ from kiln.deploy.config import CanaryStep, DeployConfig, KubernetesConfig
 from kiln.deploy.kubernetes import render
 from kiln.core.errors import BadInput
 from kiln.core.gate.policy import GateSection
-from kiln.pipeline.recipe import load_recipe
+from kiln.pipeline.recipe.schema import load_recipe
 
 REPO = Path(__file__).parents[2]
 PROM = {"prometheus": {"address": "http://p", "query": "up"}}
@@ -170,7 +170,7 @@ def test_the_served_prefix_check_renders_on_the_routers_mirrored_scores():
     with the live gate's statistic, in the guard and the step gate (not at 100%: mirrors need
     stable), and Argo's rules hold; without mirroring it is skipped with the reason."""
     from kiln.deploy.config import RouterOptions
-    from kiln.engine import metric_names as names
+    from kiln.engine.serve import metric_names as names
 
     served = [c for c in load_recipe(REPO / "recipes" / "demo.yaml").gate.checks if c.metric == "served_prefix"]
     policy = GateSection(checks=[*TTFT_BOTH.checks, *served])

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from kiln.pipeline.canary_journal import TrackedController as Controller
+from kiln.pipeline.tracking.canary_journal import TrackedController as Controller
 from kiln.deploy.config import CanaryStep, DeployConfig, RouterOptions
 from kiln.deploy.loadgen import SteadyLoad
 from kiln.deploy.local import BackendSpec, LocalTarget

@@ -107,7 +107,7 @@ def test_agreement_from_mirrored_requests():
 def test_the_recipes_served_prefix_check_is_judged_live_with_its_own_threshold():
     """The demo recipe's offline check (served_prefix >= 0.3) judges mirrored prompts: a correct int8
     build (offline 0.77-0.88) passes, the engine that corrupts batched tokens (0.031) fails."""
-    from kiln.pipeline.recipe import load_recipe
+    from kiln.pipeline.recipe.schema import load_recipe
 
     gate = load_recipe(Path(__file__).parents[2] / "recipes" / "demo.yaml").gate
     served = [c for c in gate.checks if c.metric == "served_prefix"]

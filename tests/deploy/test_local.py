@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from kiln.deploy.config import CanaryStep, DeployConfig, RouterOptions
 from kiln.deploy.local import BackendSpec, LocalTarget
 
-SERVE = ("from kiln.engine.fake import serve_fake, FakeEngineConfig; "
+SERVE = ("from kiln.engine.serve.fake import serve_fake, FakeEngineConfig; "
          "serve_fake(FakeEngineConfig(ttft_ms=5, tpot_ms=2, model='{name}'), port={{port}})")
 
 

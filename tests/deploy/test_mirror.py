@@ -14,9 +14,9 @@ from aiohttp import web
 
 from kiln.deploy.config import RouterConfig
 from kiln.deploy.router_process import RouterProcess
-from kiln.engine import metric_names as names
-from kiln.engine.admission import AdmissionConfig
-from kiln.engine.fake import FakeServer
+from kiln.engine.serve import metric_names as names
+from kiln.engine.serve.admission import AdmissionConfig
+from kiln.engine.serve.fake import FakeServer
 from tests.deploy.fakes import fake
 from tests.deploy.test_router import body, post_all
 

@@ -194,7 +194,7 @@ def test_step_verdicts_on_fake_canaries_that_export_kiln_serves_names(tmp_path):
     HTTP 500 fails the error rate (a fixed seed: 10 of its 100 requests fail every run)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from kiln.engine.fake import FakeServer
+    from kiln.engine.serve.fake import FakeServer
     from tests.deploy.fakes import fake
 
     # seed 4: exactly 10 of the first 100 requests draw an injected HTTP 500
@@ -330,7 +330,7 @@ def _stop(procs: list) -> None:
 
 
 def _dropped(router: str) -> int:
-    from kiln.engine import metric_names as names
+    from kiln.engine.serve import metric_names as names
 
     text = _get(router + "/metrics")[1].decode()
     return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()

@@ -16,8 +16,8 @@ import jsonschema
 import pytest
 import yaml
 
-from kiln.pipeline.ray_executor import TIMED
-from kiln.pipeline.recipe import load_recipe
+from kiln.pipeline.search.ray_executor import TIMED
+from kiln.pipeline.recipe.schema import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 MANIFEST = REPO / "deploy" / "ray" / "rayjob.yaml"

@@ -16,7 +16,7 @@ import pytest
 from kiln.deploy.config import RouterConfig
 from kiln.deploy.loadgen import SteadyLoad
 from kiln.deploy.router_process import RouterProcess
-from kiln.engine.fake import FakeServer
+from kiln.engine.serve.fake import FakeServer
 from tests.deploy.fakes import fake
 
 

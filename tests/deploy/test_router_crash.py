@@ -76,7 +76,7 @@ with LocalTarget(command_arm('old'), command_arm('new'), CONFIG.router) as targe
     print(target.url, flush=True)
     Controller(target, POLICY, CONFIG, log=lambda _: None, state_path=sys.argv[1]).run()
 """
-SERVE = ("from kiln.engine.fake import serve_fake, FakeEngineConfig; "
+SERVE = ("from kiln.engine.serve.fake import serve_fake, FakeEngineConfig; "
          "serve_fake(FakeEngineConfig(ttft_ms=5, tpot_ms=2, model='{name}'), port={{port}})")
 
 

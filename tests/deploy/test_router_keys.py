@@ -23,7 +23,7 @@ from kiln.deploy.config import RouterConfig
 from kiln.deploy.local import BackendSpec, LocalTarget
 from kiln.deploy.router import Router
 from kiln.deploy.router_process import RouterProcess
-from kiln.engine.fake import FakeServer
+from kiln.engine.serve.fake import FakeServer
 from tests.deploy.fakes import fake
 from tests.deploy.test_router import body, post_all
 

@@ -14,7 +14,7 @@ import pytest
 from kiln.deploy.config import RouterConfig
 from kiln.deploy.hashring import ReplicaRing
 from kiln.deploy.router_process import RouterProcess
-from kiln.engine.fake import FakeServer
+from kiln.engine.serve.fake import FakeServer
 from tests.deploy.fakes import fake
 
 URLS = [f"http://127.0.0.1:{8000 + k}" for k in range(3)]

@@ -33,7 +33,7 @@ def served_engine(tiny_model_dir):
 def tiny_gguf(tiny_model_dir, tmp_path_factory):
     """The tiny random Llama as an f32 GGUF engine folder (model.gguf beside its tokenizer), read only."""
     from kiln.engine.cache import write_engine
-    from kiln.engine.llama_cpp_config import LlamaCppConfig
+    from kiln.engine.llama_cpp.config import LlamaCppConfig
     from tests.llama_cpp_build import require_llama_cpp
 
     require_llama_cpp()

@@ -93,7 +93,7 @@ def reference(context_model):
 def _build(name: str, checkpoint: Path, out: Path) -> Engine:
     """Each local backend at full precision, with the small batch limits that make requests queue."""
     from kiln.engine.ctranslate2 import CTranslate2Config
-    from kiln.engine.llama_cpp_config import LlamaCppConfig
+    from kiln.engine.llama_cpp.config import LlamaCppConfig
     from kiln.engine.openvino import OpenVINOConfig
     from tests.llama_cpp_build import require_llama_cpp
 
@@ -180,7 +180,7 @@ def plain_llama(llama_folder):
 
 @pytest.fixture(scope="module", params=list(SPECULATIVE))
 def speculative(request, llama_folder):
-    from kiln.engine.llama_cpp import GGUF
+    from kiln.engine.llama_cpp.backend import GGUF
     from kiln.engine.loader import load_engine
 
     folder, spec = llama_folder, {**SPECULATIVE[request.param]}

@@ -159,8 +159,8 @@ def test_kiln_run_refuses_it_before_any_stage(tiny_phi3, tmp_path):
 
 
 def test_each_arm_of_a_search_is_checked_in_its_own_field():
-    from kiln.pipeline.recipe import Recipe
-    from kiln.pipeline.stage_inputs import check_backends
+    from kiln.pipeline.recipe.schema import Recipe
+    from kiln.pipeline.stages.inputs import check_backends
     from tests.pipeline.conftest import TINY_RECIPE
 
     raw = {k: v for k, v in TINY_RECIPE.items() if k not in ("optimize", "engine")}

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kiln.engine.fake import FakeEngineConfig, FakeServer
+from kiln.engine.serve.fake import FakeEngineConfig, FakeServer
 
 
 def _post(url: str, body: dict, key: str | None = None) -> tuple[int, bytes]:

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from kiln.engine.base import GenerationRequest
-from kiln.engine.llama_cpp_config import LlamaCppConfig, SpeculativeConfig
-from kiln.engine.llama_cpp_server import server_command
+from kiln.engine.llama_cpp.config import LlamaCppConfig, SpeculativeConfig
+from kiln.engine.llama_cpp.server import server_command
 from kiln.optimize.gguf import Gguf, GgufConfig
 from kiln.core.errors import BadInput
 from tests.engine import parity
@@ -96,7 +96,7 @@ def test_cache_prompt_false_prefills_the_whole_prompt_again(llama_f32, monkeypat
     llama-server's own count of prompt tokens it evaluated (`timings.prompt_n`, sent with every chunk
     when the test adds `timings_per_token`) shows what kiln asked for, and the cache still serves a
     request that allows it."""
-    from kiln.engine import llama_cpp_server as llama_cpp
+    from kiln.engine.llama_cpp import server as llama_cpp
 
     evaluated: list[int] = []
 
@@ -183,7 +183,7 @@ def test_kiln_serve_streams_concurrent_mixed_lengths_with_and_without_logprobs(l
 
     import openai
 
-    from kiln.engine.server_thread import ServerThread
+    from kiln.engine.serve.server_thread import ServerThread
 
     ps = mixed_prompts(llama_any.vocab_size, 3)
     want = parity.greedy(torch_engine, ps, 8)
@@ -218,7 +218,7 @@ def test_kiln_serve_drives_the_engine_from_its_event_loop(llama_f32, torch_engin
 
     import openai
 
-    from kiln.engine.server_thread import ServerThread
+    from kiln.engine.serve.server_thread import ServerThread
 
     ps = mixed_prompts(llama_f32.vocab_size, 4)
     want = parity.greedy(torch_engine, ps, 12)
@@ -257,8 +257,8 @@ def test_a_stream_that_breaks_fails_its_request_alone(llama_f32, torch_engine, m
 
     import openai
 
-    import kiln.engine.llama_cpp_server as llama_cpp
-    from kiln.engine.server_thread import ServerThread
+    import kiln.engine.llama_cpp.server as llama_cpp
+    from kiln.engine.serve.server_thread import ServerThread
 
     ps = mixed_prompts(llama_f32.vocab_size, 5)[:5]
     poison = ps[4]
@@ -305,9 +305,9 @@ def test_a_silent_llama_server_fails_its_streams_and_serving_goes_on(llama_f32, 
 
     import openai
 
-    import kiln.engine.llama_cpp_server as llama_cpp
-    import kiln.engine.scheduler as scheduler
-    from kiln.engine.server_thread import ServerThread
+    import kiln.engine.llama_cpp.server as llama_cpp
+    import kiln.engine.serve.scheduler as scheduler
+    from kiln.engine.serve.server_thread import ServerThread
 
     monkeypatch.setattr(llama_cpp, "_SILENCE_S", 1.0)
     monkeypatch.setattr(scheduler, "_WATCH_S", 0.2)
@@ -413,7 +413,7 @@ def test_library_runtime_ends_a_sequence_whose_slot_is_full(tiny_model_dir, tmp_
     """In-process, a slot holds ctx_per_slot positions: a sequence whose prompt and answer fill them
     ends with "length", its neighbour (and the slot's next user) unharmed; a prompt that does not
     fit, or holds an id outside the vocabulary, is refused before it is queued."""
-    from kiln.engine.llama_cpp_library import LlamaLibraryEngine
+    from kiln.engine.llama_cpp.library import LlamaLibraryEngine
 
     engine = parity.build(LlamaCppConfig(runtime="library", threads=1, parallel=2, ctx_per_slot=32, **EXACT),
                           tiny_model_dir, tmp_path / "e")
@@ -469,7 +469,7 @@ def test_the_scorer_hands_each_sequence_over_as_it_is_decoded(tiny_model_dir, tm
     logits, not the group's; each is its own array, not llama.cpp's buffer, which the next decode
     overwrites."""
     from kiln.engine import full_logits
-    from kiln.engine.llama_cpp_scoring import SCORING_ROWS
+    from kiln.engine.llama_cpp.scoring import SCORING_ROWS
 
     engine = parity.build(LlamaCppConfig(runtime="library", threads=1, parallel=1, ctx_per_slot=512, batch_size=512,
                                          **EXACT), tiny_model_dir, tmp_path / "e")
@@ -501,7 +501,7 @@ def test_the_scorer_hands_each_sequence_over_as_it_is_decoded(tiny_model_dir, tm
 def test_recipe_validation(tmp_path, tiny_model_dir):
     """A recipe gating perplexity, agreement and lm-eval on llama_cpp validates (it scores now); a
     gguf artifact still needs that engine."""
-    from kiln.pipeline.recipe import load_recipe
+    from kiln.pipeline.recipe.schema import load_recipe
     from tests.pipeline.conftest import write_recipe
 
     recipe = write_recipe(tmp_path / "r.yaml", tiny_model_dir, optimize={"method": "gguf", "type": "q8_0"},

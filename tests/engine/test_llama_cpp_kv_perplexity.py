@@ -1,5 +1,5 @@
 """A quantized KV cache reaches the scorer that judges it: perplexity at the length the recipe rule asks
-for (1024 tokens, kiln.pipeline.kv_cache_rule) moves when only the V cache's type changes.
+for (1024 tokens, kiln.pipeline.recipe.kv_cache_rule) moves when only the V cache's type changes.
 
 The recipe rule refuses a quantized KV cache unless a gated perplexity check scores documents of at
 least 1024 tokens; that is worth something only if the scorer runs with the candidate's KV types. The
@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from kiln.engine.llama_cpp_config import LlamaCppConfig
+from kiln.engine.llama_cpp.config import LlamaCppConfig
 
 SEQ_LEN = 1024  # the rule's floor, and the tiny Llama's max_position_embeddings
 DOCUMENTS = 3
 
 
 def _per_document_nll(folder: Path, docs: list[list[int]], v: str) -> list[float]:
-    from kiln.engine.llama_cpp_library import LlamaLibraryEngine
+    from kiln.engine.llama_cpp.library import LlamaLibraryEngine
     from kiln.evaluate.quality.perplexity import perplexity
 
     config = LlamaCppConfig(runtime="library", threads=1, parallel=1, ctx_per_slot=SEQ_LEN, cache_type="f16",

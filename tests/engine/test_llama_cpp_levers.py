@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from kiln.engine.llama_cpp_config import LlamaCppConfig, SpeculativeConfig
-from kiln.engine.llama_cpp_server import LlamaServerEngine, server_command
-from kiln.pipeline.recipe import Recipe, format_errors
+from kiln.engine.llama_cpp.config import LlamaCppConfig, SpeculativeConfig
+from kiln.engine.llama_cpp.server import LlamaServerEngine, server_command
+from kiln.pipeline.recipe.schema import Recipe, format_errors
 
 EXACT = {"cache_type": "f32", "flash_attn": "off", "threads": 1, "ctx_per_slot": 512}
 # What a llama_cpp engine config dumped to before the levers existed: every engine stage key and
@@ -230,7 +230,7 @@ def test_cache_reuse_serves_a_shifted_chunk_from_the_cache(tiny_gguf):
 
 def _kv_bytes(context, seq: int = 0) -> int:
     """Bytes of one sequence's KV cache as llama.cpp would save it (its state: the cells' K and V rows)."""
-    from kiln.engine.llama_cpp_binding import binding
+    from kiln.engine.llama_cpp.binding import binding
 
     return int(binding().llama_cpp.llama_state_seq_get_size(context.ctx, seq))
 
@@ -239,7 +239,7 @@ def test_kv_cache_types_reach_the_library_runtime_and_the_scorer(tiny_gguf):
     """A q8_0 K cache stores 34 bytes per 32 values against f16's 64: with V at f16, a sequence's KV
     takes (34/32 + 2) / 4 = 0.77 of an all-f16 one, in the library runtime's generation context (read
     mid-generation) and in the scorer's (read after scoring)."""
-    from kiln.engine.llama_cpp_library import LlamaLibraryEngine
+    from kiln.engine.llama_cpp.library import LlamaLibraryEngine
     from kiln.engine.base import GenerationRequest
 
     sizes = {}

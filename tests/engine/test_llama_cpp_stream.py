@@ -1,4 +1,4 @@
-"""The llama_cpp engine's stream reader (engine/llama_cpp_stream.py) against a scripted HTTP
+"""The llama_cpp engine's stream reader (engine/llama_cpp/stream.py) against a scripted HTTP
 server, no llama.cpp needed: chunked SSE cut at any byte still yields every payload in order,
 and an HTTP error, an error event or a stream cut before its end raise with the server's words."""
 
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from kiln.engine.llama_cpp_stream import Completion
+from kiln.engine.llama_cpp.stream import Completion
 from kiln.core.errors import BadInput
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.engine.server_thread import ServerThread
+from kiln.engine.serve.server_thread import ServerThread
 
 KEY = "lm-eval-key"
 

@@ -60,7 +60,7 @@ def test_drop_behind_keeps_a_one_pass_reader_from_holding_the_file(tmp_path):
 def test_llama_cpp_holds_no_mapped_copy_after_load(tiny_model_dir, tmp_path, torch_engine):
     """llama.cpp maps the GGUF with MAP_POPULATE and repacks some types at load: the whole file was
     resident after the load, beside any repacked copy. Now only what a decode reads comes back."""
-    from kiln.engine.llama_cpp_config import LlamaCppConfig
+    from kiln.engine.llama_cpp.config import LlamaCppConfig
     from kiln.optimize.gguf import GGUF_FILE
     from tests.engine import parity
     from tests.llama_cpp_build import require_llama_cpp

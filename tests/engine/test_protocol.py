@@ -1,4 +1,4 @@
-"""TextStream (engine/protocol.py): incremental detokenization against decoding the whole text.
+"""TextStream (engine/serve/protocol.py): incremental detokenization against decoding the whole text.
 
 The reference below is the whole-text rule TextStream replaced: decode every id each token, cut
 at the first stop string, hold back a trailing incomplete character and a possible stop prefix.
@@ -12,7 +12,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from kiln.engine.protocol import TextStream
+from kiln.engine.serve.protocol import TextStream
 
 SAMPLES = ("Emma Woodhouse, handsome, clever, and rich. ", "日本語のテキスト、", "naïve café — déjà vu ",
            "🙂🚀 emoji 👩‍👩‍👧 ", "Ελληνικά και русский ", "x = 1; y += 2\n\n\t", "  spaced   out  ")

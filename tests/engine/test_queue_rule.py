@@ -1,4 +1,4 @@
-"""The queue rule of engine/admission.py: slots from the engine's batch, a queue bounded by the
+"""The queue rule of engine/serve/admission.py: slots from the engine's batch, a queue bounded by the
 estimated wait (not a count), Retry-After that is that estimate. A handler with known timings
 stands in for the engine, so the estimates can be checked against what really happened."""
 
@@ -10,7 +10,7 @@ import time
 import aiohttp
 from aiohttp import web
 
-from kiln.engine.admission import ARRIVAL, MIN_SAMPLES, SERVE_ADMISSION, STATS, Admission, AdmissionConfig
+from kiln.engine.serve.admission import ARRIVAL, MIN_SAMPLES, SERVE_ADMISSION, STATS, Admission, AdmissionConfig
 
 FIRST_S = 0.05  # slot to first token
 HOLD_S = 0.5  # slot to last token

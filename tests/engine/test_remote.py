@@ -9,7 +9,7 @@ from kiln.engine.base import GenerationRequest
 from kiln.engine.cache import build_engine
 from kiln.engine.loader import load_engine
 from kiln.engine.remote import RemoteEngine, RemoteEngineConfig
-from kiln.engine.server_thread import ServerThread
+from kiln.engine.serve.server_thread import ServerThread
 from kiln.core.errors import BadInput
 
 KEY = "remote-key"

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kiln.engine.base import GenerationRequest
-from kiln.engine.server_thread import ServerThread
+from kiln.engine.serve.server_thread import ServerThread
 
 KEY = "test-key"
 C, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -163,7 +163,7 @@ def test_the_scheduler_fails_only_the_request_that_breaks_the_step(tiny_model_di
     import asyncio
 
     from kiln.engine.hf_torch import TorchEngine, TorchEngineConfig
-    from kiln.engine.scheduler import Metrics, Scheduler
+    from kiln.engine.serve.scheduler import Metrics, Scheduler
 
     engine = TorchEngine(tiny_model_dir, TorchEngineConfig(threads=1))  # this test's scheduler owns it
 

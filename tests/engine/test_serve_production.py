@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from kiln.engine.admission import AdmissionConfig
-from kiln.engine.server_thread import ServerThread
+from kiln.engine.serve.admission import AdmissionConfig
+from kiln.engine.serve.server_thread import ServerThread
 
 KEY = "test-key"
 
@@ -222,7 +222,7 @@ def test_kiln_serve_drains_on_sigterm_and_exits_0(tiny_model_dir, tmp_path):
 
 
 def test_slots_default_to_the_engine_batch_size(served_engine):
-    from kiln.engine.admission import SERVE_ADMISSION
+    from kiln.engine.serve.admission import SERVE_ADMISSION
 
     with ServerThread(served_engine, api_key=KEY, admission=SERVE_ADMISSION) as srv:
         slots = _metric(srv.url, "kiln:admission_slots")
@@ -236,7 +236,7 @@ def test_kiln_serve_exit_is_bounded_by_the_drain_timeout_and_cut_answers_end_cle
     other request gets a 503 JSON error, and the log counts both as cut."""
     import os
 
-    from kiln.engine.admission import CUT_AFTER_DRAIN_S
+    from kiln.engine.serve.admission import CUT_AFTER_DRAIN_S
     from kiln.engine.cache import build_engine
     from kiln.engine.hf_torch import TorchEngineConfig
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from kiln.engine.base import GenerationRequest
-from kiln.engine.server_thread import ServerThread
+from kiln.engine.serve.server_thread import ServerThread
 
 KEY = "test-key"
 
@@ -220,7 +220,8 @@ def test_serve_as_a_subprocess(tiny_model_dir, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "KILN_API_KEY": KEY}
-    proc = subprocess.Popen([sys.executable, "-m", "kiln.engine.server", str(engine_dir), "--port", str(port)], env=env)
+    argv = [sys.executable, "-m", "kiln.engine.serve.server", str(engine_dir), "--port", str(port)]
+    proc = subprocess.Popen(argv, env=env)
     try:
         deadline = time.monotonic() + 300
         while True:

@@ -77,7 +77,7 @@ def test_a_model_compared_with_itself_is_never_failed_beside_a_busy_process(tiny
     from kiln.core.gate.base import Evidence, Verdict
     from kiln.core.gate.policy import judge
     from kiln.evaluate.contention import Watch, as_metrics
-    from kiln.pipeline.recipe import GateSection
+    from kiln.pipeline.recipe.schema import GateSection
 
     engine = TorchEngine(tiny_model_dir, TorchEngineConfig(threads=1))
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])

@@ -142,7 +142,7 @@ def test_a_near_tie_passes_and_is_counted():
 
 def test_a_recipe_with_speculation_and_no_lossless_check_is_refused(tmp_path):
     from kiln.core.errors import BadInput, ExitCode
-    from kiln.pipeline.recipe import load_recipe
+    from kiln.pipeline.recipe.schema import load_recipe
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text("name: x\ncandidates:\n"
@@ -162,8 +162,8 @@ def test_a_recipe_with_speculation_and_no_lossless_check_is_refused(tmp_path):
 def test_the_twin_is_loaded_without_the_lever():
     """A speculative engine's folder loaded with its twin's options: the manifest's `speculative`, which
     the twin's dump leaves out at its default, must be overridden, not kept."""
-    from kiln.engine.llama_cpp_config import LlamaCppConfig
-    from kiln.pipeline.stage_lossless import twin_options
+    from kiln.engine.llama_cpp.config import LlamaCppConfig
+    from kiln.pipeline.stages.lossless import twin_options
 
     built = LlamaCppConfig(speculative={"type": "ngram-simple"}, cache_reuse=4).model_dump(mode="json")
     twin = LlamaCppConfig.model_validate(built).plain_twin()

@@ -15,7 +15,7 @@ from rich.console import Console
 
 from kiln.evaluate.tune import TuneConfig, Trial, mark, pareto_front, settings, with_knobs
 from kiln.core.errors import BadInput, KilnError
-from kiln.pipeline.recipe import Recipe, load_recipe
+from kiln.pipeline.recipe.schema import Recipe, load_recipe
 from tests.pipeline.conftest import kiln
 
 GATE = {"checks": [{"kind": "size", "max_ratio": 1.0}]}
@@ -118,8 +118,8 @@ def test_a_setting_that_cannot_be_built_is_a_failed_trial(tmp_path):
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory, tiny_model_dir):
     """A real tuning run inside the pipeline: 3 trials on the tiny model, each served over HTTP."""
-    from kiln.pipeline import stage_optimize as stage_impl
-    from kiln.pipeline.model_source import resolve_model
+    from kiln.pipeline.stages import optimize as stage_impl
+    from kiln.pipeline.recipe.model_source import resolve_model
 
     work = tmp_path_factory.mktemp("tune")
     recipe = Recipe.model_validate({
@@ -135,8 +135,8 @@ def tuned(tmp_path_factory, tiny_model_dir):
 
 
 def _context(recipe: Recipe, work: Path, name: str):
-    from kiln.pipeline.stages import RunContext
-    from kiln.pipeline.tracking import Tracker
+    from kiln.pipeline.stages.base import RunContext
+    from kiln.pipeline.tracking.runs import Tracker
 
     tracker = Tracker(recipe.tracking.uri, recipe.tracking.experiment)
     run_dir = work / "runs" / name
@@ -190,7 +190,7 @@ def test_every_trial_is_a_child_run_in_mlflow(tuned):
 
 
 def test_rerun_reuses_the_tuning(tuned):
-    from kiln.pipeline import stage_optimize as stage_impl
+    from kiln.pipeline.stages import optimize as stage_impl
 
     ctx = _context(tuned["recipe"], tuned["work"], "second")
     before = sorted(p.name for p in (tuned["work"] / "cache" / "engines").iterdir())

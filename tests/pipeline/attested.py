@@ -1,6 +1,6 @@
 """Registered versions as kiln's publish leaves them, made directly on a real tracking server: an artifact
 uploaded under the run's `model/`, a version whose source is it, the run's signed verdict
-(kiln.pipeline.attestation) on the run, and the tags `complete` sets. The registry tests judge the
+(kiln.pipeline.provenance.attestation) on the run, and the tags `complete` sets. The registry tests judge the
 commands that read them (promote, rollback, deploy, verify), not a pipeline run."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from typing import Any
 
 from kiln.core import signing
 from kiln.core.files import atomic_write_json
-from kiln.pipeline import attestation, model_registry
+from kiln.pipeline.provenance import attestation
+from kiln.pipeline.tracking import registry as model_registry
 
 
 def attested_version(client: Any, experiment: str, name: str, verdict: str, code: int, policy_sha256: str = "p" * 64,

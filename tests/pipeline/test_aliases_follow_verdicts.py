@@ -14,7 +14,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from kiln.pipeline import model_registry
+from kiln.pipeline.tracking import registry as model_registry
 from kiln.core.errors import ExitCode
 from kiln.core.gate.base import Verdict
 from kiln.core.gate.policy import GateOutcome

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.pipeline.recipe import Recipe
+from kiln.pipeline.recipe.schema import Recipe
 from tests.pipeline.conftest import TINY_RECIPE, kiln, write_recipe
 
 

@@ -1,4 +1,4 @@
-"""A real run's signed verdict (kiln.pipeline.attestation) on the tiny model: `kiln verify` holds it to the
+"""A real run's signed verdict (kiln.pipeline.provenance.attestation) on the tiny model: `kiln verify` holds it to the
 bytes on disk, and `kiln serve RUN` refuses a candidate whose bytes or evidence changed after the verdict.
 Each change is made as a user or a script would (in place, mtime restored) and undone afterwards."""
 

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kiln.core.errors import BadInput
-from kiln.pipeline.recipe import load_recipe
+from kiln.pipeline.recipe.schema import load_recipe
 from tests.pipeline.conftest import TINY_RECIPE, fresh_cache, kiln, write_recipe
 
 BASE = yaml.safe_dump({**TINY_RECIPE, "model": {"path": "demo"}})

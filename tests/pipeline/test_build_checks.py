@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kiln.core.errors import BadInput
-from kiln.pipeline.stage_inputs import read_prompts
+from kiln.pipeline.stages.inputs import read_prompts
 from tests.pipeline.conftest import kiln, write_recipe
 
 
@@ -60,7 +60,7 @@ def test_a_recipe_whose_candidate_decodes_wrongly_when_batched_fails_the_run(tmp
     from rich.console import Console
 
     from kiln.engine import loader
-    from kiln.pipeline.recipe import load_recipe
+    from kiln.pipeline.recipe.schema import load_recipe
     from kiln.pipeline.runner import run_pipeline
     from tests.evaluate.broken_engine import BatchBrokenEngine
     from tests.pipeline.conftest import fresh_cache
@@ -100,7 +100,7 @@ def test_a_gguf_build_is_checked_against_the_runs_own_copy_of_its_source(tmp_pat
     from types import SimpleNamespace
 
     from kiln.optimize.base import ModelArtifact
-    from kiln.pipeline.stage_optimize import _unquantized_sources
+    from kiln.pipeline.stages.optimize import _unquantized_sources
 
     baseline = SimpleNamespace(path=tmp_path / "optimize-baseline", result={"manifest": {"source_sha256": "abc"}})
     art = ModelArtifact(path=tmp_path / "gguf", manifest={"source": "/tmp/gone", "source_sha256": "abc"})

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kiln.pipeline.cache_index import index, plan_prune, prune
+from kiln.pipeline.stages.cache_index import index, plan_prune, prune
 from tests.pipeline.conftest import kiln
 
 MB = 1 << 20
@@ -155,7 +155,7 @@ def test_an_artifact_in_use_through_its_engine_is_as_recent_as_its_engine_stage(
 def test_a_stage_a_running_run_used_is_kept_until_the_run_ends(tmp_path):
     from rich.console import Console
 
-    from kiln.pipeline.stages import RunContext, run_stage
+    from kiln.pipeline.stages.base import RunContext, run_stage
 
     tracker = SimpleNamespace(start=lambda *a, **k: "run", log=lambda *a, **k: None, end=lambda *a, **k: None,
                               log_artifacts=lambda *a, **k: None, find_stage=lambda key: None)
@@ -190,7 +190,7 @@ def test_cli_dry_run_by_default_then_yes(cache, tmp_path):
 
 
 def test_cli_keeps_a_registered_version_s_run(cache, tmp_path):
-    from kiln.pipeline.tracking import open_client
+    from kiln.pipeline.tracking.runs import open_client
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = open_client(uri)

@@ -33,7 +33,8 @@ REPO = Path(__file__).resolve().parents[2]
 NAME = "llama-q8_0"
 CANDIDATE = {"name": NAME, "optimize": {"method": "gguf", "type": "q8_0", "threads": 1},
              "engine": {"backend": "llama_cpp", "threads": 1, "parallel": 1, "ctx_per_slot": 256}}
-LOOKUP = ("import json; from kiln.core import llama_cpp_build as b; from kiln.pipeline import model_source as m, demo as d; "
+LOOKUP = ("import json; from kiln.core import llama_cpp_build as b; from kiln.pipeline.recipe import model_source as m; "
+          "from kiln.pipeline.demo import prepare as d; "
           "print(json.dumps({'build': str(b.install_dir()), 'converter': str(b.converter()), "
           "'stages': str(m.cache_root()), 'demo': str(d.cache_root())}))")
 

@@ -16,7 +16,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from kiln.pipeline.cli import app
+from kiln.pipeline.cli.main import app
 from tests.pipeline.conftest import fresh_cache, kiln, write_recipe
 
 

@@ -8,8 +8,8 @@ import pytest
 from kiln.core.errors import ExitCode
 from kiln.core.gate.base import Evidence, Verdict
 from kiln.core.gate.policy import GateOutcome, judge
-from kiln.pipeline.recipe import GateSection
-from kiln.pipeline.report import Sections, _search_tables, html_page, markdown
+from kiln.pipeline.recipe.schema import GateSection
+from kiln.pipeline.report.report import Sections, _search_tables, html_page, markdown
 
 
 def _speed(machine: dict[str, float], **bounds) -> tuple[GateSection, Evidence, Evidence]:
@@ -104,7 +104,7 @@ def test_the_candidates_table_shows_the_machine_beside_each_speed():
 def test_the_job_summary_and_the_comment_carry_the_warning(tmp_path):
     import json
 
-    from kiln.pipeline import github
+    from kiln.pipeline.github import publish as github
 
     speed = {"kind": "performance", "metric": "decode_tok_s", "min_ratio": 1.2, "max_cpu_steal": None}
     md, _ = _report([speed], {"bench_cpu_pressure": 0.02, "bench_cpu_steal": 0.3})

@@ -10,7 +10,9 @@ from collections import Counter
 import pytest
 
 from kiln.core import files
-from kiln.pipeline import demo, demo_austen, demo_data as demo_data_mod
+from kiln.pipeline.demo import prepare as demo
+from kiln.pipeline.demo import austen as demo_austen
+from kiln.pipeline.demo import data as demo_data_mod
 from kiln.core.errors import BadInput
 
 

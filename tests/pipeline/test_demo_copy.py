@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import random
 
-from kiln.pipeline.demo_copy import COPY_ITEMS, COPY_TYPOS, FRAME, copy_prompts, with_typos
+from kiln.pipeline.demo.copy_prompts import COPY_ITEMS, COPY_TYPOS, FRAME, copy_prompts, with_typos
 
 
 def test_every_prompt_is_its_passage_with_a_few_swapped_letters(demo_data):

@@ -27,7 +27,7 @@ from tests.pipeline.test_search import CANDIDATES
 
 NAME = "tiny-disk"
 BIG = 1 << 20  # a file this large in the store is a model's: reports, plots and records are far smaller
-LINKED = 64 << 10  # kiln.pipeline.stages.LINK_MIN_BYTES: smaller stage files are not linked
+LINKED = 64 << 10  # kiln.pipeline.stages.base.LINK_MIN_BYTES: smaller stage files are not linked
 RUNS = [("first", []), ("again", []), ("fresh", ["--fresh", "all"]),
         ("margin", ["--set", "gate.checks.1.margin=0.06"])]
 
@@ -138,7 +138,7 @@ def test_no_bytes_are_stored_twice_in_the_cache_and_a_rerun_adds_none(runs):
 
 
 def test_a_stage_file_equal_to_a_finished_stage_of_its_kind_is_linked_not_copied(tmp_path):
-    from kiln.pipeline.stages import RESULT, link_equal_files
+    from kiln.pipeline.stages.base import RESULT, link_equal_files
 
     kind = tmp_path / "stages" / "optimize"
     done, half, new = kind / "a", kind / "b.partial", kind / "c.partial"
@@ -164,9 +164,10 @@ def test_a_ray_search_has_its_node_upload_the_artifact_only_for_a_new_version(ru
     upload; else the node uploads it once, to the pipeline run's `model/`, and registering it uploads
     nothing more (it used to go to the candidate's run on every run, and once more on registering)."""
     from kiln.optimize.base import ModelArtifact
-    from kiln.pipeline import model_registry, ray_executor
-    from kiln.pipeline.recipe import Recipe
-    from kiln.pipeline.tracking import Tracker
+    from kiln.pipeline.tracking import registry as model_registry
+    from kiln.pipeline.search import ray_executor
+    from kiln.pipeline.recipe.schema import Recipe
+    from kiln.pipeline.tracking.runs import Tracker
 
     work = runs["work"]
     monkeypatch.setenv("KILN_CACHE", str(runs["cache"]))  # the runs' key: the one the model's policy pin is signed by

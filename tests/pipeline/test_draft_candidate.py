@@ -18,9 +18,9 @@ from rich.console import Console
 
 from kiln.core.errors import BadInput, ExitCode
 from kiln.engine.cache import engine_key
-from kiln.engine.llama_cpp_config import DRAFT_GGUF, LlamaCppConfig
-from kiln.engine.llama_cpp_server import server_command
-from kiln.pipeline.recipe import Recipe, load_recipe
+from kiln.engine.llama_cpp.config import DRAFT_GGUF, LlamaCppConfig
+from kiln.engine.llama_cpp.server import server_command
+from kiln.pipeline.recipe.schema import Recipe, load_recipe
 from tests.llama_cpp_build import require_llama_cpp
 
 ENGINE = {"backend": "llama_cpp", "threads": 1, "parallel": 1, "ctx_per_slot": 256}
@@ -94,7 +94,7 @@ def test_a_recipe_without_candidates_has_none_to_draft_with(tmp_path):
 def test_the_engine_key_follows_the_drafts_bytes_not_its_name(tmp_path):
     """A candidate's draft is keyed by its artifact's hash; a draft given as a path by the file's bytes
     (the engine stage hashes it), so a .gguf rewritten at the same path builds and measures anew."""
-    from kiln.pipeline.stage_optimize import _draft_named
+    from kiln.pipeline.stages.optimize import _draft_named
 
     drafting = dict(Recipe.model_validate(RAW).arms())["q8"].engine
     keys = {engine_key(drafting.draft_resolved(sha * 64), "target", {}, None) for sha in "ab"}
@@ -139,9 +139,9 @@ class _Untracked:
 @pytest.fixture(scope="module")
 def drafted(tmp_path_factory, tiny_model_dir):
     """q8's engine stage (which makes q4's artifact as its draft), then q4's own optimize stage."""
-    from kiln.pipeline import stage_optimize
-    from kiln.pipeline.model_source import resolve_model
-    from kiln.pipeline.stages import RunContext
+    from kiln.pipeline.stages import optimize as stage_optimize
+    from kiln.pipeline.recipe.model_source import resolve_model
+    from kiln.pipeline.stages.base import RunContext
 
     require_llama_cpp()
     work = tmp_path_factory.mktemp("drafts")

@@ -13,7 +13,7 @@ from rich.console import Console
 from kiln.engine.cache import build_engine
 from kiln.engine.hf_torch import TorchEngine, TorchEngineConfig
 from kiln.optimize.base import ModelArtifact
-from kiln.pipeline import stage_optimize
+from kiln.pipeline.stages import optimize as stage_optimize
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Evidence is content-addressed and verified (issue 52, point 1), tried as an attacker would.
 
-A stage's folder is sealed when it is computed (kiln.pipeline.stage_evidence): the digests of what it read
+A stage's folder is sealed when it is computed (kiln.pipeline.provenance.stage_evidence): the digests of what it read
 and of every file it wrote, signed. Whoever can write the cache or the tracking server can edit a result
 or a samples file, add a run tagged with a stage's key, or re-sign a folder with a key of their own; each
 is caught on reuse and computed again (said so), or refused by the gate (exit 5), never trusted. A reuse
@@ -19,10 +19,10 @@ from rich.console import Console
 
 from kiln.core import signing
 from kiln.core.errors import NotVerified
-from kiln.pipeline import stage_evidence
-from kiln.pipeline.evidence import evidence_from_run
-from kiln.pipeline.stage_evidence import ENVELOPE, check, seal, stage_key
-from kiln.pipeline.stages import RunContext, run_stage
+from kiln.pipeline.provenance import stage_evidence
+from kiln.pipeline.provenance.evidence import evidence_from_run
+from kiln.pipeline.provenance.stage_evidence import ENVELOPE, check, seal, stage_key
+from kiln.pipeline.stages.base import RunContext, run_stage
 from tests.pipeline.conftest import fresh_cache, kiln, write_recipe
 from tests.tracking_servers import tracking_setup
 
@@ -378,7 +378,7 @@ def test_a_result_edited_on_the_tracking_server_is_refused_and_an_honest_copy_re
     """The same through the stage mechanism alone, with the forgery left unsigned: the planted copy's
     result.json no longer matches its seal. An honest copy is reused, and reusing it uploads nothing, so
     however many machines reuse it, its key is held by one run."""
-    from kiln.pipeline.tracking import Tracker
+    from kiln.pipeline.tracking.runs import Tracker
 
     tracker = Tracker(store.uri, "forged-stage")
     console, calls = Console(record=True, width=200), []
@@ -411,8 +411,8 @@ def test_the_ray_driver_takes_a_nodes_stage_only_under_a_key_it_or_the_node_trus
     """A node signs with its own key; the driver reads its stages back through the tracking server and
     checks them under its own trusted keys and those the node reported over Ray, then seals the copy
     itself, so the gate checks it as it checks its own. A copy edited on the server is refused (exit 5)."""
-    from kiln.pipeline.ray_executor import fetch_stage, node_keys
-    from kiln.pipeline.tracking import Tracker
+    from kiln.pipeline.search.ray_executor import fetch_stage, node_keys
+    from kiln.pipeline.tracking.runs import Tracker
 
     tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "ray-fetch")
     node_key, node_public = _key_pair(tmp_path, "node")

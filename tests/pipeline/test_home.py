@@ -33,7 +33,7 @@ def test_the_home_is_kiln_home_else_xdg_data_else_local_share(tmp_path, monkeypa
 
 
 def test_a_sqlite_store_keeps_its_artifacts_beside_it_not_in_the_current_folder(tmp_path, monkeypatch):
-    from kiln.pipeline.tracking import Tracker
+    from kiln.pipeline.tracking.runs import Tracker
 
     cwd, kiln_home = tmp_path / "where-the-user-stands", tmp_path / "home"
     cwd.mkdir()
@@ -87,7 +87,7 @@ def test_cache_list_reads_needs_from_each_run_s_store_and_files_stages_by_the_ru
     by content), which the user's run computed first: its manifest names the user's folder, and every
     demo stage built on it was filed under the user's model. The demo's run is registered in a store
     of its own (state.json), not in one where `kiln cache list` is started."""
-    from kiln.pipeline.tracking import open_client
+    from kiln.pipeline.tracking.runs import open_client
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     kiln_home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"

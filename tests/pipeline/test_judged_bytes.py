@@ -111,7 +111,7 @@ def test_a_tree_changed_within_the_clock_tick_is_not_remembered(tiny_model_dir, 
 
 
 def test_the_model_source_sees_new_bytes_behind_a_restored_mtime(tiny_model_dir, tmp_path, monkeypatch):
-    from kiln.pipeline.model_source import resolve_model
+    from kiln.pipeline.recipe.model_source import resolve_model
 
     monkeypatch.setattr(files, "RACY_NS", 0, raising=False)
     model = tmp_path / "model"

@@ -1,4 +1,4 @@
-"""The recipe rule for a quantized KV cache (pipeline/kv_cache_rule.py): a candidate whose cache is
+"""The recipe rule for a quantized KV cache (pipeline/recipe/kv_cache_rule.py): a candidate whose cache is
 quantized is refused (exit 2) unless a gated perplexity check scores documents at least as long as the
 rule's floor and the context its engine serves, against a baseline whose cache is not quantized; an
 OpenVINO u8 cache is refused outright. Each branch through the recipe loader, written-out and
@@ -11,11 +11,11 @@ import pytest
 import yaml
 
 from kiln.core.errors import BadInput, ExitCode
-from kiln.engine.llama_cpp_config import LlamaCppConfig
+from kiln.engine.llama_cpp.config import LlamaCppConfig
 from kiln.engine.openvino import OpenVINOConfig
 from kiln.engine.tensorrt_llm import TensorRTLLMConfig
-from kiln.pipeline.kv_cache_rule import CHECK_LINE, quantized_kv, served_length
-from kiln.pipeline.recipe import load_recipe
+from kiln.pipeline.recipe.kv_cache_rule import CHECK_LINE, quantized_kv, served_length
+from kiln.pipeline.recipe.schema import load_recipe
 from tests.pipeline.conftest import kiln
 
 PERPLEXITY = {"kind": "quality", "metric": "perplexity", "margin": 0.05, "relative": True}
@@ -148,7 +148,7 @@ def test_kiln_validate_refuses_then_counts_the_documents_at_the_new_length(tmp_p
 def test_a_pinned_policy_must_judge_the_recipes_quantized_cache(tmp_path):
     """`--policy-from`: the recipe passes the rule under its own policy; judged under one whose gate has no
     perplexity check and whose documents are short, it is refused, naming the policy's file."""
-    from kiln.pipeline.policy_cmd import judged_recipe
+    from kiln.pipeline.cli.policy import judged_recipe
 
     recipe, policy = tmp_path / "recipe.yaml", tmp_path / "policy.yaml"
     recipe.write_text(yaml.safe_dump(_search({"cache_type_k": "q8_0"}), sort_keys=False))

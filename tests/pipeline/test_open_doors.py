@@ -72,8 +72,8 @@ def test_the_library_entry_points_refuse_it_too(blank, tmp_path):
     from kiln.deploy.config import DeployConfig
     from kiln.deploy.local import BackendSpec
     from kiln.deploy.run import deploy_local
-    from kiln.engine.fake import FakeEngineConfig, FakeServer, run_fake_server
-    from kiln.engine.server import create_app, serve
+    from kiln.engine.serve.fake import FakeEngineConfig, FakeServer, run_fake_server
+    from kiln.engine.serve.server import create_app, serve
 
     arm = BackendSpec(url="http://127.0.0.1:9")  # never reached: the key is refused first
     starts = [lambda: create_app(lambda: None, api_key=blank), lambda: serve(tmp_path, api_key=blank),

@@ -10,7 +10,7 @@ import pytest
 from kiln.core.errors import ExitCode
 from kiln.core.gate.base import CheckResult, Verdict
 from kiln.core.gate.policy import GateSection
-from kiln.pipeline.outcomes import ROWS, Ending, conclude, markdown_table, not_judged
+from kiln.pipeline.stages.outcomes import ROWS, Ending, conclude, markdown_table, not_judged
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICY = GateSection.model_validate({"checks": [
@@ -73,7 +73,7 @@ def test_only_a_winner_exits_zero():
 
 @pytest.mark.parametrize("doc", ["README.md", "docs/search.md"])
 def test_the_docs_print_the_table_the_code_follows(doc):
-    assert markdown_table() in (ROOT / doc).read_text(), f"{doc}: paste kiln.pipeline.outcomes.markdown_table()"
+    assert markdown_table() in (ROOT / doc).read_text(), f"{doc}: paste kiln.pipeline.stages.outcomes.markdown_table()"
 
 
 def test_a_check_that_measured_too_little_never_passes_and_the_line_says_why():

@@ -190,8 +190,8 @@ def test_an_arm_built_after_openvinos_export_is_planned_from_where_it_leaves_kil
     (0.88-0.89 GiB at the start of the build stages after it at 135M, 0.26-0.71 before): an arm listed
     after an OpenVINO arm plans its build steps from kiln's process as the quality stages find it."""
     from kiln.optimize.memory import RUNTIME_BYTES
-    from kiln.pipeline.memory_plan import arm_plans
-    from kiln.pipeline.recipe import load_recipe
+    from kiln.pipeline.stages.memory_plan import arm_plans
+    from kiln.pipeline.recipe.schema import load_recipe
 
     recipe = load_recipe(search / "search.yaml")  # q8, int8, ov
     reordered = recipe.model_copy(update={"candidates": [recipe.candidates[2], *recipe.candidates[:2]]})  # ov first

@@ -13,7 +13,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from kiln.core import signing
-from kiln.pipeline import model_registry
+from kiln.pipeline.tracking import registry as model_registry
 from tests.pipeline.attested import attested_version
 from tests.pipeline.conftest import kiln, write_recipe
 from tests.tracking_servers import mlflow_server

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kiln.core.errors import BadInput, ExitCode
-from kiln.pipeline.recipe import Recipe, apply_overrides, load_recipe
+from kiln.pipeline.recipe.schema import Recipe, apply_overrides, load_recipe
 
 RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
 GATE = {"checks": [{"kind": "quality", "metric": "perplexity", "margin": 0.05, "relative": True}]}

@@ -1,4 +1,4 @@
-"""A search candidate's `grid` (pipeline/candidate_grid.py): expanded at load into ordinary candidates
+"""A search candidate's `grid` (pipeline/recipe/grid.py): expanded at load into ordinary candidates
 with readable names, each validated as if written out; a bad path or value is named as written."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from kiln.core.errors import BadInput
-from kiln.engine.llama_cpp_config import LlamaCppConfig
-from kiln.pipeline.candidate_grid import expand_grids
-from kiln.pipeline.recipe import load_recipe
+from kiln.engine.llama_cpp.config import LlamaCppConfig
+from kiln.pipeline.recipe.grid import expand_grids
+from kiln.pipeline.recipe.schema import load_recipe
 
 RECIPE = """
 name: grid
@@ -24,7 +24,7 @@ candidates:
 %s
   - name: torch-int8
     optimize: {method: int8_weight_only}
-# A quantized KV cache (k-q8_0) is judged by perplexity at its ctx_per_slot (pipeline/kv_cache_rule.py).
+# A quantized KV cache (k-q8_0) is judged by perplexity at its ctx_per_slot (pipeline/recipe/kv_cache_rule.py).
 evaluate: {quality: {perplexity: {seq_len: 2048}}}
 gate: {checks: [{kind: size, max_ratio: 1}, {kind: quality, metric: perplexity, margin: 0.05, relative: true}]}
 """

@@ -16,7 +16,7 @@ from tests.pipeline.conftest import kiln, write_recipe
 # before it is completed. The real CLI otherwise; nothing else is replaced.
 KILLED_RUN = """
 import os, signal, sys
-from kiln.pipeline import model_registry
+from kiln.pipeline.tracking import registry as model_registry
 point = sys.argv.pop(1)
 original = model_registry.register
 def register(*args, **kwargs):
@@ -29,7 +29,7 @@ def complete(*args, **kwargs):
 model_registry.register = register
 if point == "before-complete":
     model_registry.complete = complete
-from kiln.pipeline.cli import main
+from kiln.pipeline.cli.main import main
 main()
 """
 

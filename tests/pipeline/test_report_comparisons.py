@@ -10,7 +10,7 @@ import kiln.evaluate.quality.lmeval  # noqa: F401 - declares word_swap_acc, a fr
 from kiln.core.errors import ExitCode
 from kiln.core.gate.base import Evidence, Verdict
 from kiln.core.gate.policy import GateOutcome
-from kiln.pipeline.report import Sections, comparisons, markdown
+from kiln.pipeline.report.report import Sections, comparisons, markdown
 
 
 def _arms() -> dict[str, Evidence]:
@@ -56,7 +56,7 @@ def test_report_shows_the_paired_table_after_the_checks():
 def test_the_candidates_table_names_what_each_engine_computes_in():
     from kiln.engine.base import BACKENDS
     from kiln.optimize.base import QUANTIZERS
-    from kiln.pipeline.report import _serving
+    from kiln.pipeline.report.report import _serving
 
     llama = BACKENDS.config("llama_cpp")(threads=1)
     assert _serving(llama, QUANTIZERS.config("gguf")(type="q4_K_M")) == "llama_cpp q4_K_M"  # the file's own type

@@ -9,8 +9,8 @@ from kiln.core.errors import ExitCode
 from kiln.core.gate.base import CheckResult, Evidence, Verdict
 from kiln.core.gate.policy import GateOutcome
 from kiln.core.gate.quality import QualityCheckConfig
-from kiln.pipeline.report import Sections, check_rows, html_page, markdown
-from kiln.pipeline.report_plots import quality_deltas
+from kiln.pipeline.report.report import Sections, check_rows, html_page, markdown
+from kiln.pipeline.report.plots import quality_deltas
 
 # As the quality check writes them: ci of candidate - baseline, drop and drop_ci positive when worse.
 ACC = CheckResult("acc", "quality", "greedy_match", Verdict.FAILED, 0.8, 0.9, "drop ≤ 0.05", ci=(-0.15, -0.05),

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from kiln.core.gate.policy import GateSection, judge
-from kiln.pipeline.recipe import Recipe
-from kiln.pipeline.phases import PHASES, family_confidence, for_family, phase_of, up_to
+from kiln.pipeline.recipe.schema import Recipe
+from kiln.pipeline.stages.phases import PHASES, family_confidence, for_family, phase_of, up_to
 from tests.pipeline.conftest import TINY_RECIPE, kiln
 
 CANDIDATES = [
@@ -180,7 +180,7 @@ def test_the_benchmark_stops_on_the_speed_checks_only_each_at_a_share_of_the_con
     from types import SimpleNamespace
 
     from kiln.core.gate.base import Evidence, Verdict
-    from kiln.pipeline.stage_benchmark import futility_policy
+    from kiln.pipeline.stages.benchmark import futility_policy
 
     family = for_family(GateSection.model_validate({"confidence": 0.95, "checks": CHECKS}), 3)
     looks = futility_policy(SimpleNamespace(gate=family, recipe=None), rounds=4)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kiln.pipeline.recipe import Recipe
+from kiln.pipeline.recipe.schema import Recipe
 from tests.pipeline.conftest import TINY_RECIPE, kiln
 
 LOAD = {"shape": {"kind": "concurrent", "concurrency": 2}, "duration_s": 1.0, "warmup": {"seconds": 0.2},

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace as NS
 
-from kiln.pipeline import search_plan
+from kiln.pipeline.search import plan as search_plan
 
 
 def _recipe(digest: str, agreement: bool = True) -> NS:

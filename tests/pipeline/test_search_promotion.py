@@ -12,7 +12,7 @@ import numpy as np
 from kiln.core.gate.base import Evidence, Verdict
 from kiln.core.gate.policy import GateSection, judge
 from kiln.core.gate.quality import min_perplexity_documents
-from kiln.pipeline.phases import family_confidence, for_family
+from kiln.pipeline.stages.phases import family_confidence, for_family
 
 TOKENS, CANDIDATES, MARGIN = 255, 5, 0.05
 DOCUMENTS = min_perplexity_documents(family_confidence(0.95, CANDIDATES))  # 26: fewer cannot pass at all

@@ -177,8 +177,8 @@ def test_a_killed_driver_is_resumed_by_running_again_reusing_finished_stages(tmp
 def test_a_rerun_finds_the_node_that_built_each_candidate(tmp_path):
     """A rerun's driver does not know where the killed one's builds ran; the tracking server does. The
     newest engine build a node computed for this recipe's candidate, on a node still in the cluster."""
-    from kiln.pipeline.ray_executor import NODE_TAG, Node, built_on
-    from kiln.pipeline.tracking import Tracker
+    from kiln.pipeline.search.ray_executor import NODE_TAG, Node, built_on
+    from kiln.pipeline.tracking.runs import Tracker
 
     tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "resume")
     head, worker, gone = (Node(i * 16, f"192.0.2.{n}", 1.0, True) for n, i in ((1, "a"), (2, "b"), (3, "c")))
@@ -220,7 +220,7 @@ def test_an_unreachable_cluster_fails_in_seconds_naming_the_address(tmp_path, ti
 
 
 def _nodes(*specs):
-    from kiln.pipeline.ray_executor import Node
+    from kiln.pipeline.search.ray_executor import Node
 
     return {f"n{i}": Node(f"n{i}" + "0" * 20, "10.0.0.%d" % i, cpus, timed, hardware)
             for i, (cpus, timed, hardware) in enumerate(specs)}
@@ -228,7 +228,7 @@ def _nodes(*specs):
 
 def test_timed_stages_go_only_to_nodes_with_the_resource_and_the_target_hardware():
     from kiln.core.errors import BadInput
-    from kiln.pipeline.ray_executor import timed_nodes
+    from kiln.pipeline.search.ray_executor import timed_nodes
 
     nodes = _nodes((2, True, "aaaa1111" * 8), (2, True, "bbbb2222" * 8), (2, False, "aaaa1111" * 8))
     assert timed_nodes(nodes, None, "auto") == [nodes["n0"].id, nodes["n1"].id]
@@ -240,8 +240,8 @@ def test_timed_stages_go_only_to_nodes_with_the_resource_and_the_target_hardware
 
 
 def test_a_phase_asks_for_the_cpus_its_engines_threads_use(tiny_model_dir, tmp_path):
-    from kiln.pipeline.ray_executor import engine_resources
-    from kiln.pipeline.recipe import load_recipe
+    from kiln.pipeline.search.ray_executor import engine_resources
+    from kiln.pipeline.recipe.schema import load_recipe
 
     recipe = load_recipe(_recipe(tmp_path / "r.yaml", tiny_model_dir, "auto", "x"))
     views = dict(recipe.arms())

@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from kiln.core.gate.base import Evidence
-from kiln.pipeline import search
-from kiln.pipeline.search import Arm
+from kiln.pipeline.search import search
+from kiln.pipeline.search.search import Arm
 from tests.pipeline.conftest import TINY_RECIPE, kiln
 
 
@@ -195,7 +195,7 @@ def test_a_rerun_measures_the_runoff_again(runoff_run):
 
 def test_every_phase_has_the_words_the_console_says_it_with():
     """The line after each phase names it (`SAID`): a phase added without words would stop the search."""
-    from kiln.pipeline.phases import PHASES
-    from kiln.pipeline.search import SAID
+    from kiln.pipeline.stages.phases import PHASES
+    from kiln.pipeline.search.search import SAID
 
     assert set(SAID) == set(PHASES)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
-from kiln.pipeline.stages import MANIFEST, _compute
+from kiln.pipeline.stages.base import MANIFEST, _compute
 
 MB = 2**20
 

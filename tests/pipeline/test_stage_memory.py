@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
-from kiln.pipeline.stages import MANIFEST, RESULT, _compute
+from kiln.pipeline.stages.base import MANIFEST, RESULT, _compute
 
 MB = 2**20
 # A child that holds `mb` MB, frees it when told to (a line on stdin), then waits to be closed.

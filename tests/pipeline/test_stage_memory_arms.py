@@ -13,18 +13,19 @@ import pytest
 from rich.console import Console
 
 from kiln.engine.hf_torch import TorchEngine
-from kiln.pipeline import search, stage_evaluate
-from kiln.pipeline.recipe import Recipe
-from kiln.pipeline.stage_inputs import LazyEngines
+from kiln.pipeline.search import search
+from kiln.pipeline.stages import evaluate as stage_evaluate
+from kiln.pipeline.recipe.schema import Recipe
+from kiln.pipeline.stages.inputs import LazyEngines
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, tiny_model_dir):
     """The tiny checkpoint as a baseline (torch float32) and a candidate (torch bfloat16), built."""
-    from kiln.pipeline import stage_optimize
-    from kiln.pipeline.model_source import resolve_model
-    from kiln.pipeline.stages import RunContext
-    from kiln.pipeline.tracking import Tracker
+    from kiln.pipeline.stages import optimize as stage_optimize
+    from kiln.pipeline.recipe.model_source import resolve_model
+    from kiln.pipeline.stages.base import RunContext
+    from kiln.pipeline.tracking.runs import Tracker
 
     work = tmp_path_factory.mktemp("arms")
     recipe = Recipe.model_validate({
@@ -60,7 +61,7 @@ def live(monkeypatch):
         seen["now"].remove(self.config.dtype)
 
     import kiln.evaluate.quality.perplexity as ppl
-    import kiln.pipeline.stage_benchmark as bench
+    import kiln.pipeline.stages.benchmark as bench
 
     scorer, decoder = ppl.perplexity, bench._decode_bench
 

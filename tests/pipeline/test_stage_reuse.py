@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
-from kiln.pipeline.stages import RunContext, run_stage
+from kiln.pipeline.stages.base import RunContext, run_stage
 from tests.pipeline.conftest import fresh_cache, kiln, quick_recipe
 
 

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from kiln.engine.base import MANIFEST
 from kiln.evaluate.quality.base import documents
-from kiln.pipeline.stage_inputs import _tokenizer_files_hash, token_ids
+from kiln.pipeline.stages.inputs import _tokenizer_files_hash, token_ids
 
 TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 20
 
@@ -59,7 +59,7 @@ def test_a_reused_run_does_not_import_transformers(tmp_path, tiny_model_dir):
 import sys, json
 from pathlib import Path
 from types import SimpleNamespace
-from kiln.pipeline.stage_inputs import token_ids
+from kiln.pipeline.stages.inputs import token_ids
 ctx = SimpleNamespace(cache=Path({str(tmp_path / 'cache')!r}))
 ids = token_ids(ctx, Path({str(tmp_path / 'engine')!r}), {{"prompts": "p"}},
                 lambda tok: [tok(t, add_special_tokens=False)["input_ids"] for t in ["one", "two words"]])

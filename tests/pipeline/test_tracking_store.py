@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sqlite3
 
-from kiln.pipeline.tracking import Tracker
+from kiln.pipeline.tracking.runs import Tracker
 
 
 def test_new_sqlite_stores_are_whole_and_their_own(tmp_path, monkeypatch):

@@ -13,8 +13,8 @@ import numpy as np
 from kiln.core.gate.base import Evidence
 from kiln.core.gate.policy import GateSection, judge
 from kiln.core.stats import Comparison
-from kiln.pipeline.report import Sections, run_figures
-from kiln.pipeline.tracking import PASSED, VIEW_TAG, Tracker, experiment_url, view_figures
+from kiln.pipeline.report.report import Sections, run_figures
+from kiln.pipeline.tracking.runs import PASSED, VIEW_TAG, Tracker, experiment_url, view_figures
 
 
 def test_experiment_kind_verdict_and_inputs(tmp_path):

@@ -151,7 +151,7 @@ def test_kiln_ui_links_the_experiment_to_its_runs_table(mlflow_ui, page, store):
 def test_an_experiment_opened_from_the_experiments_list_shows_its_runs(mlflow_ui, page, store):
     """A first visit (an empty browser profile) that starts at the home page, not at kiln's link:
     MLflow 3.17 would open the experiment on its GenAI overview; the page kiln ui serves makes
-    'Model training' the browser's choice until the user picks another (kiln.pipeline.mlflow_ui)."""
+    'Model training' the browser's choice until the user picks another (kiln.pipeline.tracking.ui)."""
     parents = _parents(store)
     page.goto(f"{mlflow_ui['url']}/#/experiments")
     page.get_by_role("link", name="kiln-test", exact=True).first.click()

@@ -55,7 +55,7 @@ def test_a_cost_metric_is_shown_in_the_currency_it_is_given():
 
 def test_the_recipes_currency_is_a_code_or_a_symbol_and_says_the_fix():
     from kiln.core.errors import BadInput
-    from kiln.pipeline.recipe import load_recipe
+    from kiln.pipeline.recipe.schema import load_recipe
 
     assert currency_problem("EUR") is None and currency_problem("€") is None
     recipe = Path(__file__).parents[2] / "recipes" / "demo.yaml"
@@ -96,8 +96,8 @@ def test_report_and_pull_request_comment_show_costs_in_the_recipes_currency():
     from kiln.core.errors import ExitCode
     from kiln.core.gate.base import CheckResult, Evidence, Verdict
     from kiln.core.gate.policy import GateOutcome
-    from kiln.pipeline.github import comment_body
-    from kiln.pipeline.report import Sections, markdown
+    from kiln.pipeline.github.publish import comment_body
+    from kiln.pipeline.report.report import Sections, markdown
 
     size = CheckResult("size", "size", "size_bytes", Verdict.SUCCESSFUL, 1.019e8, 5.416e8, "ratio ≤ 1")
     outcome = GateOutcome(Verdict.SUCCESSFUL, [size], ExitCode.PASSED, "any Failed fails")

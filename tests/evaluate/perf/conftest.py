@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.engine.fake import FakeEngineConfig, FakeServer
+from kiln.engine.serve.fake import FakeEngineConfig, FakeServer
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from kiln.core.errors import ExitCode
 from kiln.core.gate.base import Evidence, Verdict
 from kiln.core.gate.policy import judge
 from kiln.evaluate.perf.compare import across_runs
-from kiln.pipeline.recipe import GateSection
+from kiln.pipeline.recipe.schema import GateSection
 
 
 def _run(base_tok_s: float, cand_tok_s: float, pressure: float, seed: int) -> dict[str, Evidence]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.engine.fake import FakeEngineConfig, FakeServer
+from kiln.engine.serve.fake import FakeEngineConfig, FakeServer
 from kiln.evaluate.perf.config import PerformanceConfig
 from kiln.evaluate.perf.runner import compare_interleaved
 from kiln.core.errors import BadInput

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kiln.engine.fake import FakeEngineConfig, FakeServer
+from kiln.engine.serve.fake import FakeEngineConfig, FakeServer
 from kiln.evaluate.perf import workload as workload_mod
 from kiln.evaluate.perf.client import RequestRecord
 from kiln.evaluate.perf.config import SLO, PerformanceConfig

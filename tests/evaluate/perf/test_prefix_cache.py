@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from kiln.engine.llama_cpp_config import LlamaCppConfig
-from kiln.engine.server_thread import ServerThread
+from kiln.engine.llama_cpp.config import LlamaCppConfig
+from kiln.engine.serve.server_thread import ServerThread
 from kiln.evaluate.perf.config import PerformanceConfig
 from kiln.evaluate.perf.prefix import HIT_RATE, ROUND_ROBIN_HIT_RATE, ROUTED_HIT_RATE
 from kiln.evaluate.perf.prefix_run import run_prefix
-from kiln.pipeline.report import _prefix_table
+from kiln.pipeline.report.report import _prefix_table
 from tests.llama_cpp_build import require_llama_cpp
 
 
@@ -82,7 +82,7 @@ def test_the_router_keeps_prompt_caches_warm_by_prefix(engine_dir):
     real `kiln route`; 4 system prompts, each request drawing one, one request at a time. By prefix a
     system prompt has one replica, so it is warm there more often than when both replicas take every
     system prompt in turn. Each run's system prompts are new to both replicas (its own seed)."""
-    from kiln.pipeline.load_stage import replicas_hit_rates
+    from kiln.pipeline.stages.load import replicas_hit_rates
 
     cfg = PerformanceConfig.model_validate({"repeats": 1, "workload": {"input_tokens": {"mean": 96}}, "prefix": {
         "requests": 24, "prefixes": 4, "output_tokens": 1, "router": True}})

@@ -1,4 +1,4 @@
-"""Small stand-ins for kiln's demo data (same file formats as kiln.pipeline.demo_data writes)."""
+"""Small stand-ins for kiln's demo data (same file formats as kiln.pipeline.demo.data writes)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.engine.server_thread import ServerThread
+from kiln.engine.serve.server_thread import ServerThread
 from kiln.evaluate.quality.lmeval import prepare_tasks, task_manager
 from kiln.evaluate.quality.lmeval_adapter import KilnLM
 

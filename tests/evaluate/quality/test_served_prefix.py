@@ -71,7 +71,7 @@ def test_llama_server_prompt_cache_reuse_writes_the_references_text(reference, t
     """llama.cpp's server runtime at f32 with cache_reuse on, four slots: the prefixed prompts reuse
     the shared prefix from the slots' caches and the greedy text is the reference's."""
     from kiln.engine.cache import write_engine
-    from kiln.engine.llama_cpp_config import LlamaCppConfig
+    from kiln.engine.llama_cpp.config import LlamaCppConfig
     from kiln.engine.loader import load_engine
     from tests.llama_cpp_build import require_llama_cpp
 

@@ -1,0 +1,1 @@
+"""The `kiln` command line: typer commands, one module per group of commands."""

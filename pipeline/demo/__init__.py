@@ -1,0 +1,1 @@
+"""kiln's offline demo: the model and data built from registry packages, cached once."""

@@ -1,0 +1,1 @@
+"""Evidence with provenance: sealed stage evidence, the verdict's attestation, evidence read back."""

@@ -1,0 +1,1 @@
+"""A run's report: Markdown, HTML, JSON and plots, and where each is published."""

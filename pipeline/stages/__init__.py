@@ -1,0 +1,1 @@
+"""The stages and their mechanism: content-addressed keys, cache, resume, MLflow children."""

@@ -1,0 +1,1 @@
+"""MLflow: the parent run and its children, the model registry's aliases, the UI, the canary journal."""
