@@ -42,7 +42,12 @@ from kiln.deploy.observations import ArmMetrics, Window
 from kiln.deploy.proxy import UPSTREAM_ERRORS, Backend, Proxy, error_response, upstream_key
 from kiln.deploy.sse import prompt_prefix
 from kiln.engine.serve import metric_names as names
-from kiln.engine.serve.admission import Admission, api_keys, key_matches
+from kiln.engine.serve.admission import Admission, api_keys
+from kiln.engine.serve.auth import BearerAuth, Zone
+
+
+ADMIN_CLOSED = ("This router has no admin key, so /admin is closed to everyone: start it with an admin key or a "
+                "client key (`kiln route --help`: --admin-key-env, --api-key-env).")
 
 
 def replica_urls(url: str) -> list[str]:
@@ -95,6 +100,7 @@ class Router(Proxy):
         self.cfg, self.upstream_api_key = config, upstream_key(upstream_api_key)
         self.keys = api_keys(api_key, "api_key")
         self.admin_keys = api_keys(admin_key, "admin_key") or self.keys
+        self.auth = BearerAuth([Zone("/admin/", self.admin_keys, closed=ADMIN_CLOSED), Zone("/v1/", self.keys)])
         self.ring = WeightedRing(config.vnodes, config.weight if config.canary_url else 0.0)
         self.backends: dict[str, Replicas] = {}  # type: ignore[assignment]  # Proxy's, each arm's replicas
         self.observations = Window(config.window)
@@ -113,7 +119,7 @@ class Router(Proxy):
 
     # --- the application -------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth, self._shed_mirrors, self.admission.middleware],
+        app = web.Application(middlewares=[self.auth.middleware, self._shed_mirrors, self.admission.middleware],
                               client_max_size=64 * 2**20)
         app.router.add_post("/v1/completions", self.generate)
         app.router.add_post("/v1/chat/completions", self.generate)
@@ -136,19 +142,6 @@ class Router(Proxy):
             task.cancel()
         for backend in [*self.backends.values(), *self._retiring]:
             await backend.session.close()
-
-    @web.middleware
-    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        admin = request.path.startswith("/admin/")
-        keys = self.admin_keys if admin else self.keys if request.path.startswith("/v1/") else []
-        if admin and not keys:
-            return error_response(401, "this router has no admin key, so /admin is closed to everyone: start it "
-                                  "with an admin key or a client key (`kiln route --help`: --admin-key-env, "
-                                  "--api-key-env)", "authentication_error")
-        if keys and not key_matches(request.headers.get("Authorization", ""), keys):
-            return error_response(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
-                                  "authentication_error")
-        return await handler(request)
 
     @web.middleware
     async def _shed_mirrors(self, request: web.Request, handler: Any) -> web.StreamResponse:

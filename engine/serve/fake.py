@@ -34,14 +34,14 @@ import sys
 import time
 import urllib.request
 import uuid
-from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from kiln.engine.serve import metric_names as names
-from kiln.engine.serve.admission import api_keys, key_matches
+from kiln.engine.serve.admission import api_keys
+from kiln.engine.serve.auth import BearerAuth, Zone
 from kiln.engine.remote import stop_process
 
 _TOKEN = " tok"
@@ -115,7 +115,8 @@ class _Engine:
 
     def __init__(self, config: FakeEngineConfig, api_key: str | None):
         self.cfg = config
-        self.keys = api_keys(api_key)
+        keys = api_keys(api_key)
+        self.auth = BearerAuth([Zone("/v1/", keys), Zone("/fake/", keys)])
         self.ttft = config.ttft_ms * config.slowdown / 1000
         self.tpot = config.tpot_ms * config.slowdown / 1000
         self.slots = asyncio.Semaphore(config.capacity) if config.capacity else None
@@ -125,7 +126,7 @@ class _Engine:
         self.arrivals: collections.deque[float] = collections.deque(maxlen=2_000_000)
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth], client_max_size=64 * 1024**2)
+        app = web.Application(middlewares=[self.auth.middleware], client_max_size=64 * 1024**2)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
@@ -134,15 +135,6 @@ class _Engine:
         app.router.add_get("/fake/stats", self.stats)
         app.router.add_delete("/fake/stats", self.stats)
         return app
-
-    @web.middleware
-    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if self.keys and request.path.startswith(("/v1/", "/fake/")):
-            if not key_matches(request.headers.get("Authorization", ""), self.keys):
-                return _error(
-                    401, "missing or wrong API key (send 'Authorization: Bearer <key>')", "authentication_error"
-                )
-        return await handler(request)
 
     async def health(self, request: web.Request) -> web.Response:
         ready = time.monotonic() - self.started >= self.cfg.startup_s

@@ -40,7 +40,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
 from kiln.engine.serve import metric_names as names
 from kiln.engine.serve.admission import (ARRIVAL, SERVE_ADMISSION, STATS, Admission, AdmissionConfig, DrainCut,
-                                   api_keys, key_matches, serve_until_drained)
+                                   api_keys, serve_until_drained)
+from kiln.engine.serve.auth import BearerAuth, Zone
 from kiln.engine.base import Engine, GenerationRequest, TokenEvent
 from kiln.engine.serve.protocol import TextStream, logprobs_block, position_logprobs, token_text
 from kiln.engine.serve.request import (RequestError, Sampling, budgets, chat_prompt, check_model, parse_prompts,
@@ -55,7 +56,8 @@ STARTER = web.AppKey("starter", asyncio.Task)
 class _State:
     def __init__(self, load: Callable[[], Engine], api_key: str | None, model_name: str | None, owns: bool,
                  admission: Admission, on_ready: Callable[[dict[str, float]], None] | None):
-        self.load, self.keys, self.model_name, self.owns = load, api_keys(api_key), model_name, owns
+        self.load, self.model_name, self.owns = load, model_name, owns
+        self.auth = BearerAuth([Zone("/", api_keys(api_key))])  # every path but /health and /metrics
         self.admission, self.on_ready = admission, on_ready
         self.metrics = Metrics()
         admission.export(self.metrics.registry, names.ADMISSION, count_requests=True)
@@ -157,11 +159,7 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
 async def _guard(request: web.Request, handler):
     """Key and readiness, before admission: a wrong key never gets a rate-limit bucket or a slot."""
     st: _State = request.app[STATE]
-    refusal = None
-    if request.path not in ("/health", "/metrics") and st.keys:  # scraped without a key, as vLLM's
-        if not key_matches(request.headers.get("Authorization", ""), st.keys):
-            refusal = _error(401, "Missing or wrong API key (send 'Authorization: Bearer <key>').",
-                             "authentication_error")
+    refusal = st.auth.refusal(request)
     if refusal is None and request.path.startswith("/v1/") and st.status != "ready":
         refusal = _error(503, f"Engine not ready: {st.status}.", "service_unavailable")
     if refusal is None:
