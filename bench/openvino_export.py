@@ -28,7 +28,8 @@ GIB = 1 << 30
 
 def planned(config: dict[str, Any], weights: str) -> dict[str, float]:
     """The plan's engine step for an OpenVINO arm at `weights`, less kiln's runtime: the IR, the export."""
-    from kiln.optimize.memory import plan_memory, source_dtype, with_pipeline_steps
+    from kiln.optimize.memory import plan_memory, source_dtype
+    from kiln.pipeline.stages.memory_plan import with_pipeline_steps
 
     compressed = {"int8": "int8", "fp32": "float32"}.get(weights)
     plan = plan_memory(config, None, engine_dtype=compressed)

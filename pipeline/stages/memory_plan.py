@@ -4,6 +4,7 @@ every step a `kiln run` takes (quantize, serve, the parity reference, the engine
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 from kiln.engine.full_logits import token_budget
@@ -15,17 +16,72 @@ from kiln.optimize.architecture import DecoderShapes
 from kiln.optimize.memory import (
     DTYPE_BYTES,
     SCORE_BATCH_TOKENS,
+    SCORING,
     Component,
     MemoryPlan,
+    StepPlan,
     check_arms,
+    checkpoint_held,
+    export_held,
     human,
     larger,
     plan_memory,
+    runtime,
     source_dtype,
-    with_pipeline_steps,
 )
 
 Plans = dict[str, tuple[str, MemoryPlan]]
+
+
+def with_pipeline_steps(plan: MemoryPlan, model_config: dict[str, Any], baseline: MemoryPlan | None, *,
+                        reference: str | None, export: str | None = None, torch_dtype: str | None = None,
+                        score_tokens: int = SCORE_BATCH_TOKENS, held: tuple[Component, ...] = (),
+                        scoring: tuple[Component, ...] = (), compared: tuple[Component, ...] | None = None,
+                        after_export: bool = False) -> MemoryPlan:
+    """`plan` (one arm's quantize and serve steps) with the steps a `kiln run` adds, each what kiln's process
+    (its runtime, measured: "kiln run, evaluating" from the quality stages on, and from the start where an
+    OpenVINO export ran before in the process, `after_export`) and its children hold at once:
+
+    - reference: the parity smoke check's torch reference, in the dtype `reference` names (None:
+      the engine is its own reference), loaded and freed before the engine loads; while it loads
+      the checkpoint's pages as stored are mapped too, when it converts them to another dtype;
+    - engine: the built engine, and what it allocates beside its weights when it generates (`held`,
+      e.g. llama.cpp's KV cache for its slots); one exported from the checkpoint (OpenVINO traces the
+      torch model, whose weights the converted graph shares, and compresses it) holds instead, while
+      it builds, the checkpoint in the dtype `export` names and its pages as stored where that is
+      wider: the larger of the two phases, as the export is handed back before the engine loads;
+    - quality: the arm's perplexity and lm-eval stages hold its engine alone (the baseline is
+      released first) and its scoring buffers: an arm on torch (`torch_dtype`) scores `score_tokens`
+      positions a pass, whose logits it holds in its dtype and again in float32; another backend's
+      are the caller's `scoring` (what it holds while it scores: its own context, its logits);
+    - benchmark: the stages that set the arm beside the baseline (the decode benchmark, token agreement,
+      the served text, the load stage) hold both engines in one process, the arm's with what it allocates
+      there (`compared`; default `held`; agreement's logits, a document's at a time, are not counted)."""
+    shapes = DecoderShapes.from_config(model_config)
+    serve = next(s for s in plan.steps if s.step == "serve").components[0]
+    run = runtime("kiln run, evaluating" if after_export else "kiln run")
+    bare = runtime("torch + transformers")  # kiln's own process in a quantize step is a run's, not a bare import
+    steps = [StepPlan(s.step, tuple(run if c == bare else c for c in s.components)) if s.step == "quantize" else s
+             for s in plan.steps]
+    if reference is not None:
+        steps.append(StepPlan("reference", (run, *checkpoint_held(shapes, model_config, reference, "parity reference (torch "
+                                                                  f"{reference})", "freed before the engine loads"))))
+    weights_ = Component(f"this arm: {serve.name}", serve.bytes, serve.formula)
+    this = (weights_, *(held if compared is None else compared))
+    exported = () if export is None else export_held(shapes, model_config, export)
+    steps.append(StepPlan("engine", (run, weights_, *larger(exported, held))))  # the export is freed first
+    evaluating = runtime("kiln run, evaluating")
+    quality = [evaluating, weights_, *scoring]
+    if torch_dtype:
+        per = DTYPE_BYTES.get(torch_dtype, 4.0) + 4.0
+        quality.append(Component(SCORING, score_tokens * shapes.vocab * per,
+                                 f"{score_tokens} tokens × {shapes.vocab} vocab × ({per - 4:g} + 4) B",
+                                 per_token=shapes.vocab * per))
+    steps.append(StepPlan("quality", tuple(quality)))
+    if baseline is not None:
+        b = next(s for s in baseline.steps if s.step == "serve").components[0]
+        steps.append(StepPlan("benchmark", (evaluating, *this, Component(f"baseline: {b.name}", b.bytes, b.formula))))
+    return replace(plan, steps=tuple(steps))
 
 
 def arm_plans(recipe: Any, config: dict[str, Any], *, context: int, batch: int = 1, kv_dtype: str | None = None,

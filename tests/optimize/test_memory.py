@@ -120,7 +120,8 @@ def test_a_torch_engine_holds_the_checkpoint_at_its_own_dtype_and_the_run_adds_i
     loads (its own step); its quality stages hold the arm alone with its scoring buffers, and its
     benchmark stages both arms' engines (bench/scale.py). Every step is kiln run's own process."""
     from kiln.optimize.gguf import GgufConfig
-    from kiln.optimize.memory import RUNTIME_BYTES, SCORE_BATCH_TOKENS, Component, with_pipeline_steps
+    from kiln.optimize.memory import RUNTIME_BYTES, SCORE_BATCH_TOKENS, Component
+    from kiln.pipeline.stages.memory_plan import with_pipeline_steps
 
     params, run, evaluating = 8_030_261_248, RUNTIME_BYTES["kiln run"], RUNTIME_BYTES["kiln run, evaluating"]
     assert evaluating > run  # a quality stage starts holding what the engine stages imported
