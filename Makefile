@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.kiln-installed
 DEV_STAMP := $(VENV)/.kiln-dev-installed
 # kiln's cache is $KILN_CACHE if set, else ~/.cache/kiln, for make as for every later `kiln` command
 # from any folder: make leaves it alone, so what `make demo` and `make llama-cpp` build, a user's own
-# `kiln run` finds (core/llama_cpp_build.py `kiln_cache` is the one definition).
+# `kiln run` finds (core/home.py `kiln_cache` is the one definition).
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export MLFLOW_DISABLE_TELEMETRY := true

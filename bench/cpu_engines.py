@@ -84,10 +84,10 @@ METRICS = ("ttft_512_ms", "decode_tok_s_b1", "decode_tok_s_b8", "serve_tok_s_b1"
 def gguf_artifact(checkpoint: Path, kind: str, threads: int) -> Path:
     """The gguf method's artifact of `checkpoint` at `kind`, made once into the cache."""
     from kiln.optimize.gguf import Gguf, GgufConfig
-    from kiln.pipeline.demo.prepare import cache_root
+    from kiln.core.home import kiln_cache
     from kiln.core.files import atomic_write_json, cached_tree_hash
 
-    out = cache_root() / "bench-gguf" / f"{cached_tree_hash(checkpoint, cache_root() / 'hashes.json')[:12]}-{kind}"
+    out = kiln_cache() / "bench-gguf" / f"{cached_tree_hash(checkpoint, kiln_cache() / 'hashes.json')[:12]}-{kind}"
     if not (out / "kiln-artifact.json").is_file():
         manifest = Gguf(GgufConfig(type=kind, threads=threads)).quantize(checkpoint, out, None)
         atomic_write_json(out / "kiln-artifact.json", {"method": "gguf", **manifest})
@@ -166,7 +166,7 @@ def measure(label: str, checkpoint: Path, threads: int, decode_tokens: int, orde
     from kiln.engine.base import GenerationRequest
     from kiln.engine.cache import build_engine
     from kiln.engine.loader import engine_config, load_engine
-    from kiln.pipeline.demo.prepare import cache_root
+    from kiln.core.home import kiln_cache
     from kiln.core.files import cached_tree_hash
 
     variant = dict(VARIANTS[label])
@@ -175,8 +175,8 @@ def measure(label: str, checkpoint: Path, threads: int, decode_tokens: int, orde
         checkpoint = gguf_artifact(checkpoint, variant.pop("gguf"), threads)
         variant["threads"] = threads
     config = engine_config({"config": variant})
-    checkpoint_hash = cached_tree_hash(checkpoint, cache_root() / "hashes.json")
-    engine_dir = build_engine(config, checkpoint, checkpoint_hash, cache_root())
+    checkpoint_hash = cached_tree_hash(checkpoint, kiln_cache() / "hashes.json")
+    engine_dir = build_engine(config, checkpoint, checkpoint_hash, kiln_cache())
     build_s = time.perf_counter() - started
     started = time.perf_counter()
     engine = load_engine(engine_dir, threads=threads)
@@ -206,7 +206,7 @@ def measure(label: str, checkpoint: Path, threads: int, decode_tokens: int, orde
         row.update(serve_and_bench(engine_dir, gguf_file, threads, prompt(16), decode_tokens, order))
         if threads > 1:  # the same pair at 1 thread: an engine folder of its own (the GGUF is linked)
             one = engine_config({"config": {**variant, "threads": 1}})
-            one_dir = build_engine(one, checkpoint, checkpoint_hash, cache_root())
+            one_dir = build_engine(one, checkpoint, checkpoint_hash, kiln_cache())
             pair = serve_and_bench(one_dir, gguf_file, 1, prompt(16), decode_tokens, order)
             row.update({f"{k}_t1": v for k, v in pair.items() if k != "bench_pp512_tok_s"})
     return row

@@ -52,10 +52,10 @@ def engines(checkpoint: Path, threads: int, variants: list[str]) -> dict[str, An
     from kiln.engine.cache import build_engine
     from kiln.engine.loader import engine_config, load_engine
     from kiln.optimize.gguf import GGUF_FILE
-    from kiln.pipeline.demo.prepare import cache_root
+    from kiln.core.home import kiln_cache
 
     artifact = cpu_engines.gguf_artifact(checkpoint, "q8_0", threads)
-    digest = cached_tree_hash(artifact, cache_root() / "hashes.json")
+    digest = cached_tree_hash(artifact, kiln_cache() / "hashes.json")
     out = {}
     for name in variants:
         spec = VARIANTS[name]
@@ -63,7 +63,7 @@ def engines(checkpoint: Path, threads: int, variants: list[str]) -> dict[str, An
             spec = {**spec, "draft_model": str(cpu_engines.gguf_artifact(checkpoint, "q4_0", threads) / GGUF_FILE)}
         config = {"backend": "llama_cpp", "runtime": "server", "threads": threads, "parallel": 1,
                   **({"speculative": spec} if spec else {})}
-        out[name] = load_engine(build_engine(engine_config({"config": config}), artifact, digest, cache_root()))
+        out[name] = load_engine(build_engine(engine_config({"config": config}), artifact, digest, kiln_cache()))
     out["_gguf"] = out["plain"].gguf_path  # the file every variant serves, for llama-bench
     return out
 

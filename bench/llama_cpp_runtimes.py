@@ -49,13 +49,13 @@ def engine_dirs(checkpoint: Path, kind: str, threads: int) -> dict[str, Path]:
     import kiln.engine.llama_cpp.backend  # noqa: F401  (registers the backend)
     from kiln.engine.cache import build_engine
     from kiln.engine.loader import engine_config
-    from kiln.pipeline.demo.prepare import cache_root
+    from kiln.core.home import kiln_cache
     from kiln.core.files import cached_tree_hash
 
     artifact = cpu_engines.gguf_artifact(checkpoint, kind, threads)
-    digest = cached_tree_hash(artifact, cache_root() / "hashes.json")
+    digest = cached_tree_hash(artifact, kiln_cache() / "hashes.json")
     return {rt: build_engine(engine_config({"config": {"backend": "llama_cpp", "runtime": rt, "threads": threads,
-                                                        "parallel": 4}}), artifact, digest, cache_root())
+                                                        "parallel": 4}}), artifact, digest, kiln_cache())
             for rt in RUNTIMES}
 
 

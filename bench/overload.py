@@ -194,9 +194,9 @@ def main() -> None:
     a = p.parse_args()
     if a.quick:
         a.rounds, a.seconds, a.batch = 1, 20, 8
-    from kiln.pipeline.recipe.model_source import cache_root
+    from kiln.core.home import kiln_cache
 
-    cache = cache_root()
+    cache = kiln_cache()
     engine = build_engine(a.batch, cache)
     rows = []
     with tempfile.TemporaryDirectory() as work:

@@ -45,12 +45,12 @@ def engine_dir(checkpoint: Path, kind: str, threads: int) -> Path:
     from kiln.core.files import cached_tree_hash
     from kiln.engine.cache import build_engine
     from kiln.engine.loader import engine_config
-    from kiln.pipeline.demo.prepare import cache_root
+    from kiln.core.home import kiln_cache
 
     artifact = cpu_engines.gguf_artifact(checkpoint, kind, threads)
-    digest = cached_tree_hash(artifact, cache_root() / "hashes.json")
+    digest = cached_tree_hash(artifact, kiln_cache() / "hashes.json")
     config = engine_config({"config": {"backend": "llama_cpp", "runtime": "server", "threads": threads, "parallel": 1}})
-    return build_engine(config, artifact, digest, cache_root())
+    return build_engine(config, artifact, digest, kiln_cache())
 
 
 def load_config(args: argparse.Namespace, seed: int, prefixes: int, users: int):

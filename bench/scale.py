@@ -251,11 +251,12 @@ def plan(recipe_path: Path, available: int, workdir: Path, sets: tuple[str, ...]
     """`kiln plan-memory` as a user runs it (its text and exit code), and the same plans' numbers.
     `sets`: recipe changes (`--set` of both), e.g. another model.path."""
     from kiln.pipeline.stages.memory_plan import arm_plans, run_context
-    from kiln.pipeline.recipe.model_source import cache_root, resolve_model
+    from kiln.core.home import kiln_cache
+    from kiln.pipeline.recipe.model_source import resolve_model
     from kiln.pipeline.recipe.schema import load_recipe
 
     r = load_recipe(recipe_path, list(sets))
-    model = resolve_model(r.model.path, cache_root())
+    model = resolve_model(r.model.path, kiln_cache())
     context, batch = run_context(r)  # as `kiln run` plans
     kiln = str(Path(sys.executable).with_name("kiln"))
     cli = subprocess.run([kiln, "plan-memory", str(recipe_path), "--available", str(available), "--context",

@@ -63,9 +63,9 @@ def uses_demo_data(recipe: Any) -> bool:
 
 def demo_data_cached() -> bool:
     from kiln.pipeline.demo import data as demo_data
-    from kiln.pipeline.demo.prepare import cache_root
+    from kiln.core.home import kiln_cache
 
-    return (cache_root() / "data" / demo_data.DATA_VERSION / "manifest.json").is_file()
+    return (kiln_cache() / "data" / demo_data.DATA_VERSION / "manifest.json").is_file()
 
 
 def llama_cpp_key() -> str:

@@ -1,4 +1,5 @@
-"""kiln's home: where runs, the default tracking store and its artifacts live, whatever the current folder.
+"""kiln's two folders, whatever the current folder: its home (runs, the default tracking store and its
+artifacts) and its cache (what can be rebuilt: stages, engines, llama.cpp, the demo's files).
 
     $KILN_HOME, else $XDG_DATA_HOME/kiln, else ~/.local/share/kiln
         runs/<run>/      one folder per `kiln run` (report, verdict, stage records)
@@ -8,8 +9,14 @@
 A user's runs used to land where they stood (./runs, ./mlflow.db and a ./mlruns of hundreds of MB),
 and `kiln runs` from another folder found none. A per-user data folder, not a project root found by
 walking up to the recipe: `kiln runs`, `show`, `serve` and `cache list` name no recipe, yet must find
-the same runs. This is the one definition every command's default reads. kiln's *cache* (stages,
-engines, llama.cpp) is another folder with other rules: `llama_cpp_build.kiln_cache`.
+the same runs. This is the one definition every command's default reads.
+
+    $KILN_CACHE, else ~/.cache/kiln
+        stages/, engines/, llama.cpp/, models/, data/, hashes.json, ...
+
+The cache has other rules (`kiln cache` lists and prunes it), and one more reader:
+core/llama_cpp_build.py, which the Makefile runs with Python's standard library alone before kiln is
+installed, imports this file as a plain module. So this file imports nothing but the standard library.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import os
 from pathlib import Path
 
 HOME_ENV = "KILN_HOME"
+CACHE_ENV = "KILN_CACHE"
 STORE_FILE = "mlflow.db"
 ARTIFACTS = "mlruns"  # MLflow's own name for a local artifact root
 
@@ -28,6 +36,12 @@ def kiln_home() -> Path:
         return Path(given).expanduser().absolute()
     data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
     return Path(data).expanduser().absolute() / "kiln"
+
+
+def kiln_cache() -> Path:
+    """kiln's one cache: $KILN_CACHE if set, else ~/.cache/kiln. Every stage, `kiln prepare-demo`, the
+    llama.cpp build and its lookup, `make` and the test suite use it."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kiln").expanduser()
 
 
 def runs_root(given: Path | None = None) -> Path:

@@ -1,6 +1,6 @@
 """Build llama.cpp once per machine into kiln's cache (`python -m kiln.core.llama_cpp_build`).
 
-The build lives in `llama.cpp/` under `kiln_cache()` ($KILN_CACHE, else ~/.cache/kiln), where every
+The build lives in `llama.cpp/` under `kiln_cache()` (core/home.py: $KILN_CACHE, else ~/.cache/kiln), where every
 stage looks: `make llama-cpp` and a later `kiln run` from any folder agree on it.
 
 No prebuilt llama.cpp can be downloaded here, so the install step compiles it from a registry
@@ -30,6 +30,11 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
+
+if __package__:
+    from kiln.core.home import kiln_cache
+else:  # `python3 core/llama_cpp_build.py` (the Makefile) before kiln is installed: core/ is sys.path[0], and
+    from home import kiln_cache  # type: ignore[no-redef]  # home.py needs the standard library alone
 
 VERSION = "0.3.36"  # llama-cpp-python on PyPI; its vendor/llama.cpp is the llama.cpp kiln runs
 SDIST = f"llama_cpp_python-{VERSION}.tar.gz"
@@ -81,16 +86,6 @@ PATCH_TO = """        if (incomplete) {
 # which it puts first on sys.path (it is ahead of PyPI's gguf 0.19.0 of the same version number:
 # the converter needs its `LazyChunkedTensor`). kiln's own reader uses the pinned PyPI gguf.
 CONVERTER = ("convert_hf_to_gguf.py", "conversion", "gguf-py")
-
-
-def kiln_cache() -> Path:
-    """kiln's one cache: $KILN_CACHE if set, else ~/.cache/kiln, whatever the current folder.
-
-    Every stage, `kiln prepare-demo`, this build and its lookup, `make` and the test suite use it
-    (pipeline/demo/prepare.py's `cache_root` returns it). It is defined here because this module must run
-    with Python's standard library alone: the Makefile runs it before kiln is installed.
-    """
-    return Path(os.environ.get("KILN_CACHE") or Path.home() / ".cache" / "kiln").expanduser()
 
 
 def cache_root() -> Path:

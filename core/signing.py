@@ -34,7 +34,7 @@ TRUSTED_KEYS_ENV = "KILN_TRUSTED_KEYS"
 
 
 def _cache() -> Path:
-    from kiln.core.llama_cpp_build import kiln_cache
+    from kiln.core.home import kiln_cache
 
     return kiln_cache()
 

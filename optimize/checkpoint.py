@@ -171,7 +171,7 @@ def link_or_copy(src: Path, dst: Path) -> str:
     checkpoint, a folder a test or bench script builds into) can be rewritten by anyone: an inode
     shared with it would change the cache's bytes, and what was judged, with no kiln step seeing it.
     """
-    from kiln.core.llama_cpp_build import kiln_cache
+    from kiln.core.home import kiln_cache
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     cache = kiln_cache().resolve()

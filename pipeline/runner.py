@@ -24,11 +24,12 @@ from kiln.core.errors import BadInput
 from kiln.core.files import atomic_write_json, atomic_write_text, file_lock, hash_of, read_json
 from kiln.core.gate.base import Verdict
 from kiln.core.gate.policy import GateOutcome, judge
+from kiln.core.home import kiln_cache
 from kiln.core.versions import environment, git_commit
 from kiln.pipeline.report import report
 from kiln.pipeline.search import search
 from kiln.pipeline.provenance.evidence import evidence_from_run
-from kiln.pipeline.recipe.model_source import cache_root, resolve_model
+from kiln.pipeline.recipe.model_source import resolve_model
 from kiln.pipeline.stages.outcomes import Ending, not_judged
 from kiln.pipeline.stages.phases import up_to
 from kiln.pipeline.recipe.schema import Recipe
@@ -83,13 +84,13 @@ def start_run(recipe: Recipe, recipe_path: Path, runs_root: Path, console: Any, 
     """The run's folder and MLflow parent run. `resume` (`kiln run` without --new-run): the newest
     run folder of this recipe, if it was interrupted (Ctrl-C, a kill), is continued, with its parent
     run; its finished stages are reused from the cache as any run's are."""
-    _writable(cache_root(), "KILN_CACHE")
+    _writable(kiln_cache(), "KILN_CACHE")
     _writable(Path(runs_root), "--runs")
     tracker = Tracker(recipe.tracking.uri, recipe.tracking.experiment)  # an unreachable store fails before any work
     judged_under = check_policy(tracker.client, recipe)  # a model judged under another policy: before any work
     tracker.mark_stale({"kiln.recipe": recipe.name})  # parents and stages of a killed earlier attempt
     # One process at a time picks its folder: two runs started at once never both continue the same one.
-    with file_lock(cache_root() / "locks" / f"runs-{hash_of(str(Path(runs_root).resolve()))[:16]}.lock"):
+    with file_lock(kiln_cache() / "locks" / f"runs-{hash_of(str(Path(runs_root).resolve()))[:16]}.lock"):
         run_dir = interrupted_run(runs_root, recipe, tracker) if resume else None
         parent = _continue(tracker, run_dir, console) if run_dir else None
         if parent is None:  # a new run: its own folder and MLflow run
@@ -111,7 +112,7 @@ def start_run(recipe: Recipe, recipe_path: Path, runs_root: Path, console: Any, 
     tracker.log_artifacts(parent, run_dir / "recipe.yaml")
     tracker.log_artifacts(parent, run_dir / "environment.json")
     _log_to_file(run_dir)
-    return RunContext(recipe=recipe, recipe_path=recipe_path, run_dir=run_dir, cache=cache_root(),
+    return RunContext(recipe=recipe, recipe_path=recipe_path, run_dir=run_dir, cache=kiln_cache(),
                       tracker=tracker, parent_run=parent, console=console, fresh=fresh)
 
 

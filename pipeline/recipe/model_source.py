@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kiln.core.errors import BadInput
 from kiln.core.files import cached_tree_hash
+from kiln.core.home import kiln_cache as cache_root  # noqa: F401  # pipeline/cli/ops.py imports it from here
 
 
 @dataclass(frozen=True)
@@ -15,13 +16,6 @@ class ResolvedModel:
     path: Path
     sha256: str
     config: dict
-
-
-def cache_root() -> Path:
-    """kiln's one cache: $KILN_CACHE if set, else ~/.cache/kiln (`llama_cpp_build.kiln_cache`)."""
-    from kiln.core.llama_cpp_build import kiln_cache
-
-    return kiln_cache()
 
 
 def resolve_model(spec: str, cache: Path) -> ResolvedModel:

@@ -356,9 +356,9 @@ def _on_node(task: Task) -> dict[str, Any]:
 def _node_context(task: Task) -> RunContext:
     from rich.console import Console
 
-    from kiln.pipeline.recipe.model_source import cache_root
+    from kiln.core.home import kiln_cache
 
-    cache = cache_root()
+    cache = kiln_cache()
     (cache / "ray-tasks").mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix=f"{task.arm}-", dir=cache / "ray-tasks"))
     (run_dir / "stages").mkdir()

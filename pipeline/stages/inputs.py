@@ -172,12 +172,13 @@ def check_inputs(ctx: RunContext, model: ResolvedModel) -> None:
 def validate_inputs(recipe: Any) -> None:
     """`kiln validate`'s share of `check_inputs`: the model folder, whether its engines can build it, the
     files and counts; not the memory plan (`kiln plan-memory`), and the demo checkpoint only once converted."""
-    from kiln.pipeline.recipe.model_source import cache_root, check_checkpoint, checkpoint_folder, demo_model_folder
+    from kiln.core.home import kiln_cache
+    from kiln.pipeline.recipe.model_source import check_checkpoint, checkpoint_folder, demo_model_folder
 
     model = demo_model_folder(prepare=False) if recipe.model.path == "demo" else checkpoint_folder(recipe.model.path)
     if model is not None:
         check_backends(recipe, check_checkpoint(model))
-    check_recipe_inputs(recipe, model, cache_root())
+    check_recipe_inputs(recipe, model, kiln_cache())
 
 
 def check_recipe_inputs(recipe: Any, model_dir: Path | None, cache: Path) -> None:

@@ -194,9 +194,9 @@ def _seed_sqlite(db: Path) -> None:
     import mlflow
 
     from kiln.core.files import file_lock
-    from kiln.pipeline.recipe.model_source import cache_root
+    from kiln.core.home import kiln_cache
 
-    template = cache_root() / "mlflow" / f"empty-store-{mlflow.__version__}.db"
+    template = kiln_cache() / "mlflow" / f"empty-store-{mlflow.__version__}.db"
     try:
         template.parent.mkdir(parents=True, exist_ok=True)
         with file_lock(template.with_suffix(".lock")):

@@ -33,10 +33,9 @@ REPO = Path(__file__).resolve().parents[2]
 NAME = "llama-q8_0"
 CANDIDATE = {"name": NAME, "optimize": {"method": "gguf", "type": "q8_0", "threads": 1},
              "engine": {"backend": "llama_cpp", "threads": 1, "parallel": 1, "ctx_per_slot": 256}}
-LOOKUP = ("import json; from kiln.core import llama_cpp_build as b; from kiln.pipeline.recipe import model_source as m; "
-          "from kiln.pipeline.demo import prepare as d; "
+LOOKUP = ("import json; from kiln.core import llama_cpp_build as b; from kiln.core.home import kiln_cache; "
           "print(json.dumps({'build': str(b.install_dir()), 'converter': str(b.converter()), "
-          "'stages': str(m.cache_root()), 'demo': str(d.cache_root())}))")
+          "'cache': str(kiln_cache())}))")
 
 
 def user(tmp_path: Path, with_cache: bool) -> tuple[dict, Path]:
@@ -84,8 +83,29 @@ def test_make_and_kiln_agree_on_the_cache_from_any_folder(tmp_path, with_cache):
     proc = subprocess.run([sys.executable, "-c", LOOKUP], cwd=folder, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     seen = json.loads(proc.stdout)
-    assert seen == {"build": str(build), "converter": str(build / "convert_hf_to_gguf.py"),
-                    "stages": str(cache), "demo": str(cache)}
+    assert seen == {"build": str(build), "converter": str(build / "convert_hf_to_gguf.py"), "cache": str(cache)}
+
+
+@pytest.mark.parametrize("with_cache", [False, True], ids=["default-cache", "KILN_CACHE"])
+def test_the_build_script_runs_without_kiln_and_looks_in_kilns_cache(tmp_path, with_cache):
+    """The Makefile runs `python3 core/llama_cpp_build.py` before kiln is installed. With no site-packages
+    (-S) kiln cannot be imported, and the script still names the build where kiln looks: under core/home.py's
+    cache, which it imports as a plain module."""
+    from kiln.core.llama_cpp_build import VERSION
+
+    env = {k: v for k, v in os.environ.items() if k not in ("KILN_CACHE", "PYTHONPATH")}
+    env["HOME"] = str(tmp_path / "home")
+    cache = tmp_path / "elsewhere" if with_cache else tmp_path / "home" / ".cache" / "kiln"
+    if with_cache:
+        env["KILN_CACHE"] = str(cache)
+    bare = [sys.executable, "-S"]
+    assert subprocess.run([*bare, "-c", "import kiln"], cwd=tmp_path, env=env, capture_output=True).returncode == 1
+    check = subprocess.run([*bare, str(REPO / "core" / "llama_cpp_build.py"), "--check"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True)
+    seen = json.loads(subprocess.run([sys.executable, "-c", LOOKUP], cwd=tmp_path, env=env, capture_output=True,
+                                     text=True, check=True).stdout)
+    assert seen["cache"] == str(cache) and Path(seen["build"]).parent == cache / "llama.cpp"
+    assert (check.returncode, check.stdout) == (1, f"llama.cpp {VERSION}: {seen['build']} missing or incomplete\n")
 
 
 def test_kiln_run_from_another_folder_gets_past_the_gguf_build(tmp_path, tiny_model_dir):

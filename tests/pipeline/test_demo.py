@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 
 from kiln.core import files
+from kiln.core.home import kiln_cache
 from kiln.pipeline.demo import prepare as demo
 from kiln.pipeline.demo import austen as demo_austen
 from kiln.pipeline.demo import data as demo_data_mod
@@ -185,7 +186,7 @@ def test_second_prepare_reuses_cache(demo_data, monkeypatch):
 
 
 def test_novels_read_from_the_debian_package(demo_data):
-    novels = demo_austen.read_novels(demo.cache_root() / "debs" / demo_austen.PACKAGE)
+    novels = demo_austen.read_novels(kiln_cache() / "debs" / demo_austen.PACKAGE)
     assert set(novels) == set(demo_austen.BOOKS)
     assert novels["persuasion"][0] == "Persuasion" and novels["emma"][0] == "EMMA"
     assert sum(len("\n".join(lines)) for lines in novels.values()) > 3_900_000
