@@ -10,15 +10,36 @@ what the baseline writes?
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
+from pydantic import Field
 
 from kiln.core import progress
 from kiln.engine.base import Engine, GenerationRequest
-from kiln.evaluate.quality.base import QualityResult
+from kiln.evaluate.quality.base import QUALITY_EVALS, EvalInputs, QualityEval, QualityResult
 
 PROMPT_TOKENS = 32
 CONTINUATION_TOKENS = 16
+
+
+@QUALITY_EVALS.register("agreement", bool)  # type: ignore[arg-type] - its section is a switch, no config
+class Agreement(QualityEval):
+    """The candidate against the baseline, on the held-out documents perplexity scores."""
+
+    section = Field(True, description="token-level agreement (KL, top-1) with the baseline")
+    stage = phase = "agreement"
+    pair = True
+    # declared in kiln.core.metrics (AGREEMENT), where the gate finds them with no eval imported; per document
+    metrics = ("kl_mean", "kl_p99", "top1_agreement", "greedy_match")
+
+    def inputs(self, given: EvalInputs) -> dict[str, Any]:
+        return given.documents()[1]
+
+    def run(self, given: EvalInputs, role: str, out: Path) -> dict[str, Any]:
+        res = agreement(given.engines["baseline"], given.engines["candidate"], given.documents()[0])
+        return res.stage_result(out, list(self.metrics))
 
 
 def _kl_and_top1(base: np.ndarray, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

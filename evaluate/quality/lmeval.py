@@ -14,12 +14,16 @@ pieces a paired ratio needs (`nll` with `tokens`, `words`, `bytes`).
 from __future__ import annotations
 
 import math
+import tempfile
 from pathlib import Path
 from typing import Any
 
-from kiln.evaluate.quality.base import QualityResult
+from pydantic import Field
+
+from kiln.evaluate.quality.base import QUALITY_EVALS, EvalInputs, QualityEval, QualityResult
 from kiln.evaluate.quality.lmeval_config import DEFAULT_BATCH_SIZE, LmEvalConfig
-from kiln.evaluate.tasks import SHIPPED, TaskData, TaskSet, prepare_tasks, task_fingerprint, task_manager
+from kiln.evaluate.tasks import (SHIPPED, TaskData, TaskSet, needs_data, prepare_tasks, task_fingerprint,
+                                 task_manager)
 from kiln.core.errors import BadInput
 from kiln.core.files import atomic_write_json
 from kiln.core.metrics import LMEVAL, METRICS, declare
@@ -45,6 +49,30 @@ SHIPPED_METRICS = (
 for _metric in SHIPPED_METRICS:  # each measured when its task is listed (`kiln validate` checks)
     _task = next(t for t in SHIPPED if _metric[0].startswith(f"{t}_"))
     declare(*_metric, kind="quality", measured_by=LMEVAL, task=_task)
+
+
+@QUALITY_EVALS.register("lmeval", LmEvalConfig)
+class LmEval(QualityEval):
+    """The tasks through each arm alone; keyed by each task's content fingerprint."""
+
+    section = Field(None, description="lm-eval tasks run through the engine (per-document records)")
+    stage = "lmeval"
+    metrics = tuple(m[0] for m in SHIPPED_METRICS)  # a user's task's: declared when it runs (_result)
+
+    def _data(self, given: EvalInputs) -> TaskData | None:
+        return given.task_data() if needs_data(self.config.tasks) else None  # user YAMLs alone need no demo data
+
+    def inputs(self, given: EvalInputs) -> dict[str, Any]:
+        with tempfile.TemporaryDirectory() as tmp:
+            fingerprints = prepare_tasks(self.config.tasks, Path(tmp), self._data(given)).fingerprints()
+        return {"tasks": fingerprints, "limit": self.config.limit}
+
+    def run(self, given: EvalInputs, role: str, out: Path) -> dict[str, Any]:
+        results = evaluate_lmeval(given.engines[role], self.config, out, self._data(given))
+        samples = [{"file": f"{r.name}.jsonl",
+                    "columns": sorted({k for rec in r.records for k in rec if k.startswith(f"{r.name}_")})}
+                   for r in results]
+        return {"metrics": {k: v for r in results for k, v in r.metrics.items()}, "samples": samples}
 
 
 def evaluate_lmeval(engine: Any, config: LmEvalConfig, out_dir: Path,

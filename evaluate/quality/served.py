@@ -23,13 +23,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from kiln.core import progress
+from kiln.core.files import hash_of
 from kiln.engine.base import Engine, GenerationRequest
-from kiln.evaluate.parity import with_shortest
-from kiln.evaluate.quality.base import QualityResult
+from kiln.evaluate.parity import SHORTEST_TEXTS, with_shortest
+from kiln.evaluate.quality.base import QUALITY_EVALS, EvalInputs, QualityEval, QualityResult
 from kiln.core.metrics import declare
 
 MODEL = "candidate"  # the name the test server serves under
@@ -50,6 +52,36 @@ class ServedConfig(BaseModel):
     shared_prefix: int = Field(
         0, ge=0, exclude_if=lambda v: v == 0, description="tokens of one system prompt put before every recipe "
         "prompt (taken from the prompts' own text), so the server answers from its prompt cache; 0: none")
+
+
+@QUALITY_EVALS.register("served", ServedConfig)
+class Served(QualityEval):
+    """The candidate's own `kiln serve` (its engine loaded again, by the server) under concurrent
+    mixed-length requests, against the baseline one request at a time. The run's own copy of the
+    candidate (the benchmark's) is closed first: the stage holds its weights once."""
+
+    section = Field(None, description="greedy text from the candidate's kiln serve under concurrent mixed-length "
+                                      "requests, against the baseline one request at a time (gate it with agreement: "
+                                      "served_prefix)")
+    stage = "served"
+    pair = True
+    metrics = ("served_match", "served_prefix")  # declared above; per prompt in its records
+
+    def _prompts(self, given: EvalInputs) -> list[list[int]]:
+        return given.prompts(self.config.num_prompts, "evaluate.quality.served.num_prompts")
+
+    def inputs(self, given: EvalInputs) -> dict[str, Any]:
+        return {"config": self.config.model_dump(mode="json"), "prompts": hash_of(self._prompts(given)),
+                "shortest": SHORTEST_TEXTS}
+
+    def run(self, given: EvalInputs, role: str, out: Path) -> dict[str, Any]:
+        from kiln.engine.loader import load_engine, read_manifest
+
+        candidate = given.dirs["candidate"]
+        given.engines.keep_only("baseline")
+        res = served_text(given.engines["baseline"], lambda: load_engine(candidate),
+                          read_manifest(candidate)["source"]["path"], self._prompts(given), self.config)
+        return res.stage_result(out, list(self.metrics))
 
 
 def with_shared_prefix(prompts: Sequence[list[int]], n: int) -> list[list[int]]:

@@ -11,16 +11,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 import kiln.engine  # noqa: F401 - registers the engine backends
+import kiln.evaluate.quality  # noqa: F401 - registers the quality evals
 import kiln.optimize  # noqa: F401 - registers the quantization methods
 from kiln.deploy.config import DeployConfig
 from kiln.engine.base import BACKENDS
 from kiln.engine.llama_cpp.config import drafting_candidate
 from kiln.evaluate.perf.config import PerformanceConfig
-from kiln.evaluate.quality.lmeval import LmEvalConfig
-from kiln.evaluate.quality.served import ServedConfig
+from kiln.evaluate.quality.base import QUALITY_EVALS
 from kiln.evaluate.tune import TuneConfig, check_space
 from kiln.optimize.base import QUANTIZERS
 from kiln.pipeline.recipe.grid import expand_grids
@@ -57,19 +57,17 @@ class ModelSection(Section):
         return data
 
 
-class PerplexityConfig(Section):
-    text: str = Field("demo", description="'demo' (held-out Austen) or a local .txt file")
-    max_documents: int = Field(24, ge=1, description="documents (windows) scored per model")
-    seq_len: int = Field(256, ge=16, description="tokens per document")
+def _quality_fields() -> dict[str, Any]:
+    """`evaluate.quality`'s fields: one per registered eval, its config (or None where its section's
+    default is None: off unless set) with the default and description it declares."""
+    fields = {}
+    for name in QUALITY_EVALS.names():
+        config, section = QUALITY_EVALS.config(name), QUALITY_EVALS.get(name).section
+        fields[name] = (config if section.default is not None else config | None, section)
+    return fields
 
 
-class QualitySection(Section):
-    perplexity: PerplexityConfig = PerplexityConfig()
-    agreement: bool = Field(True, description="token-level agreement (KL, top-1) with the baseline")
-    lmeval: LmEvalConfig | None = Field(None, description="lm-eval tasks run through the engine (per-document records)")
-    served: ServedConfig | None = Field(
-        None, description="greedy text from the candidate's kiln serve under concurrent mixed-length requests, "
-                          "against the baseline one request at a time (gate it with agreement: served_prefix)")
+QualitySection = create_model("QualitySection", __base__=Section, **_quality_fields())
 
 
 class BenchmarkSection(Section):

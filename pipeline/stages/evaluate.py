@@ -1,13 +1,19 @@
 """The evaluate stages in their phases: perplexity of each arm, token agreement between them, the
-decode benchmark, then the served text, the lm-eval tasks and the load stage."""
+decode benchmark, then the lm-eval tasks, the served text, the lossless stage and the load stage.
+
+The quality evals are plugins (kiln.evaluate.quality.base.QUALITY_EVALS) and this file names none of
+them: each eval the recipe enables runs in its phase, in its own stage keyed on the engines' folders
+and on what the eval says decides its results, reading the run's inputs through `StageInputs`.
+"""
 
 from __future__ import annotations
 
-import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kiln.core.files import hash_of
+from kiln.evaluate.quality.base import QUALITY_EVALS, QualityEval, documents
 from kiln.pipeline.demo.prepare import prepare_demo_data
 from kiln.pipeline.stages.phases import PHASES
 from kiln.pipeline.stages.benchmark import benchmark, load_stage, speculation_sweep
@@ -21,109 +27,77 @@ EVALUATE_PHASES = PHASES[1:]  # every phase but the build, which is the optimize
 def evaluate(ctx: RunContext, engines: dict[str, Path], phases: tuple[str, ...] = EVALUATE_PHASES,
              loaded: LazyEngines | None = None) -> None:
     """Perplexity of each arm (quality), token agreement between them (agreement), the interleaved
-    decode benchmark (speed), then the served text, lm-eval tasks and load over HTTP (rest): the cheap
-    checks first, so a search stops a candidate that failed one before its expensive stages."""
+    decode benchmark (speed), then the evals of the last phase (lm-eval tasks, served text), the
+    lossless stage and speculation sweep, and load over HTTP (rest): the cheap checks first, so a
+    search stops a candidate that failed one before its expensive stages."""
     from kiln.engine.loader import load_engine
-    from kiln.evaluate.quality.base import documents
 
-    q = ctx.recipe.evaluate.quality
     own = loaded is None
     loaded = LazyEngines(engines, load_engine) if loaded is None else loaded
-    if "quality" in phases or ("agreement" in phases and q.agreement):
-        text = text_path(q.perplexity.text).read_text()
-        docs = token_ids(ctx, engines["baseline"], {"documents": hash_of(text), "seq_len": q.perplexity.seq_len,
-                                                    "max_documents": q.perplexity.max_documents},
-                         lambda tok: documents(tok, text, q.perplexity.seq_len, q.perplexity.max_documents))
-        text_inputs = {"text": q.perplexity.text, "docs_hash": hash_of(docs)}
-        if "quality" in phases:
-            for role in engines:
-                loaded.keep_only(role)  # each arm scored alone, from the stage's start
-                _perplexity(ctx, role, loaded, engines[role], docs, text_inputs)
-        if "agreement" in phases and q.agreement:
-            _agreement(ctx, loaded, engines, docs, text_inputs)
-    if "speed" in phases:
-        benchmark(ctx, loaded, engines)
-    if "rest" in phases:
-        if q.served:
-            _served(ctx, loaded, engines, q.served)
-        if lossless_checked(ctx):  # speculative decoding's text against its plain twin's, after both answered
-            lossless(ctx, loaded, engines)
-        speculation_sweep(ctx, loaded, engines)  # a speculating candidate: where it stops beating its plain twin
-        if q.lmeval:
-            for role in engines:
-                loaded.keep_only(role)
-                _lmeval(ctx, role, loaded, engines[role], q.lmeval)
-        if ctx.recipe.evaluate.load:
-            load_stage(ctx, loaded, engines)
+    given = StageInputs(ctx, engines, loaded)
+    for phase in (p for p in EVALUATE_PHASES if p in phases):
+        for plugin in enabled(ctx.recipe.evaluate.quality, phase):
+            run_eval(ctx, plugin, given)
+        if phase == "speed":
+            benchmark(ctx, loaded, engines)
+        if phase == "rest":
+            if lossless_checked(ctx):  # speculative decoding's text against its plain twin's, after both answered
+                lossless(ctx, loaded, engines)
+            speculation_sweep(ctx, loaded, engines)  # a speculating candidate: where it stops beating its plain twin
+            if ctx.recipe.evaluate.load:
+                load_stage(ctx, loaded, engines)
     if own:
         loaded.close()
 
 
-def _perplexity(ctx: RunContext, role: str, loaded: LazyEngines, engine_dir: Path, docs, text_inputs) -> None:
-    from kiln.evaluate.quality.perplexity import perplexity
-
-    def compute(out: Path) -> dict[str, Any]:
-        res = perplexity(loaded[role], docs)
-        res.write(out)
-        return {"metrics": res.metrics, "samples": {"file": "perplexity.jsonl", "columns": ["nll", "tokens"]}}
-
-    run_stage(ctx, "quality", role, {"engine": engine_dir.name, **text_inputs, "eval": "perplexity"},
-              compute)
+def enabled(quality: Any, phase: str) -> list[QualityEval]:
+    """The evals of `phase` whose sections `quality` (the recipe's evaluate.quality) sets, in registration
+    order, each built from its section's value."""
+    plugins = [(QUALITY_EVALS.get(name), getattr(quality, name)) for name in QUALITY_EVALS.names()]
+    return [cls(config) for cls, config in plugins if cls.phase == phase and config not in (None, False)]
 
 
-def _lmeval(ctx: RunContext, role: str, loaded: LazyEngines, engine_dir: Path, cfg: Any) -> None:
-    """lm-eval tasks through the engine; keyed by each task's content fingerprint."""
-    from kiln.evaluate.quality.lmeval import evaluate_lmeval, prepare_tasks
-    from kiln.evaluate.tasks import needs_data
-
-    data = prepare_demo_data() if needs_data(cfg.tasks) else None  # user YAMLs alone need no demo data
-    with tempfile.TemporaryDirectory() as tmp:
-        fingerprints = prepare_tasks(cfg.tasks, Path(tmp), data).fingerprints()
-
-    def compute(out: Path) -> dict[str, Any]:
-        results = evaluate_lmeval(loaded[role], cfg, out, data)
-        samples = [{"file": f"{r.name}.jsonl",
-                    "columns": sorted({k for rec in r.records for k in rec if k.startswith(f"{r.name}_")})}
-                   for r in results]
-        return {"metrics": {k: v for r in results for k, v in r.metrics.items()}, "samples": samples}
-
-    run_stage(ctx, "lmeval", role, {"engine": engine_dir.name, "tasks": fingerprints, "limit": cfg.limit},
-              compute)
+def run_eval(ctx: RunContext, plugin: QualityEval, given: StageInputs) -> None:
+    """`plugin`'s stage: once for the pair (role candidate), or once per arm with that arm's engine
+    alone loaded from the stage's start (the next stage that needs both loads the other again)."""
+    own = plugin.inputs(given)
+    if plugin.pair:
+        arms = {"baseline": given.dirs["baseline"].name, "candidate": given.dirs["candidate"].name}
+        run_stage(ctx, plugin.stage, "candidate", {**arms, **own}, lambda out: plugin.run(given, "candidate", out))
+        return
+    for role in given.dirs:
+        given.engines.keep_only(role)
+        run_stage(ctx, plugin.stage, role, {"engine": given.dirs[role].name, **own},
+                  lambda out, role=role: plugin.run(given, role, out))
 
 
-def _agreement(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], docs, text_inputs) -> None:
-    from kiln.evaluate.quality.agreement import agreement
+class StageInputs:
+    """What the quality evals read (kiln.evaluate.quality.base.EvalInputs), each read on first ask and
+    kept for the evaluate call: token ids through the run's cache, keyed by the baseline's tokenizer."""
 
-    def compute(out: Path) -> dict[str, Any]:
-        res = agreement(loaded["baseline"], loaded["candidate"], docs)
-        res.write(out)
-        return {"metrics": res.metrics, "samples": {"file": "agreement.jsonl", "columns": [
-            "kl_mean", "kl_p99", "top1_agreement", "greedy_match"]}}
+    def __init__(self, ctx: RunContext, dirs: dict[str, Path], engines: LazyEngines):
+        self.ctx, self.dirs, self.engines = ctx, dirs, engines
+        self._kept: dict[Any, Any] = {}
 
-    run_stage(ctx, "agreement", "candidate",
-              {"baseline": engines["baseline"].name, "candidate": engines["candidate"].name, **text_inputs},
-              compute)
+    def _once(self, key: Any, read: Callable[[], Any]) -> Any:
+        if key not in self._kept:
+            self._kept[key] = read()
+        return self._kept[key]
 
+    def documents(self) -> tuple[list[list[int]], dict[str, Any]]:
+        return self._once("documents", self._documents)
 
-def _served(ctx: RunContext, loaded: LazyEngines, engines: dict[str, Path], cfg: Any) -> None:
-    """The candidate's own `kiln serve` (its engine loaded again, by the server) under concurrent
-    mixed-length requests, against the baseline one request at a time. The run's own copy of the
-    candidate (the benchmark's) is closed first: the stage holds its weights once."""
-    from kiln.engine.loader import load_engine, read_manifest
-    from kiln.evaluate.parity import SHORTEST_TEXTS
-    from kiln.evaluate.quality.served import served_text
+    def _documents(self) -> tuple[list[list[int]], dict[str, Any]]:
+        q = self.ctx.recipe.evaluate.quality.perplexity
+        text = text_path(q.text).read_text()
+        docs = token_ids(self.ctx, self.dirs["baseline"],
+                         {"documents": hash_of(text), "seq_len": q.seq_len, "max_documents": q.max_documents},
+                         lambda tok: documents(tok, text, q.seq_len, q.max_documents))
+        return docs, {"text": q.text, "docs_hash": hash_of(docs)}
 
-    prompts = cached_prompts(ctx, engines["baseline"], ctx.recipe.evaluate.benchmark.prompts, cfg.num_prompts,
-                             "evaluate.quality.served.num_prompts")
+    def prompts(self, n: int, count_field: str) -> list[list[int]]:
+        spec = self.ctx.recipe.evaluate.benchmark.prompts
+        return self._once(("prompts", n), lambda: cached_prompts(self.ctx, self.dirs["baseline"], spec, n, count_field))
 
-    def compute(out: Path) -> dict[str, Any]:
-        loaded.keep_only("baseline")
-        res = served_text(loaded["baseline"], lambda: load_engine(engines["candidate"]),
-                          read_manifest(engines["candidate"])["source"]["path"], prompts, cfg)
-        res.write(out)
-        return {"metrics": res.metrics, "samples": {"file": "served.jsonl", "columns": ["served_match", "served_prefix"]}}
-
-    run_stage(ctx, "served", "candidate",
-              {"baseline": engines["baseline"].name, "candidate": engines["candidate"].name,
-               "config": cfg.model_dump(mode="json"), "prompts": hash_of(prompts), "shortest": SHORTEST_TEXTS},
-              compute)
+    def task_data(self) -> Any:
+        return self._once("task data", prepare_demo_data)
