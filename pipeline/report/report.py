@@ -9,11 +9,16 @@ requests and the GitHub job summary (plots named by their path under the run dir
 self-contained HTML page of the same content (plots embedded); both logged to the parent MLflow
 run. The candidate becomes a registered model version (alias `challenger` when the run passed), tagged with the
 verdict, each check and the lineage (`kiln.pipeline.tracking.registry`).
+
+`publish` gathers all of it once (`RunReport`) and hands it to each registered writer in turn: JSON, Markdown,
+HTML, then MLflow (which logs every file the others wrote) and the registry, whose tags are set last. Another
+output of every run is one function registered with `@writer(name)`.
 """
 
 from __future__ import annotations
 
 import html
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
@@ -26,6 +31,7 @@ from kiln.core.gate.base import CheckResult, Evidence, Verdict
 from kiln.core.gate.policy import GateOutcome
 from kiln.core.metrics import COST_PER_1M, COST_PER_1M_B1, delta_figure, interval_figures, ratio_figure
 from kiln.core.metrics import METRICS
+from kiln.core.registry import did_you_mean
 from kiln.core.units import DEFAULT_CURRENCY, amount, check_figures, money, number, ratio
 from kiln.core.verdict import percent
 
@@ -402,19 +408,76 @@ def serving_tag(ctx: Any) -> dict[str, str]:
     return {SERVING: json.dumps(serving, sort_keys=True)}
 
 
+@dataclass
+class RunReport:
+    """What a run's outputs are written from: gathered once by `publish`, handed to every writer."""
+
+    ctx: Any  # the run context: recipe, run dir, tracker, parent MLflow run, stage outcomes
+    outcome: GateOutcome
+    evidence: dict[str, Evidence]
+    sections: Sections
+    links: dict[str, str]  # shown under the verdict: the registered version, the signed verdict, the MLflow run
+    registered: Any  # the registry version, created incomplete; the `registry` writer completes it
+    version: dict[str, Any]  # its record (registry.json)
+    signed: dict[str, str]  # the version's tags that say where the signed verdict is
+    files: list[str] = field(default_factory=list)  # written so far under the run dir, in order
+
+    @property
+    def checks(self) -> dict[str, Any]:
+        return gate_checks(self.ctx)
+
+
+def gate_checks(ctx: Any) -> dict[str, Any]:
+    """The recipe's gate checks by label."""
+    return {c.label: c for c in ctx.recipe.gate.checks}
+
+
+Writer = Callable[[RunReport], list[str]]  # writes its output; returns the files it wrote under the run dir
+WRITERS: dict[str, Writer] = {}  # name -> writer: the outputs of a run, in the order they are registered
+LAST = ("mlflow", "registry")  # after every file: MLflow logs what the others wrote, the registry's tags are set last
+
+
+def writer(name: str) -> Callable[[Writer], Writer]:
+    """Decorator: `@writer("csv")` registers an output of every run (its files are logged to MLflow)."""
+
+    def register(write: Writer) -> Writer:
+        if name in WRITERS:
+            raise RuntimeError(f"report writer '{name}' registered twice")
+        WRITERS[name] = write
+        return write
+
+    return register
+
+
+def resolve(names: Sequence[str] | None = None) -> list[Writer]:
+    """The writers named, in that order; by default every registered one, MLflow and the registry last."""
+    names = names if names is not None else [*(n for n in WRITERS if n not in LAST), *LAST]
+    if unknown := [n for n in names if n not in WRITERS]:
+        raise BadInput(f"Unknown report output '{unknown[0]}'.{did_you_mean(unknown[0], list(WRITERS))}")
+    return [WRITERS[n] for n in names]
+
+
 def publish(ctx: Any, outcome: GateOutcome, evidence: dict[str, Evidence], artifact: Any,
             search: tuple[list[Any], Any, Any] | None = None) -> Path:
-    """The report, its plots and the registry version. `search`: (arms, winner, policy) of a search run."""
-    from kiln.pipeline.tracking import registry as model_registry
+    """The report, its plots and the registry version: the run's report gathered once, then written by every
+    registered writer (`resolve`). `search`: (arms, winner, policy) of a search run."""
+    report = gather_report(ctx, outcome, evidence, artifact, search)
+    for write in resolve():
+        report.files += write(report)
+    return ctx.run_dir / "report.md"
+
+
+def gather_report(ctx: Any, outcome: GateOutcome, evidence: dict[str, Evidence], artifact: Any,
+                  search: tuple[list[Any], Any, Any] | None) -> RunReport:
+    """The registry version (created, not yet complete), the plots and every section the writers show."""
     from kiln.core.gate.performance import guard_warnings
-    from kiln.pipeline.report.plots import gather, pareto
+    from kiln.pipeline.report.plots import gather as gather_plots, pareto
 
     registered, version, signed, links = _register_and_sign(ctx, outcome, artifact)
     if url := ctx.tracker.run_url(ctx.parent_run):
         links["MLflow run"] = url
     load = ctx.outcomes.get("load:pair")
-    checks = {c.label: c for c in ctx.recipe.gate.checks}
-    sections = Sections(plots=gather(ctx.run_dir, outcome.results, checks, load.path if load else None),
+    sections = Sections(plots=gather_plots(ctx.run_dir, outcome.results, gate_checks(ctx), load.path if load else None),
                         load=load.result if load else None, lineage=lineage(ctx, outcome, version),
                         comparisons=comparisons(evidence, (search[2] if search else ctx.recipe.gate).confidence),
                         serving={role: size for role in ("baseline", "candidate")
@@ -423,29 +486,60 @@ def publish(ctx: Any, outcome: GateOutcome, evidence: dict[str, Evidence], artif
                                                        evidence[role].metrics.get("size_bytes"))) is not None})
     if search:
         sections.search = search_record(*search)
-        atomic_write_json(ctx.run_dir / "search.json", sections.search)
         if plot := pareto(sections.search, ctx.run_dir / "plots" / "search_pareto.png"):
             sections.plots = {"quality change against speed-up, every candidate": plot, **sections.plots}
     sections.warnings = guard_warnings(ctx.recipe.gate.checks, evidence["candidate"].metrics)
     sections.currency = ctx.recipe.currency
-    atomic_write_json(ctx.run_dir / "comparisons.json", [c.to_dict() for c in sections.comparisons])
-    md = markdown(ctx.recipe.name, outcome, evidence, links, sections)
-    atomic_write_text(ctx.run_dir / "report.md", md)
-    atomic_write_text(ctx.run_dir / "report.html", html_page(f"kiln: {ctx.recipe.name}", outcome, evidence, sections))
-    atomic_write_json(ctx.run_dir / "registry.json", version)
-    atomic_write_json(ctx.run_dir / "lineage.json", sections.lineage)
-    for f in ("report.md", "report.html", "verdict.json", "comparisons.json", "registry.json", "lineage.json",
-              *(["search.json"] if search else [])):
-        ctx.tracker.log_artifacts(ctx.parent_run, ctx.run_dir / f)
-    if sections.plots:
-        ctx.tracker.log_artifacts(ctx.parent_run, ctx.run_dir / "plots", "plots")
-    ctx.tracker.show_figures(ctx.parent_run, run_figures(outcome.results, checks, sections, evidence))
-    ctx.tracker.log(ctx.parent_run, tags={"kiln.registered_version": f"{version['name']}/{version['version']}"})
+    return RunReport(ctx, outcome, evidence, sections, links, registered, version, signed)
+
+
+@writer("json")
+def write_json(r: RunReport) -> list[str]:
+    files = {"comparisons.json": [c.to_dict() for c in r.sections.comparisons], "registry.json": r.version,
+             "lineage.json": r.sections.lineage, **({"search.json": r.sections.search} if r.sections.search else {})}
+    for name, content in files.items():
+        atomic_write_json(r.ctx.run_dir / name, content)
+    return list(files)
+
+
+@writer("markdown")
+def write_markdown(r: RunReport) -> list[str]:
+    atomic_write_text(r.ctx.run_dir / "report.md", markdown(r.ctx.recipe.name, r.outcome, r.evidence, r.links,
+                                                            r.sections))
+    return ["report.md"]
+
+
+@writer("html")
+def write_html(r: RunReport) -> list[str]:
+    page = html_page(f"kiln: {r.ctx.recipe.name}", r.outcome, r.evidence, r.sections)
+    atomic_write_text(r.ctx.run_dir / "report.html", page)
+    return ["report.html"]
+
+
+@writer("mlflow")
+def write_mlflow(r: RunReport) -> list[str]:
+    """The parent run's artifacts (the verdict the runner wrote, every file written before, the plots), its
+    deciding figures and the version it registered."""
+    tracker, run = r.ctx.tracker, r.ctx.parent_run
+    for f in ("verdict.json", *r.files):
+        tracker.log_artifacts(run, r.ctx.run_dir / f)
+    if r.sections.plots:
+        tracker.log_artifacts(run, r.ctx.run_dir / "plots", "plots")
+    tracker.show_figures(run, run_figures(r.outcome.results, r.checks, r.sections, r.evidence))
+    tracker.log(run, tags={"kiln.registered_version": f"{r.version['name']}/{r.version['version']}"})
+    return []
+
+
+@writer("registry")
+def write_registry(r: RunReport) -> list[str]:
+    """The version's verdict, checks, lineage and serving tags, and its alias: it reads as finished from here on."""
+    from kiln.pipeline.tracking import registry as model_registry
+
     # The version links back along the chain in the UI; set last: only a finished run's version reads as finished.
-    lineage_tags = {"kiln.lineage." + step["step"].replace("[", ".").rstrip("]"): f"{step['key']} (run {step['mlflow_run']})"
-                    for step in sections.lineage[:-1]}
-    model_registry.complete(ctx, registered, outcome, {**lineage_tags, **serving_tag(ctx), **signed})
-    return ctx.run_dir / "report.md"
+    lineage_tags = {"kiln.lineage." + step["step"].replace("[", ".").rstrip("]"):
+                    f"{step['key']} (run {step['mlflow_run']})" for step in r.sections.lineage[:-1]}
+    model_registry.complete(r.ctx, r.registered, r.outcome, {**lineage_tags, **serving_tag(r.ctx), **r.signed})
+    return []
 
 
 def run_figures(results: list[CheckResult], checks: dict[str, Any], sections: Sections,
