@@ -30,6 +30,7 @@ from pydantic import Field, model_validator
 
 from kiln.core.gate.base import CHECKS, Check, CheckConfig, CheckResult, Evidence, Verdict
 from kiln.core.metrics import BENCH_STEAL, CLIENT_LIMITED, LOAD_PREFIX, PRESSURE_BY_SIGNAL, metric
+from kiln.core.units import amount
 from kiln.core.verdict import percent
 
 
@@ -115,10 +116,11 @@ class PerformanceCheck(Check):
             mean, lo, hi = t_interval(cand[:n][keep], self.confidence)
             verdict = bounded_verdict(lo, hi, c.min, c.max)
             method = f"t-interval over {kept}{f' of {n}' if kept < n else ''} repeats"
+        shown = (lambda v: f"{v:.3g}") if relative else (lambda v: amount(c.metric, v))  # 17.1 tok/s, 176.6 ms
         return self.result(verdict, observed=mean, baseline=base_value if not relative else 1.0,
                            threshold=self.threshold(), ci=(lo, hi), method=method,
-                           reason=f"{'ratio' if relative else 'value'} {mean:.3g} "
-                                  f"[{lo:.3g}, {hi:.3g}] at {percent(self.confidence)}"
+                           reason=f"{'ratio' if relative else 'value'} {shown(mean)} "
+                                  f"[{shown(lo)}, {shown(hi)}] at {percent(self.confidence)}"
                                   + (f"; {contention(candidate.metrics)}{'; ' + dropped if dropped else ''}"
                                      f"{_guard_off(c)}" if bench else ""))
 

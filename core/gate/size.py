@@ -35,9 +35,9 @@ class SizeCheck(Check):
         if c.max_ratio is not None:
             ratio = size / base
             ok, threshold = ratio <= c.max_ratio, f"ratio ≤ {c.max_ratio:g}"
-            reason = f"{size / 1e6:.1f} MB is {ratio:.3f}× the baseline's {base / 1e6:.1f} MB"
+            reason = f"{amount('size_bytes', size)} is {ratio:.3f}× the baseline's {amount('size_bytes', base)}"
         else:
             ok, threshold = size <= c.max_bytes, f"≤ {amount('size_bytes', c.max_bytes)}"  # never 200000000 bytes
-            reason = f"{size / 1e6:.1f} MB"
+            reason = amount("size_bytes", size)
         return self.result(Verdict.SUCCESSFUL if ok else Verdict.FAILED, observed=size, baseline=base,
                            threshold=threshold, method="exact", reason=reason)

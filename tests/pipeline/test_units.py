@@ -1,6 +1,7 @@
 """Figures as a person reads them (kiln.core.units) on the console, in the report and in `kiln show`: the unit
 each metric declares or its name implies, never `size_bytes=5.416e+08`."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,40 @@ def test_a_size_bound_reads_in_megabytes():
     result = CHECKS.get("size")(config, 0.95).check(Evidence("candidate", metrics={"size_bytes": 1.019e8}),
                                                     Evidence("baseline", metrics={"size_bytes": 5.416e8}))
     assert result.threshold == "≤ 200.0 MB"
+
+
+def test_the_stage_line_on_the_console_reads_in_units(tmp_path):
+    """The line `kiln run` prints under each stage it computes said `size_bytes=5.416e+08, peak_rss_bytes=2.763e+08`."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from kiln.pipeline.stages.base import RunContext, run_stage
+
+    tracker = SimpleNamespace(start=lambda *a, **k: "run", log=lambda *a, **k: None, end=lambda *a, **k: None,
+                              log_artifacts=lambda *a, **k: None, find_stage=lambda key: None)
+    console = Console(record=True, width=300)
+    ctx = RunContext(SimpleNamespace(name="r", digest=lambda: "d"), tmp_path / "r.yaml", tmp_path / "run",
+                     tmp_path / "cache", tracker, "parent", console)
+    metrics = {"size_bytes": 5.416e8, "peak_rss_bytes": 2.763e8, "decode_tok_s": 17.04, "ttft_ms": 176.6}
+    run_stage(ctx, "optimize", "candidate", {"x": 1}, lambda out: {"metrics": dict(metrics)})
+    [line] = [line for line in console.export_text().splitlines() if "done in" in line]
+    assert "s size_bytes 541.6 MB, peak_rss_bytes 263.5 MiB, decode_tok_s 17.04 tok/s, ttft_ms 176.6 ms, " in line
+    assert re.search(r", optimize_peak_rss_bytes [\d.,]+ (MiB|GiB)", line), line  # the stage's own, measured
+    assert "e+0" not in line and "=" not in line
+
+
+def test_a_checks_reason_reads_in_units():
+    """A size check's reason said '2107.0 MB' where a reader wants 2.1 GB; an absolute speed bound's said
+    'value 17 [16.2, 17.8]' with no unit."""
+    from kiln.core.gate.base import CHECKS, Evidence
+
+    size = CHECKS.get("size")(CHECKS.config("size")(max_ratio=1.0), 0.95)
+    result = size.check(Evidence("candidate", metrics={"size_bytes": 5.416e8}),
+                        Evidence("baseline", metrics={"size_bytes": 2.107e9}))
+    assert result.reason == "541.6 MB is 0.257× the baseline's 2.1 GB"
+    speed = CHECKS.get("performance")(CHECKS.config("performance")(metric="decode_tok_s", min=10), 0.95)
+    rates = [16.8, 17.2, 17.0, 16.9, 17.3]
+    result = speed.check(Evidence("candidate", metrics={"decode_tok_s": 17.04}, repeats={"decode_tok_s": rates}),
+                         Evidence("baseline", metrics={"decode_tok_s": 16.0}, repeats={"decode_tok_s": rates}))
+    assert re.match(r"value 17.04 tok/s \[16.\d+ tok/s, 17.\d+ tok/s\] at 95%", result.reason), result.reason
