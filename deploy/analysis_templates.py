@@ -6,9 +6,12 @@ picked by their pod-template hash, passed in by the Rollout as args canary-hash 
 - decode_tok_s, ratio: latency_tpot(stable) / latency_tpot(canary); SLO: 1 / latency_tpot(canary);
 - error_rate: rate(outcome="server_error") / rate(all requests), canary pods;
 - agreement on served_prefix / served_match (greedy_match) with a min, when
-  deploy.router.mirror_fraction > 0: `kiln route`'s mirrored scores (scraped with the app's
-  namespace and app labels), 1 - (mean stable-vs-stable - mean canary-vs-stable) >= min: the live
-  gate's statistic (live_gate.py) on the query window, empty until min-requests prompts were mirrored;
+  deploy.router.mirror_fraction > 0: the rendered router's mirrored scores (its pods labelled
+  app=<name>-router, scraped with their namespace and app labels), 1 - (mean stable-vs-stable - mean
+  canary-vs-stable) >= min: the live gate's statistic (live_gate.py) on the query window, empty until
+  min-requests prompts were mirrored. The router's series carry no pod-template hash, so a step gate
+  waits one query window (initialDelay) before it first reads them: until then the window still
+  holds prompts mirrored before the canary's pods served (to the stable pods behind the canary Service);
 - quality, size, other metrics: no Prometheus signal: skipped, with a warning.
 latency is sum(rate(_sum)) / sum(rate(_count)) (the mean, exact from a histogram) or
 histogram_quantile(q, ...) (kubernetes.latency_statistic). Every query is empty until the canary
@@ -23,6 +26,9 @@ inconclusiveLimit = count, so an empty result is an Inconclusive measurement tha
 more than failureLimit measured violations fail the step, and running out ends the metric
 Inconclusive, which pauses the rollout),
 and `<name>-step-full` for a 100% step (absolute checks only: no stable traffic to compare with).
+With the router, `<name>-router-weight` is a step of its own: it POSTs the step's weight to the
+router's /admin/weight (Argo's web provider, the admin key from the Secret), since the router, not the
+pod counts, splits the traffic.
 Argo judges point values at each measurement, not a sequential test: in-cluster false-rollback
 control rests on failureLimit, consecutive successes and the window.
 
@@ -51,6 +57,23 @@ ARGS = [{"name": "canary-hash"}, {"name": "stable-hash"}]
 # Agreement metrics -> the router's histogram of per-prompt scores (label PAIR).
 MIRRORED = {"served_prefix": names.ROUTER_MIRROR_PREFIX, "served_match": names.ROUTER_MIRROR_MATCH,
             "greedy_match": names.ROUTER_MIRROR_MATCH}
+# The keys of the API-key Secret: the clients' key(s); with the router, the one it sends the engines and its admin key.
+API_KEY, UPSTREAM_KEY, ADMIN_KEY = "api-key", "upstream-key", "admin-key"
+ROUTER_PORT = 8080  # the router's container port (its Service listens on 80)
+
+
+def routed(deploy: DeployConfig) -> bool:
+    """The router is rendered in front of both arms: it mirrors prompts, so it splits the traffic too."""
+    return deploy.router.mirror_fraction > 0
+
+
+def router_app(name: str) -> str:
+    """The router's Deployment, Service and pod label `app` (not `name`: the arms' Services select that)."""
+    return f"{name}-router"
+
+
+def secret_name(name: str, k: KubernetesConfig) -> str:
+    return k.api_key_secret or f"{name}-api-key"
 
 
 @dataclass
@@ -60,6 +83,7 @@ class Query:
     op: str  # "<=" or ">="
     bound: float
     ratio: bool  # canary / stable: cannot be measured once stable gets no traffic
+    delay: str | None = None  # a step gate's first measurement waits this long (Argo initialDelay)
 
     def passes(self) -> str:
         return f"len(result) > 0 && result[0] {self.op} {self.bound:g}"
@@ -73,6 +97,7 @@ class PromQL:
 
     def __init__(self, name: str, k: KubernetesConfig, mirroring: bool = False):
         self.k, self.base, self.mirroring = k, f'namespace="{k.namespace}",app="{name}"', mirroring
+        self.router = f'namespace="{k.namespace}",app="{router_app(name)}"'
 
     def sel(self, arm: str, extra: str = "") -> str:
         return "{" + f'{self.base},{self.k.hash_label}="{{{{args.{arm}-hash}}}}"{extra}' + "}"
@@ -92,16 +117,16 @@ class PromQL:
 
     def mirrored(self, metric: str, pair: str, part: str = "sum", over: str = "rate") -> str:
         """The router's series of one pair (its pod carries no pod-template hash: it fronts both arms)."""
-        sel = "{" + f'{self.base},{names.PAIR}="{pair}"' + "}"
+        sel = "{" + f'{self.router},{names.PAIR}="{pair}"' + "}"
         return f"sum({over}({metric}_{part}{sel}[{self.k.query_window}]))"
 
     def agreement(self, cfg: CheckConfig) -> tuple[str, str, float, str] | str:
         """The router's mirrored scores: 1 - (floor - canary) >= min, and the mirrored-prompt count."""
         metric = MIRRORED.get(cfg.metric)
         if metric is None or getattr(cfg, "min", None) is None:
-            return f"only {', '.join(MIRRORED)} with a min have a live signal (kiln route's mirrored prompts)"
+            return f"only {', '.join(MIRRORED)} with a min have a live signal (the router's mirrored prompts)"
         if not self.mirroring:
-            return "needs kiln route's mirrored prompts: set deploy.router.mirror_fraction > 0"
+            return "needs the router's mirrored prompts: set deploy.router.mirror_fraction > 0"
 
         def mean(pair: str) -> str:
             return f"({self.mirrored(metric, pair)} / {self.mirrored(metric, pair, 'count')})"
@@ -140,7 +165,7 @@ def _queries(name: str, policy: GateSection, deploy: DeployConfig, warnings: lis
             continue
         if cfg.kind == "agreement":  # mirrors need both arms, like a ratio
             expr, op, bound, count = mapped
-            out.append(Query(metric_name(cfg), pq.guarded(expr, count), op, bound, True))
+            out.append(Query(metric_name(cfg), pq.guarded(expr, count), op, bound, True, deploy.kubernetes.query_window))
             continue
         expr, op, bound = mapped
         out.append(Query(metric_name(cfg), pq.guarded(expr), op, bound, "_ratio" in _bound(cfg)))
@@ -161,7 +186,7 @@ def metric_name(cfg: CheckConfig) -> str:
 
 def step_count(deploy: DeployConfig) -> int:
     """Measurements a step gate may take: the longest step's max_duration_s over the interval."""
-    return max(1, math.ceil(max(s.max_duration_s for s in deploy.steps) / _seconds(deploy.kubernetes.analysis_interval)))
+    return max(1, math.ceil(max(s.max_duration_s for s in deploy.steps) / duration_s(deploy.kubernetes.analysis_interval)))
 
 
 # The recipe field behind each Argo metric field the renderer sets.
@@ -194,7 +219,7 @@ def recipe_problems(violations: list, policy: GateSection, deploy: DeployConfig)
     return [f"{line} (Argo: {', '.join(dict.fromkeys(where))})" for line, where in lines.items()]
 
 
-def _seconds(duration: str) -> int:
+def duration_s(duration: str) -> int:
     return int(duration[:-1]) * {"s": 1, "m": 60, "h": 3600}[duration[-1]]
 
 
@@ -221,7 +246,8 @@ def analysis_templates(name: str, policy: GateSection, deploy: DeployConfig, war
               "failureLimit": k.failure_limit, "provider": provider(q)} for q in queries]
 
     def gate(q: Query) -> dict:
-        metric = {"name": q.name, "interval": k.analysis_interval, "count": count, "successCondition": q.passes(),
+        metric = {"name": q.name, "interval": k.analysis_interval, **({"initialDelay": q.delay} if q.delay else {}),
+                  "count": count, "successCondition": q.passes(),
                   "consecutiveSuccessLimit": k.consecutive_successes, "failureLimit": -1}
         if deploy.on_inconclusive == "hold":  # Argo ends a metric Inconclusive only with failureLimit >= 0
             metric |= {"failureCondition": q.fails(), "failureLimit": k.failure_limit, "inconclusiveLimit": count}
@@ -237,3 +263,19 @@ def analysis_templates(name: str, policy: GateSection, deploy: DeployConfig, war
     return docs
 
 
+def router_weight_template(name: str, deploy: DeployConfig) -> dict:
+    """`<name>-router-weight`: one POST of the step's weight to the router's /admin/weight, with the admin key
+    from the Secret (an Argo arg read from it, never a literal), passing when the router answers that weight.
+    A refused or unreachable router is an Error measurement; past Argo's consecutiveErrorLimit the rollout aborts."""
+    k = deploy.kubernetes
+    url = f"http://{name}.{k.namespace}.svc/admin/weight"  # the Service in front of the router (router_manifests.py)
+    metric = {"name": "router-weight", "count": 1, "successCondition": "result == {{args.weight}}",
+              "provider": {"web": {"method": "POST", "url": url, "timeoutSeconds": 10, "jsonPath": "{$.weight}",
+                                   "headers": [{"key": "Authorization", "value": "Bearer {{args.admin-key}}"},
+                                               {"key": "Content-Type", "value": "application/json"}],
+                                   "body": '{"weight": {{args.weight}}}'}}}
+    args = [{"name": "weight"},
+            {"name": "admin-key", "valueFrom": {"secretKeyRef": {"name": secret_name(name, k), "key": ADMIN_KEY}}}]
+    return {"apiVersion": ARGO, "kind": "AnalysisTemplate",
+            "metadata": {"name": f"{name}-router-weight", "namespace": k.namespace, "labels": {"app": name}},
+            "spec": {"args": args, "metrics": [metric]}}

@@ -144,6 +144,8 @@ def validate_run(templates: list[dict], ref_args: list[dict], background: bool) 
         return out
     declared = [a for t in templates for a in t["spec"].get("args", [])]
     values = {a["name"]: str(a["value"]) for a in declared if "value" in a}
+    # A template's own valueFrom (a Secret's key): Argo reads it when it creates the run (ResolveArgs).
+    values |= {a["name"]: "secret-value" for a in declared if "valueFrom" in a and a["name"] not in values}
     for arg in ref_args:  # MergeArgs ignores an arg the templates do not declare
         if any(a["name"] == arg["name"] for a in declared):  # valueFrom: Argo reads it from the Rollout
             values[arg["name"]] = str(arg.get("value", "dummy-value"))

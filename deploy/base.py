@@ -1,8 +1,12 @@
 """The deploy-target contract: `set_traffic(weight)`, `observe(cursor)`, `promote()`, `rollback()`.
 
-One file per target beside this one (local.py, kubernetes.py). The canary controller only talks
-to this contract, so the walk, the statistics and the MLflow records are the same wherever the
-two arms run.
+One file per target beside this one (local.py, kubernetes.py), each registered by name in
+targets.py. The canary controller only talks to this contract, so the walk, the statistics and the
+MLflow records are the same wherever the two arms run. `kiln deploy canary` reaches a target
+through two hooks: `open(request)` builds it for a `DeployRequest` (the run's two engines, the
+policy, the deploy section, the journal), and `walk(controller)`, inside its `with`, walks it: by
+default kiln's controller (canary.py) steps it; a target whose platform walks the canary itself
+(Argo Rollouts in a cluster) follows that walk instead.
 
 `observe(cursor)` returns what happened since the previous look: per-arm, per-request values
 (TTFT, TPOT, failures) and mirrored comparisons, plus the cursor for the next look. Keeping
@@ -12,13 +16,18 @@ individual requests (not aggregates) is what lets the controller run a sequentia
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
 
-import numpy as np
-
+from kiln.deploy.config import DeployConfig
 from kiln.deploy.observations import Comparison, is_failure
+from kiln.core.errors import KilnError
 from kiln.core.gate.base import Evidence
+from kiln.core.gate.policy import GateSection
+
+R = TypeVar("R")
 
 
 @dataclass
@@ -54,6 +63,8 @@ class ArmData:
         out: dict[str, float] = {"requests": self.requests, "errors": sum(self.errors)}
         if self.errors:
             out["error_rate"] = sum(self.errors) / len(self.errors)
+        import numpy as np  # here, not at import: the deploy targets are imported with every recipe
+
         for name, values in (("ttft_ms", self.ttft_ms), ("tpot_ms", self.tpot_ms)):
             if values:
                 arr = np.asarray(values)
@@ -89,16 +100,49 @@ class Observations:
             if "error_rate" in s:
                 metrics["error_rate"] = s["error_rate"]
             if role == "candidate" and self.mirrored:
+                import numpy as np
+
                 metrics["served_prefix"] = float(np.mean([c.prefix for c in self.mirrored]))
                 metrics["served_match"] = float(np.mean([c.match for c in self.mirrored]))
             out.append(Evidence(role, metrics=metrics, counts={"error_rate": (int(s["errors"]), int(s["requests"]))}))
         return out[0], out[1]
 
 
+@dataclass
+class DeployRequest:
+    """What `kiln deploy canary` hands the recipe's target: one registered version to walk against the
+    stable one. A target reads what applies to it (a cluster has no local port, a local walk no image)."""
+
+    name: str  # the app: the recipe's name (the Kubernetes objects are named after it)
+    policy: GateSection
+    deploy: DeployConfig
+    stable: Path  # the stable arm's engine folder (the run's baseline)
+    candidate: Path  # the canary's engine folder (the run's candidate)
+    version: tuple[str, str] | None = None  # the registered (model, version) walking, when it is registered
+    journal: Any = None  # a journal.CanaryJournal recording the walk (None: nothing is recorded)
+    log: Callable[[str], None] = print
+    port: int = 8080  # where clients reach a walk on this machine
+    api_key: str | None = None  # the key those clients send
+    keep_serving: bool = False  # after the walk, serve the winner until SIGTERM (a walk on this machine)
+    state_path: Path | None = None  # the walk's state, for recovering one whose controller died
+    log_path: str | None = None
+
+
 class DeployTarget(abc.ABC):
     """Where the stable and canary arms run. Implementations are context managers."""
 
     name: ClassVar[str]
+
+    @classmethod
+    def open(cls, request: DeployRequest) -> DeployTarget:
+        """This target for `request`, not yet entered (`with` starts it): what `kiln deploy canary` walks."""
+        raise KilnError(f"deploy target '{getattr(cls, 'name', cls.__name__)}' cannot be started by "
+                        "`kiln deploy canary` (it defines no `open`)")
+
+    def walk(self, controller: Callable[[DeployTarget], R]) -> R:
+        """Walk the canary on this started target: by default `controller` (kiln's, canary.run_canary with
+        the request's policy and journal) steps it through set_traffic/observe/promote/rollback."""
+        return controller(self)
 
     @abc.abstractmethod
     def set_traffic(self, weight: float) -> None:

@@ -1,18 +1,22 @@
 """Configuration of the deploy stage: the router, its admission control, the canary walk, the
 Kubernetes rendering. One validated object per concern, `extra="forbid"` everywhere.
 
-`DeployConfig` is the richer replacement for the recipe's `DeploySection` (same field names for
-what both have: target, steps, on_inconclusive). Secrets (API keys) are never config fields: they
-come from the environment or an argument, so a dumped config never carries one.
+`DeployConfig` is the recipe's `deploy:` section (pipeline/recipe/schema.py `Recipe.deploy`); its
+`target` names a registered deploy target (targets.py). Secrets (API keys) are never config fields:
+they come from the environment, an argument or (in a cluster) a Secret, so a dumped config never
+carries one.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kiln.deploy.targets import TARGETS
 from kiln.engine.serve.admission import AdmissionConfig
+from kiln.core.registry import did_you_mean
 
 
 class Section(BaseModel):
@@ -66,20 +70,35 @@ class CanaryStep(Section):
     max_duration_s: float = Field(300, gt=0, description="after this, an undecided step holds or rolls back")
 
 
+def kiln_version() -> str:
+    """The installed kiln's version: the tag of the image its Dockerfile builds, unless a recipe says otherwise."""
+    try:
+        return importlib.metadata.version("kiln")
+    except importlib.metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
+        return "dev"
+
+
 class KubernetesConfig(Section):
-    """What `kiln deploy render` writes: an Argo Rollout, its AnalysisTemplates, Services, autoscaler."""
+    """What `kiln deploy render` writes: an Argo Rollout, its AnalysisTemplates, Services, autoscaler,
+    and with mirroring (deploy.router.mirror_fraction > 0) the router in front of both arms."""
 
     namespace: str = "default"
-    image: str = Field("kiln-serve:latest", description="container image that runs `kiln serve`")
+    image: str = Field("kiln", description="repository of the image that runs `kiln serve` (and the router): the one "
+                                           "kiln's Dockerfile builds, or one FROM it holding the engine at model_path")
+    image_tag: str = Field(default_factory=kiln_version, min_length=1,
+                           description="its tag (default: kiln's version, as `docker build -t kiln:<version> .` "
+                                       "tags it), or a digest 'sha256:...'")
     model_path: str = Field("/models/engine", description="engine folder inside the container")
     port: int = Field(8000, ge=1, le=65535)
     replicas: int = Field(4, ge=1)
     gpus: int = Field(0, ge=0, description="nvidia.com/gpu per pod")
     traffic_routing: Literal["replicas", "nginx"] = Field(
-        "replicas", description="replicas: split by pod counts (no mesh needed); nginx: exact weights via ingress")
+        "replicas", description="replicas: split by pod counts (no mesh needed); nginx: exact weights via ingress. "
+                                "With mirroring the router splits by exact weights and the Ingress fronts it")
     ingress_host: str | None = None
-    api_key_secret: str | None = Field(None, description="Secret holding kiln serve's API key under 'api-key'; "
-                                                         "default '<name>-api-key'")
+    api_key_secret: str | None = Field(None, description="Secret holding the clients' API key(s) under 'api-key' "
+                                                         "(with mirroring also the router's 'upstream-key' and "
+                                                         "'admin-key'); default '<name>-api-key'")
     ttft_slo_ms: float | None = Field(None, gt=0, description="TTFT objective passed to `kiln serve --ttft-slo-ms`: "
                                       "its queue admits what the objective leaves (None: within 1.5x of at-capacity TTFT)")
     pre_stop_s: int = Field(5, ge=0, description="preStop wait before SIGTERM, while endpoints stop sending traffic")
@@ -95,11 +114,30 @@ class KubernetesConfig(Section):
     max_replicas: int = Field(16, ge=1)
     queue_per_replica: float = Field(8, gt=0, description="waiting requests per pod that trigger a scale-up")
 
+    @field_validator("image")
+    @classmethod
+    def _repository(cls, image: str) -> str:
+        """A repository alone: a tag or digest here would be doubled by image_tag."""
+        head, _, last = image.split("@", 1)[0].rpartition("/")
+        if "@" in image or ":" in last:
+            repository = (head + "/" if head else "") + last.split(":", 1)[0]
+            raise ValueError(f"give the image's repository alone ({repository}); its tag or digest goes in "
+                             "deploy.kubernetes.image_tag")
+        return image
+
+    @property
+    def image_ref(self) -> str:
+        """The image a pod pulls: repository:tag, or repository@sha256:... for a digest."""
+        return f"{self.image}{'@' if self.image_tag.startswith('sha256:') else ':'}{self.image_tag}"
+
 
 class DeployConfig(Section):
-    """The recipe's `deploy:` section (proposed replacement for recipe.DeploySection)."""
+    """The recipe's `deploy:` section: where the canary walks (`target`), its steps, and how each target runs."""
 
-    target: Literal["local", "kubernetes"] = "local"
+    target: str = Field("local", description="where the canary walks: a registered deploy target (deploy/targets.py): "
+                                              "local (both arms and the router on this machine) or kubernetes (a "
+                                              "cluster, under Argo Rollouts)",
+                        json_schema_extra=lambda schema: schema.update(enum=TARGETS.names()))  # as registered now
     steps: list[CanaryStep] = Field(default_factory=lambda: [CanaryStep(weight=w) for w in (5, 25, 50, 100)],
                                     min_length=1)
     on_inconclusive: Literal["hold", "rollback"] = "rollback"
@@ -108,6 +146,13 @@ class DeployConfig(Section):
     effect_scale: float = Field(0.1, gt=0, description="effect (relative) the sequential test is tuned to detect fastest")
     router: RouterOptions = RouterOptions()
     kubernetes: KubernetesConfig = KubernetesConfig()
+
+    @field_validator("target")
+    @classmethod
+    def _registered(cls, target: str) -> str:
+        if target not in TARGETS.names():
+            raise ValueError(f"unknown deploy target '{target}'.{did_you_mean(target, TARGETS.names())}")
+        return target
 
     @model_validator(mode="after")
     def _increasing(self) -> DeployConfig:

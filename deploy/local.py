@@ -1,4 +1,4 @@
-"""The local deploy target (the default): both arms and the router on this machine.
+"""The local deploy target (the default, `deploy.target: local`): both arms and the router on this machine.
 
 Each arm is a `kiln serve`-compatible server: one already running (url), one this target starts
 (command, with "{port}" replaced by a free port, e.g. ["kiln", "serve", "ENGINE_DIR", "--port",
@@ -24,23 +24,29 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import subprocess
+import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 from pydantic import model_validator
 
-from kiln.deploy.base import DeployTarget, Observations, observations_from
+from kiln.deploy.base import DeployRequest, DeployTarget, Observations, observations_from
 from kiln.deploy.config import RouterConfig, RouterOptions, Section
 from kiln.deploy.proxy import upstream_key
 from kiln.deploy.router_process import RouterProcess
+from kiln.deploy.targets import TARGETS
 from kiln.engine.serve.admission import api_keys
 from kiln.engine.serve.fake import FakeEngineConfig, FakeServer
 from kiln.engine.remote import free_port, wait_healthy
 from kiln.core.errors import BadInput, KilnError
 
+R = TypeVar("R")
 ARM_KEY_ENV = "KILN_API_KEY"  # where a command arm (`kiln serve`, by default) reads the key its router sends
 
 
@@ -107,19 +113,29 @@ def start_arm(spec: BackendSpec, api_key: str | None) -> Arm:
     return arm
 
 
+def kiln_serve(engine_dir: str | Path) -> BackendSpec:
+    """An arm served by `kiln serve ENGINE_DIR` on a free port, with the interpreter kiln runs under
+    (a `kiln` on PATH may be another install, or none without an activated venv)."""
+    return BackendSpec(command=[sys.executable, "-m", "kiln.pipeline", "serve", str(engine_dir), "--port", "{port}"])
+
+
 class RouterRestarted(KilnError):
     """The router died and was restarted with stable only; the walk cannot go on."""
 
 
+@TARGETS.register("local", RouterOptions)
 class LocalTarget(DeployTarget):
     name = "local"
 
     def __init__(self, stable: BackendSpec, canary: BackendSpec, options: RouterOptions | None = None, port: int = 0,
-                 api_key: str | None = None, upstream_api_key: str | None = None, log_path: str | None = None):
+                 api_key: str | None = None, upstream_api_key: str | None = None, log_path: str | None = None,
+                 keep_serving: bool = False, log: Callable[[str], None] = print):
+        """keep_serving: after a walk (`walk`), keep the router and the winning arm up until SIGTERM/SIGINT
+        (a real local deployment); otherwise the walk's end stops everything."""
         self.specs = {"stable": stable, "canary": canary}
         self.options, self.port = options or RouterOptions(), port
         api_keys(api_key, "api_key")  # a blank key is refused before any arm starts
-        self.api_key, self.log_path = api_key, log_path
+        self.api_key, self.log_path, self.keep_serving, self.log = api_key, log_path, keep_serving, log
         self.upstream_api_key = upstream_key(upstream_api_key) or secrets.token_urlsafe(32)  # its arms need one
         self.arms: dict[str, Arm] = {}
         self.router: RouterProcess | None = None
@@ -129,6 +145,26 @@ class LocalTarget(DeployTarget):
         self._closing = threading.Event()
         self._lock = threading.Lock()
         self._watchdog: threading.Thread | None = None
+
+    @classmethod
+    def open(cls, request: DeployRequest) -> LocalTarget:
+        """Both engines served by `kiln serve` on this machine behind the router on request.port. A walk
+        whose controller died (request.state_path says walking) is rolled back first."""
+        target = cls(kiln_serve(request.stable), kiln_serve(request.candidate), request.deploy.router,
+                     port=request.port, api_key=request.api_key, log_path=request.log_path,
+                     keep_serving=request.keep_serving, log=request.log)  # refuses a blank key first
+        if request.state_path is not None:
+            from kiln.deploy.canary import recover_crashed_walk  # the controller's statistics load scipy: not at import
+
+            recover_crashed_walk(request.state_path, request.api_key, request.log)
+        return target
+
+    def walk(self, controller: Callable[[DeployTarget], R]) -> R:
+        self.log(f"kiln deploy: router on {self.url}")
+        result = controller(self)
+        if self.keep_serving:
+            _wait_for_signal(self.log, self.url)
+        return result
 
     @property
     def url(self) -> str:
@@ -235,3 +271,19 @@ class LocalTarget(DeployTarget):
         for arm in self.arms.values():
             arm.stop()
         self.arms.clear()
+
+
+def _wait_for_signal(log: Callable[[str], None], url: str) -> None:
+    stop = {"now": False}
+
+    def handler(*_: object) -> None:
+        stop["now"] = True
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    log(f"kiln deploy: serving on {url} until SIGTERM / Ctrl-C")
+    try:
+        while not stop["now"]:
+            time.sleep(0.5)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

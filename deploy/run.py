@@ -1,31 +1,43 @@
-"""Entry points for the CLI: `kiln deploy` (local canary walk), `kiln deploy render`, `kiln route`.
+"""Entry points for the CLI: `kiln deploy canary`, `kiln deploy render`, `kiln route`.
 
 Each is a few lines of composition over the pieces in this package, so the CLI stays thin:
-- deploy_local: start both arms and the router, walk the canary, promote or roll back;
+- deploy_canary: the recipe's `deploy.target`, resolved in the registry (targets.py), opened for the
+  run's two engines and walked: what `kiln deploy canary` runs, whatever the target;
+- deploy_local: the local target's walk for arms given as BackendSpecs (a URL, a command, the fake engine);
 - render_manifests: write the Kubernetes/Argo Rollouts manifests for the same policy;
 - `kiln route` is `kiln.deploy.router_process.serve_router(RouterConfig(...), api_key)`.
 """
 
 from __future__ import annotations
 
-import signal
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
+from kiln.deploy.base import DeployRequest, DeployTarget
 from kiln.deploy.canary import CanaryResult, recover_crashed_walk, run_canary
 from kiln.deploy.config import DeployConfig
 from kiln.deploy.journal import CanaryJournal
 from kiln.deploy.kubernetes import Rendered, render
-from kiln.deploy.local import BackendSpec, LocalTarget
+from kiln.deploy.local import BackendSpec, LocalTarget, kiln_serve
+from kiln.deploy.targets import TARGETS
 from kiln.core.gate.policy import GateSection
 
+__all__ = ["deploy_canary", "deploy_local", "kiln_serve", "render_manifests"]
 
-def kiln_serve(engine_dir: str | Path) -> BackendSpec:
-    """An arm served by `kiln serve ENGINE_DIR` on a free port, with the interpreter kiln runs under
-    (a `kiln` on PATH may be another install, or none without an activated venv)."""
-    return BackendSpec(command=[sys.executable, "-m", "kiln.pipeline", "serve", str(engine_dir), "--port", "{port}"])
+
+def deploy_canary(request: DeployRequest) -> CanaryResult:
+    """`kiln deploy canary`: the target `request.deploy.target` names (an unknown name is BadInput with
+    "Did you mean"), opened for the request and walked; its outcome."""
+    target = TARGETS.get(request.deploy.target)
+    return _walk(target.open(request), request.policy, request.deploy, request.journal, request.log,
+                 request.state_path)
+
+
+def _walk(target: DeployTarget, policy: GateSection, deploy: DeployConfig, journal: CanaryJournal | None,
+          log: Callable[[str], None], state_path: Path | None) -> CanaryResult:
+    with target as started:
+        log(f"kiln deploy ({started.name}): canary walk: " + ", ".join(f"{s.weight:g}%" for s in deploy.steps))
+        return started.walk(lambda t: run_canary(t, policy, deploy, journal, log, state_path=state_path))
 
 
 def deploy_local(policy: GateSection, deploy: DeployConfig, stable: BackendSpec, candidate: BackendSpec, *,
@@ -42,32 +54,11 @@ def deploy_local(policy: GateSection, deploy: DeployConfig, stable: BackendSpec,
     state_path: the walk's state, written at every change; a walk whose controller died (the
     state says walking) is rolled back first, then this one starts.
     """
+    target = LocalTarget(stable, candidate, deploy.router, port=port, api_key=api_key,
+                         upstream_api_key=upstream_api_key, log_path=log_path, keep_serving=keep_serving, log=log)
     if state_path is not None:
         recover_crashed_walk(state_path, api_key, log)
-    with LocalTarget(stable, candidate, deploy.router, port=port, api_key=api_key,
-                     upstream_api_key=upstream_api_key, log_path=log_path) as target:
-        log(f"kiln deploy: router on {target.url}; canary walk: "
-            + ", ".join(f"{s.weight:g}%" for s in deploy.steps))
-        result = run_canary(target, policy, deploy, journal, log, state_path=state_path)
-        if keep_serving:
-            _wait_for_signal(log, target.url)
-    return result
-
-
-def _wait_for_signal(log: Callable[[str], None], url: str) -> None:
-    stop = {"now": False}
-
-    def handler(*_: object) -> None:
-        stop["now"] = True
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-    log(f"kiln deploy: serving on {url} until SIGTERM / Ctrl-C")
-    try:
-        while not stop["now"]:
-            time.sleep(0.5)
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+    return _walk(target, policy, deploy, journal, log, state_path)
 
 
 def render_manifests(name: str, policy: GateSection, deploy: DeployConfig, out: Path,

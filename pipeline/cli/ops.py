@@ -43,7 +43,8 @@ def _forced(force: bool, reason: str | None) -> str | None:
     if reason and not force:
         raise BadInput("--reason: only with --force (it records why a version that did not pass goes ahead).")
     return reason.strip() if force and reason else None
-deploy_app = typer_app(help="Canary rollouts: walk one locally, or render Argo Rollouts manifests.")
+deploy_app = typer_app(help="Canary rollouts: walk one where the recipe's deploy.target says (local: this machine; "
+                            "kubernetes: a cluster, under Argo Rollouts), or render Argo Rollouts manifests.")
 app.add_typer(deploy_app, name="deploy")
 
 
@@ -295,15 +296,20 @@ def _run_recipe(d: Path):
 
 @deploy_app.command("canary")
 def deploy_canary(run: RunArg, runs: RunsOpt = None,
-                  port: Annotated[int, port_option("the canary's router")] = 8080, api_key_env: KeyEnvOpt = "KILN_API_KEY",
-                  keep_serving: Annotated[bool, typer.Option(help="keep the router and the winner up afterwards")] = False,
+                  port: Annotated[int, port_option("the canary's router (deploy.target local)")] = 8080,
+                  api_key_env: KeyEnvOpt = "KILN_API_KEY",
+                  keep_serving: Annotated[bool, typer.Option(help="keep the router and the winner up afterwards "
+                                                                  "(deploy.target local)")] = False,
                   force: ForceOpt = False, reason: ReasonOpt = None) -> None:
-    """Walk a run's candidate through the recipe's canary steps against its baseline, on this machine.
+    """Walk a run's candidate through the recipe's canary steps against its baseline, where deploy.target says.
 
-    Judged live by the recipe's gate policy; promotes (alias `champion` moves) or rolls back. A run
-    that did not pass its gate is refused (exit 2) unless --force --reason TEXT.
+    local (the default): both engines and the router on this machine, judged live by the recipe's gate policy.
+    kubernetes: the rendered manifests applied with kubectl (its current context) and Argo Rollouts' walk
+    followed to its end; what the cluster lacks is named first. Either way the candidate is promoted (alias
+    `champion` moves) or rolled back. A run that did not pass its gate is refused (exit 2) unless --force --reason TEXT.
     """
-    from kiln.deploy.run import deploy_local, kiln_serve
+    from kiln.deploy.base import DeployRequest
+    from kiln.deploy.run import deploy_canary as walk
     from kiln.pipeline.tracking.canary_journal import canary_journal
     from kiln.core.files import read_json
 
@@ -325,10 +331,10 @@ def deploy_canary(run: RunArg, runs: RunsOpt = None,
         record_override(client, name, version, "deploy canary", reason or "")
     journal = canary_journal(recipe.tracking.uri, recipe.tracking.experiment, name, version,
                              state["mlflow_parent"], forced=reason)
-    result = deploy_local(recipe.gate, recipe.deploy, kiln_serve(engine_dir(str(d), "baseline", runs)),
-                          kiln_serve(engine_dir(str(d), "candidate", runs)), port=port, api_key=_key(api_key_env),
-                          journal=journal, keep_serving=keep_serving, log=console.print,
-                          state_path=d / "deploy-state.json")
+    result = walk(DeployRequest(recipe.name, recipe.gate, recipe.deploy, engine_dir(str(d), "baseline", runs),
+                                engine_dir(str(d), "candidate", runs), version=(name, version), journal=journal,
+                                log=console.print, port=port, api_key=_key(api_key_env), keep_serving=keep_serving,
+                                state_path=d / "deploy-state.json"))
     console.print(f"canary {result.status}: {result.reason}")
     raise typer.Exit(result.exit_code)
 
@@ -340,7 +346,9 @@ def deploy_render(recipe: RecipeArg, out: Annotated[Path, typer.Option(help="YAM
                                                                     "manifests roll out; "
                                                                     "refused unless its run passed")] = None,
                   tracking_uri: TrackingOpt = None, force: ForceOpt = False, reason: ReasonOpt = None) -> None:
-    """Render Argo Rollouts manifests (Rollout, AnalysisTemplates from the gate policy, Services, autoscaler).
+    """Render Argo Rollouts manifests (Rollout, AnalysisTemplates from the gate policy, Services, autoscaler, and
+    with deploy.router.mirror_fraction > 0 the router in front of both arms), every pod on the image
+    deploy.kubernetes.image:image_tag (by default kiln:<version>, what kiln's Dockerfile builds).
 
     With --model-version, the recipe's registered version is checked first (`kiln verify NAME VERSION`): one
     whose attestation does not verify (exit 5) or whose run did not pass (exit 2) is refused unless

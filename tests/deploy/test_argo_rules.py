@@ -166,7 +166,7 @@ def test_kiln_deploy_render_exits_2_naming_the_field(tmp_path):
 
 
 def test_the_served_prefix_check_renders_on_the_routers_mirrored_scores():
-    """The demo recipe's served_prefix >= 0.3 becomes a metric on kiln route's mirrored scores,
+    """The demo recipe's served_prefix >= 0.3 becomes a metric on the rendered router's mirrored scores,
     with the live gate's statistic, in the guard and the step gate (not at 100%: mirrors need
     stable), and Argo's rules hold; without mirroring it is skipped with the reason."""
     from kiln.deploy.config import RouterOptions
@@ -186,8 +186,14 @@ def test_the_served_prefix_check_renders_on_the_routers_mirrored_scores():
         step = metrics["smol-step"]["agreement-served-prefix"]
         assert step["successCondition"] == "len(result) > 0 && result[0] >= 0.3"
         query = step["provider"]["prometheus"]["query"]
-        assert f'{names.ROUTER_MIRROR_PREFIX}_sum{{namespace="default",app="smol",pair="floor"}}' in query
-        assert f'{names.ROUTER_MIRROR_PREFIX}_count{{namespace="default",app="smol",pair="canary"}}' in query
+        # the router's series, as Prometheus labels the rendered router's pods (app=<name>-router)
+        router = next(d for d in docs if d["kind"] == "Deployment")
+        assert router["spec"]["template"]["metadata"]["labels"] == {"app": "smol-router"}
+        assert f'{names.ROUTER_MIRROR_PREFIX}_sum{{namespace="default",app="smol-router",pair="floor"}}' in query
+        assert f'{names.ROUTER_MIRROR_PREFIX}_count{{namespace="default",app="smol-router",pair="canary"}}' in query
+        # no pod hash on the router's series: the step gate reads them once the window holds only this walk's
+        assert step["initialDelay"] == deploy.kubernetes.query_window
+        assert "initialDelay" not in metrics["smol-guard"]["agreement-served-prefix"]
     rendered = render("smol", policy, DeployConfig())
     docs, warnings = rendered.documents, rendered.warnings
     assert not any(m["name"] == "agreement-served-prefix" for d in docs if d["kind"] == "AnalysisTemplate"

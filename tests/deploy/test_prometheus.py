@@ -135,6 +135,8 @@ def _queries(docs: list[dict], args: dict[str, str] = ARGS) -> list[tuple[str, s
     for d in docs:
         if d["kind"] == "AnalysisTemplate":
             for m in d["spec"]["metrics"]:
+                if "prometheus" not in m["provider"]:  # the router's weight step (a web call, test_router_manifests.py)
+                    continue
                 resolved, missing = substitute(m, args)
                 assert not missing, missing
                 out.append((f"{d['metadata']['name']}/{m['name']}", resolved["provider"]["prometheus"]["query"], resolved))
@@ -338,9 +340,13 @@ def _dropped(router: str) -> int:
 
 
 def _prometheus_labelled(tmp_path: Path, targets: dict[str, list[tuple[str, str | None]]]) -> tuple[subprocess.Popen, str]:
-    """Prometheus scraping each url once per (namespace, pod-template hash or None for the router)."""
+    """Prometheus scraping each url once per (namespace, pod-template hash, or None for the router: its pods
+    carry the rendered router Deployment's labels, app=smol-router, and no hash)."""
+    from kiln.deploy.analysis_templates import router_app
+
     static = [{"targets": [u.removeprefix("http://")],
-               "labels": {"namespace": ns, "app": "smol", **({"rollouts_pod_template_hash": h} if h else {})}}
+               "labels": {"namespace": ns, **({"app": "smol", "rollouts_pod_template_hash": h} if h else
+                                              {"app": router_app("smol")})}}
               for u, labels in targets.items() for ns, h in labels]
     return _start_prometheus(tmp_path, [{"job_name": f"kiln-{i}", "static_configs": [s]} for i, s in enumerate(static)],
                              len(static))

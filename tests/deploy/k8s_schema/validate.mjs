@@ -14,6 +14,7 @@ const KINDS = {
   "argoproj.io/v1alpha1/AnalysisTemplate": ["@kubernetes-models/argo-rollouts/argoproj.io/v1alpha1/AnalysisTemplate", "AnalysisTemplate"],
   "keda.sh/v1alpha1/ScaledObject": ["@kubernetes-models/keda/keda.sh/v1alpha1/ScaledObject", "ScaledObject"],
   "v1/Service": ["kubernetes-models/v1/Service", "Service"],
+  "apps/v1/Deployment": ["kubernetes-models/apps/v1/Deployment", "Deployment"],
   "networking.k8s.io/v1/Ingress": ["kubernetes-models/networking.k8s.io/v1/Ingress", "Ingress"],
   "autoscaling/v2/HorizontalPodAutoscaler": ["kubernetes-models/autoscaling/v2/HorizontalPodAutoscaler", "HorizontalPodAutoscaler"],
 };
