@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from kiln.core.gate.policy import GateSection
-from kiln.core.metrics import LOAD_PREFIX
+from kiln.core.metrics import LOAD_PREFIX, METRICS
 
 
 def family_confidence(confidence: float, candidates: int) -> float:
@@ -38,17 +38,29 @@ PHASES = ("build", "quality", "agreement", "speed", "rest")
 
 
 def phase_of(check: Any) -> str:
-    """The phase whose stages decide `check`: the build (size), perplexity (quality), token agreement
-    (agreement), the decode benchmark (speed), or the served text, lm-eval tasks and the load stage (rest)."""
+    """The phase whose stages decide `check`: the build (size), the decode benchmark (speed) or the load
+    stage (rest) for the performance checks, and for a quality or agreement check the phase of the quality
+    eval that measures its metric (perplexity: quality, token agreement: agreement, the served text and
+    lm-eval tasks: rest; an eval's own `phase` in kiln.evaluate.quality's registry)."""
     kind, name = check.kind, check.metric
     if kind == "size":
         return "build"
-    if kind == "quality":
-        return "quality" if name == "perplexity" else "rest"
-    if kind == "agreement":
-        return "rest" if name.startswith("served_") else "agreement"
     if kind == "performance":
         return "rest" if name.startswith(LOAD_PREFIX) else "speed"
+    if kind in ("quality", "agreement"):
+        return _eval_phase(name)
+    return "rest"
+
+
+def _eval_phase(metric: str) -> str:
+    """The phase of the registered quality eval that measures `metric` (its `measured_by`,
+    evaluate.quality.<eval>); the last phase for a metric no registered eval claims."""
+    from kiln.evaluate.quality.base import QUALITY_EVALS
+
+    where = (METRICS[metric].measured_by or "") if metric in METRICS else ""
+    section, _, name = where.rpartition(".")
+    if section == "evaluate.quality" and name in QUALITY_EVALS.names():
+        return QUALITY_EVALS.get(name).phase
     return "rest"
 
 

@@ -176,6 +176,26 @@ def test_phases_put_cheap_checks_first():
     assert family.confidence == pytest.approx(0.9875) and policy.confidence == 0.95
 
 
+def test_a_registered_eval_decides_its_checks_in_its_own_phase(monkeypatch):
+    """A check on a new eval's metric waits for that eval's phase, whatever the check's kind: an agreement
+    check on an eval that runs with token agreement is judged there, one on a last-phase eval at the end."""
+    from pydantic import Field
+
+    from kiln.core.metrics import METRICS, Metric
+    from kiln.evaluate.quality.base import QUALITY_EVALS, QualityEval
+
+    for phase in ("agreement", "rest"):
+        monkeypatch.setitem(METRICS, f"toy_{phase}", Metric(f"toy_{phase}", True, "", "a toy", "quality",
+                                                            f"evaluate.quality.toy_{phase}", None))
+        toy = type(f"Toy{phase}", (QualityEval,), {"section": Field(None), "stage": "toy", "phase": phase})
+        monkeypatch.setitem(QUALITY_EVALS._plugins, f"toy_{phase}", toy)
+    policy = GateSection.model_validate({"checks": [
+        {"kind": "agreement", "metric": "toy_agreement", "min": 0.5},
+        {"kind": "agreement", "metric": "toy_rest", "min": 0.5},
+        {"kind": "quality", "metric": "toy_agreement", "margin": 0.1}]})
+    assert [phase_of(c) for c in policy.checks] == ["agreement", "rest", "agreement"]
+
+
 def test_the_benchmark_stops_on_the_speed_checks_only_each_at_a_share_of_the_confidence():
     from types import SimpleNamespace
 
