@@ -461,12 +461,13 @@ def plan_memory_cmd(recipe: RecipeArg, set_: SetOpt = [],  # noqa: B006
     loads anything. Exit 2 with the numbers and the change that fits if one does not."""
     from kiln.optimize.memory import arms_table, check_arms
     from kiln.pipeline.stages.memory_plan import arm_plans, first_change
-    from kiln.pipeline.recipe.model_source import cache_root, resolve_model
+    from kiln.core.home import kiln_cache
+    from kiln.pipeline.recipe.model_source import resolve_model
     from kiln.pipeline.recipe.schema import load_recipe
 
     r = load_recipe(recipe, set_)
     free = size_option("--available", available)
-    model = resolve_model(r.model.path, cache_root())
+    model = resolve_model(r.model.path, kiln_cache())
     plans, fields = arm_plans(r, model.config, context=context, batch=batch, kv_dtype=kv_dtype, available=free)
     if as_json:  # the same exit 2 when an arm does not fit, after the document
         print(json.dumps({"arms": {name: {"optimize_engine": what, **plan.to_dict()} for name, (what, plan) in plans.items()},

@@ -8,7 +8,6 @@ from pathlib import Path
 
 from kiln.core.errors import BadInput
 from kiln.core.files import cached_tree_hash
-from kiln.core.home import kiln_cache as cache_root  # noqa: F401  # pipeline/cli/ops.py imports it from here
 
 
 @dataclass(frozen=True)
