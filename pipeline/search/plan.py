@@ -18,8 +18,10 @@ from typing import Any
 from kiln.core.progress import duration
 from kiln.pipeline.stages.phases import PHASES
 from kiln.pipeline.stages.base import RESULT, RunContext
+from kiln.pipeline.stages.evaluate import enabled
 from kiln.pipeline.tracking.runs import CANDIDATE_TAG, STAGE_KEY
 
+ARMS = ("baseline", "candidate")  # the roles an eval that measures each arm alone runs for
 SHARED = "baseline"  # the row of the stages every candidate shares: the checkpoint's own build and scores
 
 
@@ -44,16 +46,16 @@ class ArmPlan:
 
 def stages_of(recipe: Any) -> list[tuple[str, str]]:
     """(stage, role) a candidate of `recipe` runs through the phases, in order, its own and the
-    baseline's (which the first candidate computes and the others reuse)."""
-    q, e = recipe.evaluate.quality, recipe.evaluate
+    baseline's (which the first candidate computes and the others reuse): the build, then each phase's
+    quality evals as the evaluate stage runs them (`enabled`: the registry's order), the decode
+    benchmark with the speed phase and the load stage last."""
     by_phase = {"build": [("optimize", "baseline"), ("optimize", "candidate"), ("engine", "baseline"),
-                          ("engine", "candidate")],
-                "quality": [("quality", "baseline"), ("quality", "candidate")],
-                "agreement": [("agreement", "candidate")] if q.agreement else [],
-                "speed": [("benchmark", "pair")],
-                "rest": [*([("served", "candidate")] if q.served else []),
-                         *([("lmeval", "baseline"), ("lmeval", "candidate")] if q.lmeval else []),
-                         *([("load", "pair")] if e.load else [])]}
+                          ("engine", "candidate")]}
+    for phase in PHASES[1:]:
+        evals = enabled(recipe.evaluate.quality, phase)
+        by_phase[phase] = [(e.stage, role) for e in evals for role in (("candidate",) if e.pair else ARMS)]
+    by_phase["speed"].append(("benchmark", "pair"))
+    by_phase["rest"] += [("load", "pair")] if recipe.evaluate.load else []
     return [s for phase in PHASES for s in by_phase[phase]]
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace as NS
 
+from kiln.pipeline.recipe.schema import QualitySection
 from kiln.pipeline.search import plan as search_plan
 
 
 def _recipe(digest: str, agreement: bool = True) -> NS:
-    quality = NS(agreement=agreement, served=None, lmeval=None)
+    quality = QualitySection(agreement=agreement)  # perplexity on by default, served and lm-eval off
     return NS(evaluate=NS(quality=quality, load=None), digest=lambda: digest)
 
 
@@ -56,3 +57,19 @@ def test_finished_stages_are_reused_and_the_rest_timed_from_earlier_runs(tmp_pat
                         "if every candidate reaches every stage")
     fresh = search_plan.plan(_ctx(tmp_path, fresh={"optimize"}), [("a", _recipe("d-a"))], runs)
     assert not fresh[1].stages[0].reused  # --fresh optimize: computed again
+
+
+def test_the_plan_lists_a_registered_evals_stage_in_its_phase(monkeypatch):
+    """The plan's stages are the evaluate stage's: a new eval's stage appears where it runs, once per arm."""
+    from pydantic import Field
+
+    from kiln.evaluate.quality.base import QUALITY_EVALS, QualityEval
+
+    toy = type("Toy", (QualityEval,), {"section": Field(None), "stage": "toy", "phase": "agreement"})
+    monkeypatch.setitem(QUALITY_EVALS._plugins, "toy", toy)
+    recipe = _recipe("d-a")
+    quality = NS(**{name: getattr(recipe.evaluate.quality, name) for name in QUALITY_EVALS.names() if name != "toy"},
+                 toy={"documents": 2})
+    stages = search_plan.stages_of(NS(evaluate=NS(quality=quality, load=None)))
+    assert stages[stages.index(("agreement", "candidate")) + 1:][:3] == [("toy", "baseline"), ("toy", "candidate"),
+                                                                         ("benchmark", "pair")], stages
