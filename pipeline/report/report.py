@@ -156,7 +156,12 @@ def _runoff(fig: dict[str, Any] | None) -> str:
     """A candidate's runoff against the leader it met (kiln.pipeline.search.search._runoff), paired at one moment."""
     if not fig:
         return ""
-    return f"; against {fig['against']} at one moment {_speedup(fig)} ({'faster' if fig['ratio'] > 1 else 'slower'})"
+    return f"; against {fig['against']} at one moment {_speedup(fig)} ({_told(fig)})"
+
+
+def _told(fig: dict[str, Any]) -> str:
+    """A paired ratio's reading: shown faster or slower only where its interval leaves 1 out."""
+    return "faster" if fig["low"] > 1 else "slower" if fig["high"] < 1 else "not told apart"
 
 
 def _measured_on(nodes: dict[str, str] | None) -> str:
@@ -210,10 +215,17 @@ def search_record(arms: list[Any], winner: Any, policy: Any) -> dict[str, Any]:
 
 
 def _picked_over(arms: list[Any], winner: Any) -> str:
-    """The runoffs the winner came through: the candidates it was measured beside, at one moment."""
-    met = [a.name for a in arms if a is not winner and a.runoff and a.runoff["against"] == winner.name]
-    met += [winner.runoff["against"]] if winner.runoff else []
-    return f", and faster than {', '.join(sorted(set(met)))} measured beside it at one moment (runoff)" if met else ""
+    """The runoffs the winner came through: the candidates it was measured beside, at one moment, shown
+    slower than it, or not told apart from it (the interval held 1: the winner led at screening)."""
+    told = {a.name: _told({"low": 1 / a.runoff["high"], "high": 1 / a.runoff["low"]})  # a rival's figure is
+            for a in arms if a is not winner and a.runoff and a.runoff["against"] == winner.name}  # rival/winner
+    if winner.runoff:
+        told[winner.runoff["against"]] = _told(winner.runoff)
+    faster = sorted(n for n, t in told.items() if t == "faster")
+    tied = sorted(n for n, t in told.items() if t != "faster")
+    return ((f", and faster than {', '.join(faster)} measured beside it at one moment (runoff)" if faster else "")
+            + (f", and not told apart from {', '.join(tied)} measured beside it at one moment (runoff), kept as the "
+               "leader at screening" if tied else ""))
 
 
 def _serving(cfg: Any, optimize: Any = None) -> str:

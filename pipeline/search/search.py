@@ -237,7 +237,9 @@ def _runoff(passing: list[Arm], shared: Any, policy: GateSection) -> Arm:
     share of it, moves between moments: at 135M llama.cpp ran 2x faster one evening than the torch
     baseline's stage had seen it, while OpenVINO's ratio was fresh (docs/engines.md). So the leader at
     screening meets every other candidate not shown slower there (its interval reaches the leader's),
-    both engines interleaved in one fresh stage, and the faster on the paired ratio leads on. A
+    both engines interleaved in one fresh stage, and the rival leads on only where the paired ratio
+    shows it faster (its interval above 1): where the interval holds 1 the two are not told apart and
+    the leader stays, so noise does not move the pick from one run to the next. A
     candidate shown slower at screening is left out only where both screenings ran in this run, minutes
     apart, each over the baseline of its moment; one reused from an earlier run is from another hour.
     This only picks which candidate the verdict is taken on: the winner's confirmation against the
@@ -256,7 +258,7 @@ def _runoff(passing: list[Arm], shared: Any, policy: GateSection) -> Arm:
                          f"[bold]runoff[/bold]: {rival.name} against {leader.name}", held_out=False)
         fig = speedup(paired, rival.ctx.recipe.search.objective, policy.confidence)
         rival.runoff = None if fig is None else {"against": leader.name, **fig}
-        if fig is not None and fig["ratio"] > 1:
+        if fig is not None and fig["low"] > 1:  # shown faster; an interval holding 1 is a tie
             leader = rival
     return leader
 

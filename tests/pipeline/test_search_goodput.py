@@ -60,7 +60,7 @@ def test_a_goodput_search_serves_every_candidate_and_confirms_the_winners_load(t
     leader = max((r for r in rows.values() if not r["eliminated"]), key=lambda r: r["screened"]["ratio"])
     if winner is not leader:  # only a candidate faster side by side, at one moment, overturns the screening
         fig = winner["runoff"]
-        assert fig and fig["ratio"] > 1, winner
+        assert fig and fig["low"] > 1, winner  # shown faster: a tie keeps the leader
         runoff = json.loads((run_dir / "candidates" / winner["name"] / f"runoff-{fig['against']}" / "stages" /
                              "load-pair.json").read_text())  # a load stage, as the objective is measured
         assert json.loads((Path(runoff["path"]) / "manifest.json").read_text())["inputs"]["fresh"]["run"]

@@ -159,8 +159,9 @@ def test_two_passing_candidates_meet_in_a_fresh_interleaved_stage(runoff_run):
     [rival] = [c for c in rows.values() if c is not leader]
     fig = rival["runoff"]
     assert fig is not None and fig["against"] == leader["name"] and fig["pairs"] >= 2, rival
-    # the faster on the paired ratio is the winner, and it was measured again (held out) after it was picked
-    assert record["winner"] == (rival["name"] if fig["ratio"] > 1 else leader["name"])
+    # the rival wins only where the paired ratio shows it faster (a tie keeps the leader), and the winner
+    # was measured again (held out) after it was picked
+    assert record["winner"] == (rival["name"] if fig["low"] > 1 else leader["name"])
     assert rows[record["winner"]]["confirmed"] is not None
     folder = run_dir / "candidates" / rival["name"] / f"runoff-{leader['name']}" / "stages"
     _, manifest = _stage(folder / "benchmark-pair.json")
@@ -199,3 +200,22 @@ def test_every_phase_has_the_words_the_console_says_it_with():
     from kiln.pipeline.search.search import SAID
 
     assert set(SAID) == set(PHASES)
+
+
+def test_a_runoff_that_cannot_tell_the_two_apart_keeps_the_leader_and_says_so(tmp_path, paired):
+    """A paired ratio whose interval holds 1 is a tie: the leader at screening stays (noise does not move
+    the pick between runs) and the report says the two were not told apart, not that one was faster."""
+    from kiln.pipeline.report.report import _picked_over, _runoff as runoff_note
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for p in (a, b):
+        p.mkdir()
+    arms = [_arm("a", 3.0, 2.8, 3.2, a), _arm("b", 2.95, 2.75, 3.15, b)]
+    paired.rates.update({a: [100.0, 104.0, 97.0, 101.0], b: [103.0, 99.0, 102.0, 100.0]})  # b/a: 1.005, wide
+    winner = search._runoff(arms, shared={}, policy=SimpleNamespace(confidence=0.98))
+    fig = arms[1].runoff
+    assert fig["low"] < 1 < fig["high"] and fig["ratio"] > 1, fig  # b's point estimate is ahead, not shown so
+    assert winner.name == "a"
+    assert runoff_note(fig).endswith("(not told apart)")
+    said = _picked_over(arms, winner)
+    assert "not told apart from b" in said and "faster than" not in said, said
