@@ -72,11 +72,15 @@ class Kubectl:
                  for r in resources if r not in known]
         for o in objects:  # the key names only: a Secret's values never leave the cluster
             got = self.run("-n", namespace, "get", o.kind, o.name, "-o", KEY_NAMES)
-            if got.returncode != 0 and "NotFound" in got.stderr:
-                lines.append(f"{o.kind} {o.name} in namespace {namespace}: {o.why}: {o.create}")
-            elif got.returncode == 0:
+            if got.returncode == 0:
                 lines += [f"key {key} in {o.kind} {o.name}: {o.why}: {o.create}"
                           for key in o.keys if key not in got.stdout.split()]
+            elif "NotFound" in got.stderr:
+                lines.append(f"{o.kind} {o.name} in namespace {namespace}: {o.why}: {o.create}")
+            else:  # Forbidden, a timeout...: unread is not there, as far as the pods' walk can tell
+                said = (got.stderr.strip().splitlines() or [f"exit {got.returncode}"])[-1]
+                lines.append(f"{o.kind} {o.name} in namespace {namespace}, readable by this context: kubectl says "
+                             f"{said}")
         return lines
 
     def apply(self, manifests: str) -> list[dict[str, Any]]:

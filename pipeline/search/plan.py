@@ -17,11 +17,11 @@ from typing import Any
 
 from kiln.core.progress import duration
 from kiln.pipeline.stages.phases import PHASES
+from kiln.pipeline.provenance.evidence import ROLES
 from kiln.pipeline.stages.base import RESULT, RunContext
 from kiln.pipeline.stages.evaluate import enabled
 from kiln.pipeline.tracking.runs import CANDIDATE_TAG, STAGE_KEY
 
-ARMS = ("baseline", "candidate")  # the roles an eval that measures each arm alone runs for
 SHARED = "baseline"  # the row of the stages every candidate shares: the checkpoint's own build and scores
 
 
@@ -53,7 +53,7 @@ def stages_of(recipe: Any) -> list[tuple[str, str]]:
                           ("engine", "candidate")]}
     for phase in PHASES[1:]:
         evals = enabled(recipe.evaluate.quality, phase)
-        by_phase[phase] = [(e.stage, role) for e in evals for role in (("candidate",) if e.pair else ARMS)]
+        by_phase[phase] = [(e.stage, role) for e in evals for role in (("candidate",) if e.pair else ROLES)]
     by_phase["speed"].append(("benchmark", "pair"))
     by_phase["rest"] += [("load", "pair")] if recipe.evaluate.load else []
     return [s for phase in PHASES for s in by_phase[phase]]

@@ -12,6 +12,7 @@ from typing import Any
 
 from kiln.core.gate.policy import GateSection
 from kiln.core.metrics import LOAD_PREFIX, METRICS
+from kiln.evaluate.quality.base import QUALITY_EVALS
 
 
 def family_confidence(confidence: float, candidates: int) -> float:
@@ -55,8 +56,6 @@ def phase_of(check: Any) -> str:
 def _eval_phase(metric: str) -> str:
     """The phase of the registered quality eval that measures `metric` (its `measured_by`,
     evaluate.quality.<eval>); the last phase for a metric no registered eval claims."""
-    from kiln.evaluate.quality.base import QUALITY_EVALS
-
     where = (METRICS[metric].measured_by or "") if metric in METRICS else ""
     section, _, name = where.rpartition(".")
     if section == "evaluate.quality" and name in QUALITY_EVALS.names():

@@ -68,6 +68,8 @@ elif args[2:4] == ["get", "rollout"]:
     print(json.dumps({"kind": "Rollout", "status": statuses[min(n, len(statuses) - 1)]}))
 elif args[2:3] == ["get"]:
     keys = scenario["objects"].get(f"{args[3]}/{args[4]}")
+    if f"{args[3]}/{args[4]}" in scenario.get("forbidden", []):
+        sys.exit(f'Error from server (Forbidden): {args[3]}s "{args[4]}" is forbidden: User "dev" cannot get it')
     if keys is None:
         sys.exit(f'Error from server (NotFound): {args[3]}s "{args[4]}" not found')
     print(" ".join(keys))
@@ -128,6 +130,15 @@ def test_an_unreachable_cluster_is_named_with_kubectls_context_and_answer(cluste
     message = str(e.value)
     assert "a cluster kubectl reaches: its current context (kind-kiln)" in message, message
     assert "127.0.0.1:6443 was refused" in message and "kiln deploy render" in message
+    assert not any(c[:1] == ["apply"] for c in _calls(bin_dir))
+
+
+def test_an_object_this_context_may_not_read_is_named_not_taken_as_there(cluster, tmp_path):
+    bin_dir = cluster({**EVERYTHING, "forbidden": ["secret/smol-api-key"]})
+    with pytest.raises(KilnError) as e:
+        _walk(tmp_path)
+    assert "secret smol-api-key in namespace default, readable by this context" in str(e.value), str(e.value)
+    assert "Forbidden" in str(e.value)
     assert not any(c[:1] == ["apply"] for c in _calls(bin_dir))
 
 
